@@ -1,0 +1,41 @@
+"""Backend registry: name -> module, imported lazily; plugins add more through the
+`torchrig.backends` entry-point group."""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+
+from orchestrator.backends.base import Backend
+from orchestrator.errors import SpecError
+
+__all__ = ["BACKENDS", "available_backends", "get_backend"]
+
+BACKENDS: dict[str, str] = {
+    "local": "orchestrator.backends.local:LocalBackend",
+    "ray": "orchestrator.backends.ray:RayBackend",
+    "kubernetes": "orchestrator.backends.kubernetes:KubernetesBackend",
+}
+
+
+def available_backends() -> dict[str, str]:
+    found = dict(BACKENDS)
+    for ep in entry_points(group="torchrig.backends"):
+        found.setdefault(ep.name, ep.value)
+    return found
+
+
+def get_backend(name: str) -> Backend:
+    """Instantiate a backend by name.
+
+    Raises:
+        SpecError: unknown name (the message lists the valid ones).
+    """
+    found = available_backends()
+    if name not in found:
+        raise SpecError(f"--backend: unknown backend {name!r}; valid backends: {', '.join(sorted(found))}")
+    module_name, _, attr = found[name].partition(":")
+    cls = getattr(importlib.import_module(module_name), attr)
+    backend = cls()
+    assert isinstance(backend, Backend)
+    return backend

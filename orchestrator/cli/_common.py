@@ -1,0 +1,63 @@
+"""Shared CLI plumbing: typed errors -> one-line messages and exit codes; --set and --output options."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+from orchestrator.errors import EXIT_USAGE, TorchrigError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+__all__ = ["emit_json", "handle_errors", "output_option", "set_option"]
+
+
+def handle_errors(func: F) -> F:
+    """Turn TorchrigError into `error: ...` lines on stderr and its exit code; never a traceback."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except TorchrigError as exc:
+            for line in exc.lines():
+                click.echo(f"error: {line}", err=True)
+            sys.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+
+    return wrapper  # type: ignore[return-value]
+
+
+set_option = click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="PATH=VALUE",
+    help="Override a field of the job file, Helm-style (repeatable): --set spec.training.steps=10. "
+    "Precedence: --set > file > defaults.",
+)
+
+output_option = click.option(
+    "--output",
+    "-o",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="`json` prints one machine-readable JSON document on stdout.",
+)
+
+
+def emit_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+def usage_error(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(EXIT_USAGE)

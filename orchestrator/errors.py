@@ -1,0 +1,69 @@
+"""Typed errors. The CLI maps each to an exit code and a one-line message; nothing parses stdout."""
+
+from __future__ import annotations
+
+__all__ = [
+    "EXIT_BACKEND",
+    "EXIT_FAILED",
+    "EXIT_OK",
+    "EXIT_RECOVERY",
+    "EXIT_USAGE",
+    "BackendError",
+    "CompileError",
+    "RecoveryFailed",
+    "SpecError",
+    "TorchrigError",
+    "UnsupportedFeature",
+]
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # the job (or the drill's verdict) failed
+EXIT_USAGE = 2  # bad input: spec, flags, unknown names
+EXIT_BACKEND = 3  # the cluster or launcher could not do what was asked
+EXIT_RECOVERY = 4  # a job could not recover within its restart budget
+
+
+class TorchrigError(Exception):
+    """Base of every error the CLI reports as a message instead of a traceback."""
+
+    exit_code = EXIT_FAILED
+
+    def lines(self) -> list[str]:
+        return [str(self)]
+
+
+class SpecError(TorchrigError):
+    """The job file is not valid. `problems` holds one `path: message` entry per problem."""
+
+    exit_code = EXIT_USAGE
+
+    def __init__(self, problems: list[str] | str, source: str | None = None) -> None:
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        self.source = source
+        super().__init__("; ".join(self.problems))
+
+    def lines(self) -> list[str]:
+        prefix = f"{self.source}: " if self.source else ""
+        return [prefix + p for p in self.problems]
+
+
+class CompileError(TorchrigError):
+    """A valid spec cannot be compiled to the requested target."""
+
+    exit_code = EXIT_USAGE
+
+
+class UnsupportedFeature(CompileError):
+    """A target or backend cannot do what the spec asks (checked before anything is submitted)."""
+
+
+class BackendError(TorchrigError):
+    """The backend (launcher, Ray, Kubernetes API) failed."""
+
+    exit_code = EXIT_BACKEND
+
+
+class RecoveryFailed(TorchrigError):
+    """The job exhausted its restarts or could not find a checkpoint it was required to resume from."""
+
+    exit_code = EXIT_RECOVERY

