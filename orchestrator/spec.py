@@ -255,8 +255,8 @@ class JobSpecBody(Model):
 class JobSpec(Model):
     """A TrainingJob document: the one typed description of a distributed training run."""
 
-    api_version: Literal["torchrig/v1"] = Field(default=API_VERSION, description="Always `torchrig/v1`.")
-    kind: Literal["TrainingJob"] = Field(default=KIND, description="Always `TrainingJob`.")
+    api_version: Literal["torchrig/v1"] = Field(default="torchrig/v1", description="Always `torchrig/v1`.")
+    kind: Literal["TrainingJob"] = Field(default="TrainingJob", description="Always `TrainingJob`.")
     metadata: Metadata = Field(description="Name, namespace, labels.")
     spec: JobSpecBody = Field(description="The job.")
 

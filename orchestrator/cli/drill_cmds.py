@@ -1,0 +1,108 @@
+"""`torchrig drill`: prove a job survives a fault before a big run depends on it."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from orchestrator.cli._common import emit_json, handle_errors, output_option, set_option
+
+_SCENARIO_HELP = """\b
+Scenarios:
+  kill-worker              SIGKILL one rank at a step; resume from the newest checkpoint
+  kill-node                kill a whole node (needs an elastic job, --nodes 2); shrink, then grow back
+  crash-during-checkpoint  SIGKILL a rank while a save is in flight; never restore a partial checkpoint
+  corrupt-checkpoint       damage the newest checkpoint in one store, then kill a worker; fall back
+  lose-store               make one store unreachable mid-run; training continues on the others
+  hang                     one rank stops progressing; the step watchdog restarts the group
+  straggler                slow one rank down; the report names it from per-rank step times
+"""
+
+
+@click.command(
+    help="Run JOB, inject the fault of SCENARIO, let the job recover, run an uninterrupted reference of "
+    "the same job (same seed and world size), and print a verdict.\n\n" + _SCENARIO_HELP,
+    epilog="Examples:\n\n"
+    "  torchrig drill kill-worker examples/digits-ddp.yaml --set spec.training.steps=60 --report drill.json\n\n"
+    "  torchrig drill kill-node examples/digits-ddp.yaml --nodes 2 --plot drill.png\n\n"
+    "Exit codes: 0 the job passed the drill, 1 the verdict failed, 2 bad input, 3 backend error.",
+)
+@click.argument("scenario", metavar="SCENARIO")
+@click.argument("job", type=click.Path(dir_okay=False))
+@click.option("--backend", default="local", show_default=True, help="Where to run: local or ray.")
+@click.option("--seed", default=0, show_default=True, help="Seeds the choice of rank, step and damage.")
+@click.option("--at-step", type=int, default=None, help="Inject the fault at this step (default: random).")
+@click.option("--rank", type=int, default=None, help="Rank to hit (default: random).")
+@click.option("--nodes", type=int, default=None, help="Emulated nodes (local backend); kill-node needs 2.")
+@click.option("--no-reference", is_flag=True, help="Skip the uninterrupted reference run (no params check).")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Write the JSON report here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a PNG of throughput and world size.")
+@click.option("--drill-dir", type=click.Path(file_okay=False), help="Directory for the runs (default under runs/).")
+@click.option("--timeout", "timeout_s", default=900.0, show_default=True, help="Seconds before a run counts as stuck.")
+@click.option(
+    "--corruption",
+    type=click.Choice(["flip", "truncate", "delete-file", "delete-manifest"]),
+    help="corrupt-checkpoint: which damage (default: random by seed).",
+)
+@click.option("--hang-timeout", type=float, default=10.0, show_default=True, help="hang: watchdog seconds.")
+@set_option
+@output_option
+@handle_errors
+def drill(
+    scenario: str,
+    job: str,
+    backend: str,
+    seed: int,
+    at_step: int | None,
+    rank: int | None,
+    nodes: int | None,
+    no_reference: bool,
+    report_path: str | None,
+    plot_path: str | None,
+    drill_dir: str | None,
+    timeout_s: float,
+    corruption: str | None,
+    hang_timeout: float,
+    overrides: tuple[str, ...],
+    output: str,
+) -> None:
+    from orchestrator.drills import DrillOptions, run_drill
+    from orchestrator.drills.history import RunHistory
+    from orchestrator.drills.report import plot_report, render_table
+    from orchestrator.drills.scenarios import get_scenario
+    from orchestrator.loader import load_spec
+
+    get_scenario(scenario)  # unknown names fail before anything runs
+    spec = load_spec(job, list(overrides))
+    extra: dict[str, object] = {"hang_timeout_s": hang_timeout}
+    if corruption:
+        extra["corruption"] = corruption
+    options = DrillOptions(
+        backend=backend,
+        seed=seed,
+        at_step=at_step,
+        rank=rank,
+        nodes=nodes,
+        reference=not no_reference,
+        drill_dir=drill_dir,
+        timeout_s=timeout_s,
+        extra=extra,
+    )
+    if output == "text":
+        click.echo(f"drill {scenario}: running {spec.name} on {backend} with the fault, then a reference ...", err=True)
+    report = run_drill(scenario, spec, options)
+    if report_path:
+        report.write(report_path)
+    if plot_path:
+        plot_report(report, RunHistory.load(report.run_dir), plot_path)
+    if output == "json":
+        emit_json(report.to_dict())
+    else:
+        from rich.console import Console
+
+        console = Console()
+        console.print(render_table(report))
+        for note in report.notes:
+            console.print(f"[dim]note: {note}[/]")
+    sys.exit(0 if report.passed else 1)

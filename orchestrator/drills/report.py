@@ -1,0 +1,132 @@
+"""The drill report: JSON for scripts, a verdict table for people, a plot of the timeline."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchestrator.drills.history import RunHistory
+
+__all__ = ["Check", "DrillReport", "plot_report", "render_table"]
+
+
+@dataclass
+class Check:
+    """One line of the verdict: what was required, what was seen, pass or fail."""
+
+    name: str
+    passed: bool
+    detail: str
+
+
+@dataclass
+class DrillReport:
+    scenario: str
+    backend: str
+    seed: int
+    recovered: bool = False
+    fault_step: int | None = None
+    fault_rank: int | None = None
+    resumed_from_step: int | None = None
+    lost_steps: int | None = None
+    mttr_seconds: float | None = None
+    restored_from: list[dict[str, Any]] = field(default_factory=list)
+    final_params_match_reference: bool | None = None
+    final_loss: float | None = None
+    reference_final_loss: float | None = None
+    params_sha256: str | None = None
+    reference_params_sha256: str | None = None
+    world_sizes: list[int] = field(default_factory=list)
+    status: str = "unknown"
+    run_dir: str = ""
+    reference_run_dir: str | None = None
+    damage: dict[str, Any] | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(c.passed for c in self.checks)
+
+    def check(self, name: str, passed: bool, detail: str) -> None:
+        self.checks.append(Check(name, bool(passed), detail))
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["verdict"] = "pass" if self.passed else "fail"
+        return data
+
+    def write(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
+
+
+def render_table(report: DrillReport) -> Any:
+    """A rich Table of the verdict (imported lazily: rich is only needed for people)."""
+    from rich.table import Table
+
+    verdict = "[bold green]PASS[/]" if report.passed else "[bold red]FAIL[/]"
+    table = Table(title=f"drill {report.scenario} on {report.backend} (seed {report.seed}): {verdict}")
+    table.add_column("check")
+    table.add_column("result")
+    table.add_column("detail", overflow="fold")
+    for c in report.checks:
+        table.add_row(c.name, "[green]ok[/]" if c.passed else "[red]FAILED[/]", c.detail)
+    facts = [
+        ("fault", f"step {report.fault_step}, rank {report.fault_rank}"),
+        ("resumed from step", str(report.resumed_from_step)),
+        ("lost steps", str(report.lost_steps)),
+        ("MTTR", f"{report.mttr_seconds:.2f} s" if report.mttr_seconds is not None else "-"),
+        ("world sizes", " -> ".join(map(str, report.world_sizes)) or "-"),
+        ("final loss", f"{report.final_loss} (reference {report.reference_final_loss})"),
+        ("run dir", report.run_dir),
+    ]
+    for name, value in facts:
+        table.add_row(f"[dim]{name}[/]", "", value)
+    return table
+
+
+def plot_report(report: DrillReport, history: RunHistory, path: str | Path) -> None:
+    """Throughput and world size over time, with the fault and the recovery marked (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = min([float(r["time"]) for r in history.metrics + history.events] or [0.0])
+    fig, ax = plt.subplots(figsize=(9, 4.5), dpi=110)
+    xs = [float(m["time"]) - t0 for m in history.metrics if "samples_per_s" in m]
+    ys = [float(m["samples_per_s"]) for m in history.metrics if "samples_per_s" in m]
+    ax.plot(xs, ys, marker=".", color="tab:blue", label="samples/s (rank 0)")
+    ax.set_xlabel("seconds since start")
+    ax.set_ylabel("samples/s", color="tab:blue")
+    ax2 = ax.twinx()
+    ws_points = sorted(
+        (
+            (float(r["time"]) - t0, int(r["world_size"]))
+            for r in history.of("start") + history.metrics
+            if "world_size" in r
+        ),
+    )
+    if ws_points:
+        ax2.step(
+            [p[0] for p in ws_points], [p[1] for p in ws_points], where="post", color="tab:green", label="world size"
+        )
+        ax2.set_ylim(0, max(p[1] for p in ws_points) + 1)
+    ax2.set_ylabel("world size", color="tab:green")
+    for e in report.events:
+        if e.get("event") == "fault_injected":
+            ax.axvline(float(e["time"]) - t0, color="tab:red", linestyle="--", label="fault")
+        if e.get("event") == "recovered":
+            ax.axvline(float(e["time"]) - t0, color="tab:olive", linestyle=":", label="first step after recovery")
+    handles, labels = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(handles + h2, labels + l2, loc="lower right", fontsize=8)
+    verdict = "PASS" if report.passed else "FAIL"
+    mttr = f", MTTR {report.mttr_seconds:.1f}s" if report.mttr_seconds is not None else ""
+    ax.set_title(f"torchrig drill {report.scenario}: {verdict}{mttr}")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

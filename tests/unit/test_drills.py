@@ -1,0 +1,289 @@
+"""Drill logic on synthetic run directories: history, damage, verdict arithmetic, report, plot."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.drills.damage import (
+    CorruptionKind,
+    committed_steps,
+    corrupt_newest,
+    make_store_unreachable,
+    restore_store,
+)
+from orchestrator.drills.history import RunHistory, read_jsonl
+from orchestrator.drills.report import DrillReport, plot_report
+from orchestrator.drills.runner import DrillOptions, _fill_from_run, _isolate_stores, _pick_fault
+from orchestrator.drills.scenarios import SCENARIOS, DrillContext, KillNode, KillWorker, Straggler, get_scenario
+from orchestrator.errors import SpecError
+from orchestrator.loader import load_spec
+
+
+def _write_jsonl(path: Path, records: list[dict[str, Any]], torn_tail: bool = False) -> None:
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    if torn_tail:
+        text += '{"time": 99, "ev'
+    path.write_text(text)
+
+
+def _ctx(**kw: Any) -> DrillContext:
+    base: dict[str, Any] = {
+        "scenario": "kill-worker",
+        "backend": "local",
+        "seed": 0,
+        "rng": random.Random(0),
+        "steps": 40,
+        "world_size": 2,
+        "checkpoint_every": 10,
+        "fault_step": 23,
+        "fault_rank": 1,
+        "nodes": 1,
+    }
+    base.update(kw)
+    return DrillContext(**base)
+
+
+def _kill_worker_run(tmp_path: Path) -> Path:
+    """A run killed at step 23 (generation 0) that resumed from step 20 and finished."""
+    events = [
+        {"time": 1.0, "event": "start", "rank": 0, "world_size": 2, "pid": 11, "generation": 0},
+        {"time": 1.0, "event": "start", "rank": 1, "world_size": 2, "pid": 12, "generation": 0},
+        {"time": 5.0, "event": "checkpoint_committed", "step": 10, "rank": 0},
+        {"time": 9.0, "event": "checkpoint_committed", "step": 20, "rank": 0},
+        {"time": 10.0, "event": "fault", "kind": "kill", "rank": 1, "step": 23, "generation": 0},
+        {"time": 13.0, "event": "start", "rank": 0, "world_size": 2, "pid": 21, "generation": 1},
+        {"time": 14.0, "event": "restore", "step": 20, "store": "local", "rank": 0, "generation": 1},
+        {"time": 15.5, "event": "first_step", "step": 21, "rank": 0, "generation": 1},
+    ]
+    _write_jsonl(tmp_path / "events.jsonl", events, torn_tail=True)
+    _write_jsonl(
+        tmp_path / "metrics.jsonl",
+        [
+            {"time": 8.0, "step": 20, "samples_per_s": 100.0, "world_size": 2},
+            {"time": 20.0, "step": 40, "world_size": 2},
+        ],
+    )
+    return tmp_path
+
+
+def test_read_jsonl_skips_a_torn_last_line(tmp_path: Path) -> None:
+    run = _kill_worker_run(tmp_path)
+    assert len(read_jsonl(run / "events.jsonl")) == 8
+    assert read_jsonl(tmp_path / "missing.jsonl") == []
+
+
+def test_fill_from_run_computes_mttr_lost_steps_and_restore(tmp_path: Path) -> None:
+    run = _kill_worker_run(tmp_path)
+    history = RunHistory.load(run)
+    report = DrillReport("kill-worker", "local", 0)
+    ctx = _ctx()
+    _fill_from_run(report, {"status": "succeeded", "final_loss": 0.1, "params_sha256": "ab"}, history, ctx)
+    assert report.fault_step == 23
+    assert report.resumed_from_step == 20
+    assert report.lost_steps == 3
+    assert report.mttr_seconds == pytest.approx(5.5)
+    assert report.restored_from == [{"store": "local", "step": 20, "source": "store"}]
+    assert report.recovered is True
+
+
+def test_kill_worker_verdict_requires_newest_checkpoint_and_equal_params(tmp_path: Path) -> None:
+    run = _kill_worker_run(tmp_path)
+    history = RunHistory.load(run)
+    ctx = _ctx()
+    report = DrillReport("kill-worker", "local", 0)
+    _fill_from_run(report, {"status": "succeeded", "params_sha256": "ab"}, history, ctx)
+    report.events = ctx.events
+    report.reference_params_sha256 = "ab"
+    report.final_params_match_reference = True
+    KillWorker().judge(report, history, ctx)
+    assert report.passed, report.checks
+
+    # Resuming from an older checkpoint than the newest committed one fails the verdict.
+    stale = DrillReport("kill-worker", "local", 0)
+    _fill_from_run(stale, {"status": "succeeded"}, history, ctx)
+    stale.events = ctx.events
+    stale.resumed_from_step = 10
+    KillWorker().judge(stale, history, ctx)
+    assert not stale.passed
+    assert any("newest checkpoint" in c.name and not c.passed for c in stale.checks)
+
+
+def test_params_mismatch_fails_the_verdict(tmp_path: Path) -> None:
+    history = RunHistory.load(_kill_worker_run(tmp_path))
+    ctx = _ctx()
+    report = DrillReport("kill-worker", "local", 0)
+    _fill_from_run(report, {"status": "succeeded", "params_sha256": "ab"}, history, ctx)
+    report.events = ctx.events
+    report.reference_params_sha256 = "cd"
+    report.final_params_match_reference = False
+    KillWorker().judge(report, history, ctx)
+    assert not report.passed
+
+
+def test_straggler_is_identified_from_compute_time(tmp_path: Path) -> None:
+    # Whole-step times are equal (ranks wait for each other); compute = step - comm tells them apart.
+    events = []
+    for i in range(5):
+        events.append({"time": i, "event": "step_times", "rank": 0, "step_s": 0.30, "comm_s": 0.25})
+        events.append({"time": i, "event": "step_times", "rank": 1, "step_s": 0.30, "comm_s": 0.01})
+        events.append({"time": i, "event": "step_times", "rank": 2, "step_s": 0.30, "comm_s": 0.24})
+    _write_jsonl(tmp_path / "events.jsonl", events)
+    history = RunHistory.load(tmp_path)
+    assert history.slowest_rank() == 1
+    report = DrillReport("straggler", "local", 0, status="succeeded")
+    Straggler().judge(report, history, _ctx(fault_rank=1))
+    assert report.passed
+    wrong = DrillReport("straggler", "local", 0, status="succeeded")
+    Straggler().judge(wrong, history, _ctx(fault_rank=2))
+    assert not wrong.passed
+
+
+def test_no_straggler_when_ranks_are_even(tmp_path: Path) -> None:
+    events = [
+        {"time": i, "event": "step_times", "rank": r, "step_s": 0.3, "comm_s": 0.1} for i in range(3) for r in (0, 1)
+    ]
+    _write_jsonl(tmp_path / "events.jsonl", events)
+    assert RunHistory.load(tmp_path).slowest_rank() is None
+
+
+def test_kill_node_verdict_needs_shrink_and_regrow(tmp_path: Path) -> None:
+    ctx = _ctx(scenario="kill-node", nodes=2, world_size=4)
+    history = RunHistory.load(tmp_path)
+    ok = DrillReport("kill-node", "local", 0, status="succeeded", world_sizes=[4, 2, 4], resumed_from_step=20)
+    KillNode().judge(ok, history, ctx)
+    assert all(c.passed for c in ok.checks if "world" in c.name)
+    never_grew = DrillReport("kill-node", "local", 0, status="succeeded", world_sizes=[4, 2], resumed_from_step=20)
+    KillNode().judge(never_grew, history, ctx)
+    assert not never_grew.passed
+
+
+def _committed_store(root: Path, steps: list[int]) -> Path:
+    for step in steps:
+        d = root / f"step-{step:08d}"
+        d.mkdir(parents=True)
+        (d / "__0_0.distcp").write_bytes(bytes(range(256)) * 8)
+        (d / ".metadata").write_bytes(b"meta")
+        (d / "manifest.json").write_text("{}")
+    (root / "step-00000099").mkdir()  # uncommitted: no manifest
+    return root
+
+
+@pytest.mark.parametrize("kind", list(CorruptionKind))
+def test_corrupt_newest_damages_only_the_newest_committed(tmp_path: Path, kind: CorruptionKind) -> None:
+    store = _committed_store(tmp_path / "store", [10, 20])
+    assert committed_steps(f"file://{store}") == [10, 20]
+    original = (store / "step-00000010" / "__0_0.distcp").read_bytes()
+    damage = corrupt_newest(f"file://{store}", kind)
+    assert damage.step == 20
+    newest = store / "step-00000020"
+    shard = newest / "__0_0.distcp"
+    if kind is CorruptionKind.flip:
+        assert shard.read_bytes() != original and len(shard.read_bytes()) == len(original)
+    elif kind is CorruptionKind.truncate:
+        assert len(shard.read_bytes()) == len(original) // 2
+    elif kind is CorruptionKind.delete_file:
+        assert not shard.exists()
+    else:
+        assert not (newest / "manifest.json").exists()
+    assert (store / "step-00000010" / "__0_0.distcp").read_bytes() == original, "older checkpoint untouched"
+
+
+def test_corrupt_newest_needs_a_committed_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError):
+        corrupt_newest(f"file://{tmp_path / 'empty'}", CorruptionKind.flip)
+
+
+def test_unreachable_store_defeats_root_and_is_restored(tmp_path: Path) -> None:
+    store = _committed_store(tmp_path / "store", [10])
+    aside = make_store_unreachable(str(store))
+    assert store.is_file()
+    with pytest.raises(OSError):
+        (store / "step-00000020").mkdir(parents=True)  # even root cannot write below a file
+    restore_store(str(store), aside)
+    assert (store / "step-00000010" / "manifest.json").exists()
+
+
+def test_scenario_registry_and_unknown_name() -> None:
+    assert set(SCENARIOS) == {
+        "kill-worker",
+        "kill-node",
+        "crash-during-checkpoint",
+        "corrupt-checkpoint",
+        "lose-store",
+        "hang",
+        "straggler",
+    }
+    with pytest.raises(SpecError, match="valid drills: kill-worker"):
+        get_scenario("explode")
+
+
+def test_fault_choice_is_seeded_and_bounded(examples_dir: Path) -> None:
+    spec = load_spec(examples_dir / "digits-ddp.yaml", ["spec.training.steps=60", "spec.checkpoint.every.steps=10"])
+    picks = {_pick_fault(spec, DrillOptions(seed=s), random.Random(s))[:2] for s in range(20)}
+    assert len(picks) > 3, "different seeds hit different steps/ranks"
+    for step, rank in picks:
+        assert 12 <= step <= 58 and 0 <= rank < 4
+    assert _pick_fault(spec, DrillOptions(seed=3), random.Random(3)) == _pick_fault(
+        spec, DrillOptions(seed=3), random.Random(3)
+    )
+    with pytest.raises(SpecError, match="--at-step"):
+        _pick_fault(spec, DrillOptions(at_step=60), random.Random(0))
+    with pytest.raises(SpecError, match="--rank"):
+        _pick_fault(spec, DrillOptions(rank=9), random.Random(0))
+
+
+def test_isolate_stores_never_touches_real_checkpoints() -> None:
+    spec = {
+        "spec": {
+            "checkpoint": {
+                "stores": [
+                    {"uri": "file:///mnt/checkpoints", "name": "pvc", "pvc": "claim"},
+                    {"uri": "s3://bucket/prefix", "name": "s3"},
+                    {"uri": "file://./checkpoints", "name": "local"},
+                ]
+            }
+        }
+    }
+    out = _isolate_stores(spec, "t1")
+    uris = [s["uri"] for s in out["spec"]["checkpoint"]["stores"]]
+    assert uris == ["file://./stores/pvc", "s3://bucket/prefix/torchrig-drill-t1", "file://./checkpoints"]
+    assert "pvc" not in out["spec"]["checkpoint"]["stores"][0]
+
+
+def test_report_json_and_plot(tmp_path: Path) -> None:
+    run = _kill_worker_run(tmp_path)
+    history = RunHistory.load(run)
+    ctx = _ctx()
+    report = DrillReport("kill-worker", "local", 7)
+    _fill_from_run(report, {"status": "succeeded"}, history, ctx)
+    report.events = ctx.events
+    report.check("job succeeded", True, "ok")
+    out = tmp_path / "report.json"
+    report.write(out)
+    data = json.loads(out.read_text())
+    for key in (
+        "scenario",
+        "backend",
+        "seed",
+        "recovered",
+        "fault_step",
+        "resumed_from_step",
+        "lost_steps",
+        "mttr_seconds",
+        "restored_from",
+        "final_params_match_reference",
+        "final_loss",
+        "reference_final_loss",
+        "events",
+    ):
+        assert key in data
+    assert data["verdict"] == "pass" and data["seed"] == 7
+    png = tmp_path / "drill.png"
+    plot_report(report, history, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
