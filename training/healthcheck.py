@@ -1,9 +1,9 @@
 """Container health check: `python -m training.healthcheck` exits 0 while this pod's worker is healthy.
 
-Healthy means the local rank 0 exporter answers on `metrics.port` and, once a first step completed, the
-last completed step is more recent than `restarts.stepTimeoutSeconds`. Before the first step (image
-pull, restore) the check passes as long as the exporter answers; Docker's `--start-period` covers the
-time before the exporter is up. Uses only the standard library so it adds nothing to the image.
+Healthy means the local rank 0 exporter answers on `metrics.port` and its last-step timestamp is more
+recent than `restarts.stepTimeoutSeconds`. The exporter starts that timestamp at process start, so a
+worker stuck in rendezvous or restore turns unhealthy on the same clock as the step watchdog; Docker's
+`--start-period` covers the time before the exporter is up. Standard library only: adds nothing to the image.
 """
 
 from __future__ import annotations

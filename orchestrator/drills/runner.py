@@ -204,7 +204,7 @@ class _Run:
         self.run_dir = run_dir
 
     def alive(self) -> bool:
-        return bool(self.handle.alive())
+        return self.handle.poll() is None
 
     def kill_node(self, index: int) -> None:
         self.handle.kill_node(index)
@@ -213,19 +213,19 @@ class _Run:
         self.handle.add_node()
 
     def wait(self, timeout_s: float) -> dict[str, Any]:
-        summary: dict[str, Any] | None = self.handle.wait(timeout_s)
+        summary: dict[str, Any] | None = self.handle.wait(timeout_s=timeout_s)
         return dict(summary or {})
 
 
 def _launch(spec: JobSpec, run_dir: Path, options: DrillOptions, env: dict[str, str], nodes: int | None = None) -> _Run:
-    """Start the job on the drill's backend without blocking."""
+    """Start the job on the drill's backend without blocking (`Backend.launch` -> a supervised run)."""
     from orchestrator.backends import get_backend
     from orchestrator.backends.base import SubmitOptions
 
     backend = get_backend(options.backend)
     submit = SubmitOptions(run_dir=str(run_dir), nodes=nodes or options.nodes, quiet=True, env=dict(env))
-    start = getattr(backend, "start", None)
-    if start is None:
-        raise UnsupportedFeature(f"--backend: {options.backend!r} cannot run drills here (no background start)")
-    handle = start(spec, submit)
-    return _Run(handle, run_dir)
+    launch = getattr(backend, "launch", None)
+    if launch is None:
+        raise UnsupportedFeature(f"--backend: {options.backend!r} cannot run drills (it has no supervised launch)")
+    handle = launch(spec, submit)
+    return _Run(handle, Path(handle.run_dir))

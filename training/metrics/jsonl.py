@@ -1,0 +1,196 @@
+"""The run's history as JSON lines in the run directory (contract: docs/architecture.md).
+
+- `MetricsJsonlSink` (rank 0 only): `metrics.jsonl`, one object per `logEvery` steps with the window's
+  means: `time, step, loss, lr, samples_per_s, tokens_per_s, step_s, data_wait_s, comm_s, comm_ratio,
+  world_size, generation, mfu`. `samples_per_s`/`tokens_per_s` are the job's global throughput (this
+  rank's count x world size / step time: every rank runs the same batch size); `loss` and `lr` are
+  those of the window's last step; `mfu` is null when FLOPs or the peak are unknown. `close()` writes
+  the steps since the last record too, so the final step is always in the file.
+- `EventsJsonlSink` (every rank): `events.jsonl`, one `{"time", "rank", "generation", "event", ...}`
+  line per event, written with a single `write` on an `O_APPEND` descriptor so lines of concurrent
+  ranks never interleave.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from training.metrics.base import CheckpointRecord, MetricsSink, RestoreRecord, RunInfo, StepRecord
+
+__all__ = ["EVENTS_FILE", "METRICS_FILE", "EventsJsonlSink", "MetricsJsonlSink"]
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+EVENTS_FILE = "events.jsonl"
+
+
+def _finite(value: float) -> float | None:
+    # JSON has no NaN/Infinity; a diverged loss is written as null rather than breaking parsers.
+    return value if math.isfinite(value) else None
+
+
+class _Window:
+    """Sums over the steps since the last record."""
+
+    __slots__ = ("comm_s", "data_wait_s", "flops", "n", "samples", "step_s", "tokens")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.samples = 0
+        self.tokens = 0
+        self.step_s = 0.0
+        self.data_wait_s = 0.0
+        self.comm_s = 0.0
+        self.flops = 0.0
+
+    def add(self, r: StepRecord) -> None:
+        self.n += 1
+        self.samples += r.samples
+        self.tokens += r.tokens
+        self.step_s += r.step_s
+        self.data_wait_s += r.data_wait_s
+        self.comm_s += r.comm_s
+        self.flops += r.flops
+
+
+class MetricsJsonlSink(MetricsSink):
+    """Rank 0's `metrics.jsonl`: one line per `log_every` steps, written through a line-buffered file."""
+
+    def __init__(self, run_dir: str | os.PathLike[str], info: RunInfo, log_every: int, peak_flops: float | None = None):
+        self.path = Path(run_dir) / METRICS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.info = info
+        self.log_every = max(1, log_every)
+        self.peak_flops = peak_flops if peak_flops and peak_flops > 0 else None
+        self._window = _Window()
+        self._last: StepRecord | None = None
+        self._file: IO[str] | None = self.path.open("a", buffering=1, encoding="utf-8")
+
+    def on_start(self, info: RunInfo) -> None:
+        self.info = info
+
+    def on_step(self, record: StepRecord) -> None:
+        self._window.add(record)
+        self._last = record
+        if record.step % self.log_every == 0:
+            self._write(record)
+
+    def _write(self, last: StepRecord) -> None:
+        w, self._window = self._window, _Window()
+        if self._file is None or w.n == 0:
+            return
+        ws = last.world_size
+        mfu = None
+        if self.peak_flops is not None and w.flops > 0 and w.step_s > 0:
+            mfu = w.flops / w.step_s / self.peak_flops
+        obj = {
+            "time": last.time,
+            "step": last.step,
+            "loss": _finite(last.loss),
+            "lr": last.lr,
+            "samples_per_s": w.samples * ws / w.step_s if w.step_s > 0 else None,
+            "tokens_per_s": w.tokens * ws / w.step_s if w.step_s > 0 and w.tokens else None,
+            "step_s": w.step_s / w.n,
+            "data_wait_s": w.data_wait_s / w.n,
+            "comm_s": w.comm_s / w.n,
+            "comm_ratio": w.comm_s / w.step_s if w.step_s > 0 else None,
+            "world_size": ws,
+            "generation": self.info.generation,
+            "mfu": mfu,
+        }
+        self._file.write(json.dumps(obj, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        """Write the steps since the last record (the run's final step), then close the file."""
+        if self._last is not None and self._window.n:
+            self._write(self._last)
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class EventsJsonlSink(MetricsSink):
+    """Every rank's events in the shared `events.jsonl` (O_APPEND, one `write` per line)."""
+
+    def __init__(self, run_dir: str | os.PathLike[str], info: RunInfo, log_every: int):
+        self.path = Path(run_dir) / EVENTS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.info = info
+        self.log_every = max(1, log_every)
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._step_s_sum = 0.0
+        self._steps = 0
+
+    def write(self, event: str, **fields: Any) -> None:
+        """Append one event line."""
+        if self._fd is None:
+            return
+        obj: dict[str, Any] = {
+            "time": fields.pop("time", None) or time.time(),
+            "rank": self.info.rank,
+            "generation": self.info.generation,
+            "event": event,
+        }
+        obj.update(fields)
+        line = (json.dumps(obj, separators=(",", ":"), default=str) + "\n").encode()
+        os.write(self._fd, line)
+
+    def on_start(self, info: RunInfo) -> None:
+        self.info = info
+        self.write(
+            "start",
+            pid=os.getpid(),
+            world_size=info.world_size,
+            node_rank=info.node_rank,
+            local_rank=info.local_rank,
+            node=info.node,
+        )
+
+    def on_step(self, record: StepRecord) -> None:
+        self._step_s_sum += record.step_s
+        self._steps += 1
+        if record.step % self.log_every == 0:
+            mean = self._step_s_sum / self._steps
+            self._step_s_sum, self._steps = 0.0, 0
+            self.write("step_times", time=record.time, step=record.step, step_s=mean)
+
+    def on_checkpoint(self, record: CheckpointRecord) -> None:
+        if record.committed:
+            self.write(
+                "checkpoint_committed",
+                time=record.time,
+                step=record.step,
+                blocked_s=record.blocked_s,
+                save_s=record.save_s,
+                bytes=record.bytes,
+                stores_ok=list(record.stores_ok),
+                stores_failed=list(record.stores_failed),
+            )
+        else:
+            self.write(
+                "checkpoint_staged", time=record.time, step=record.step, blocked_s=record.blocked_s, bytes=record.bytes
+            )
+
+    def on_store_failure(self, store: str, error: str) -> None:
+        self.write("store_failure", store=store, error=error)
+
+    def on_restore(self, record: RestoreRecord) -> None:
+        self.write("restore", step=record.step, store=record.store, seconds=record.seconds, source=record.source)
+
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        self.write("eval", step=step, metrics=metrics)
+
+    def on_event(self, event: str, **fields: Any) -> None:
+        self.write(event, **fields)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

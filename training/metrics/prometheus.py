@@ -1,0 +1,318 @@
+"""The Prometheus exporter of one worker: a `MetricsSink` over its own `CollectorRegistry`.
+
+Every rank serves `/metrics` on `metrics.port + local_rank`. A busy port never stops training: the
+exporter logs once and tries further ports (stepping by the local world size, so it does not take a
+neighbour rank's port), then an ephemeral one; the port it got is in `torchrig_exporter_info` and in
+`self.port`. `on_step` only updates in-memory values (a handful of prometheus-client lock-protected
+adds, no I/O), so its cost is a few microseconds; see `training.metrics.bench`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from training import __version__
+from training.metrics import names
+from training.metrics.base import CheckpointRecord, MetricsSink, RestoreRecord, RunInfo, StepRecord
+from training.metrics.gpu import GpuCollector, GpuReader
+
+__all__ = ["BIND_ENV", "PORT_ATTEMPTS", "PrometheusSink", "default_bind_address"]
+
+log = logging.getLogger(__name__)
+
+BIND_ENV = "TORCHRIG_METRICS_BIND"
+PORT_ATTEMPTS = 16  # busy ports tried (port + local_rank + k * local_world_size) before an ephemeral one
+EMA_ALPHA = 0.1  # smoothing of the throughput and communication-share gauges (~10-step memory)
+
+
+def _ema(previous: float | None, value: float) -> float:
+    return value if previous is None else EMA_ALPHA * value + (1.0 - EMA_ALPHA) * previous
+
+
+def default_bind_address(configured: str | None) -> str:
+    """`metrics.bindAddress`, else `TORCHRIG_METRICS_BIND` (local runs: 127.0.0.1), else all interfaces."""
+    if configured:
+        return configured
+    return os.environ.get(BIND_ENV, "").strip() or "0.0.0.0"
+
+
+class PrometheusSink(MetricsSink):
+    """Exports a worker's progress, throughput, checkpoints and GPUs to Prometheus.
+
+    Args:
+        info: identity of the worker (labels: training job, rank, node).
+        port: base port (`metrics.port`); the exporter tries `port + local_rank` first. None: no HTTP
+            server (the registry can still be read, e.g. by tests or a push gateway).
+        bind_address: address to listen on (see `default_bind_address`).
+        peak_flops: peak FLOP/s of the device, for MFU (None: MFU not exported).
+        gpu_reader: NVML reader (None: `torchrig_gpu_available 0`).
+        gpu_devices: NVML indices this worker exports (default: all the reader sees).
+        stores: checkpoint store names, so their failure counters exist (at 0) before the first failure.
+        checkpoint_every_steps / checkpoint_every_seconds: the spec's save interval, for the overdue alert.
+        restarts_max: the spec's restart budget.
+    """
+
+    def __init__(
+        self,
+        info: RunInfo,
+        port: int | None = None,
+        bind_address: str = "127.0.0.1",
+        *,
+        peak_flops: float | None = None,
+        gpu_reader: GpuReader | None = None,
+        gpu_devices: Sequence[int] | None = None,
+        stores: Iterable[str] = (),
+        checkpoint_every_steps: int | None = None,
+        checkpoint_every_seconds: float | None = None,
+        restarts_max: int | None = None,
+    ) -> None:
+        self.info = info
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.peak_flops = peak_flops if peak_flops and peak_flops > 0 else None
+        self.port: int | None = None
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self._ema_samples_s: float | None = None
+        self._ema_tokens_s: float | None = None
+        self._ema_comm: float | None = None
+        self._ema_mfu: float | None = None
+        self._lock = threading.Lock()  # guards only close(); on_step stays lock-free
+        self._closed = False
+        self._grad_norm_child: Any = None
+        self._mfu_child: Any = None
+
+        base = list(names.BASE_LABELS)
+        self._base_values = [info.job, str(info.rank), info.node]
+        r = self.registry
+
+        def gauge(name: str, doc: str, extra: Sequence[str] = ()) -> Gauge:
+            return Gauge(name, doc, [*base, *extra], registry=r)
+
+        def counter(name: str, doc: str, extra: Sequence[str] = ()) -> Counter:
+            # prometheus-client appends `_total` itself; pass the family name.
+            return Counter(name.removesuffix("_total"), doc, [*base, *extra], registry=r)
+
+        def hist(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(name, doc, base, buckets=buckets, registry=r)
+
+        v = self._base_values
+        self._info_gauge = gauge(
+            names.EXPORTER_INFO,
+            "1 per worker exporter: its port, restart generation, local rank and torchrig version.",
+            [names.LABEL_PORT, names.LABEL_GENERATION, names.LABEL_LOCAL_RANK, names.LABEL_VERSION],
+        )
+        self._start_time = gauge(names.START_TIME, "Unix time this worker process started.").labels(*v)
+        self._step = gauge(names.STEP, "Last completed optimizer step.").labels(*v)
+        self._last_step_ts = gauge(
+            names.LAST_STEP_TIMESTAMP, "Unix time of the last completed step (the worker's start before its first)."
+        ).labels(*v)
+        self._samples = counter(names.SAMPLES, "Samples processed by this rank.").labels(*v)
+        self._tokens = counter(names.TOKENS, "Tokens processed by this rank.").labels(*v)
+        self._samples_s = gauge(names.SAMPLES_PER_SECOND, "Smoothed (EMA) samples per second of this rank.").labels(*v)
+        self._tokens_s = gauge(names.TOKENS_PER_SECOND, "Smoothed (EMA) tokens per second of this rank.").labels(*v)
+        self._step_hist = hist(names.STEP_DURATION, "Wall time of an optimizer step on this rank.", names.STEP_BUCKETS)
+        self._step_hist_child = self._step_hist.labels(*v)
+        self._data_wait = counter(names.DATA_WAIT, "Time spent waiting for input batches.").labels(*v)
+        self._data_wait_last = gauge(names.DATA_WAIT_LAST, "Input wait of the last step.").labels(*v)
+        self._comm = counter(names.COMM, "Time spent in gradient collectives.").labels(*v)
+        self._comm_ratio = gauge(
+            names.COMM_RATIO, "Smoothed share of step time spent in gradient collectives (0..1)."
+        ).labels(*v)
+        self._mfu = gauge(names.MFU, "Smoothed model FLOPs utilisation (0..1), when FLOPs and peak are known.")
+        self._peak = gauge(names.PEAK_FLOPS, "Peak FLOP/s of the device used for MFU.")
+        if self.peak_flops is not None:
+            self._peak.labels(*v).set(self.peak_flops)
+        self._loss = gauge(names.LOSS, "Training loss of the last step.").labels(*v)
+        self._lr = gauge(names.LEARNING_RATE, "Learning rate of the last step.").labels(*v)
+        self._grad_norm = gauge(names.GRAD_NORM, "Global gradient norm of the last step (before clipping).")
+        self._world_size = gauge(names.WORLD_SIZE, "Number of ranks in the worker group.").labels(*v)
+        self._generation = gauge(names.RESTART_GENERATION, "Elastic restart count of the worker group.").labels(*v)
+        restarts_gauge = gauge(names.RESTARTS_MAX, "Restart budget of the job.")
+        if restarts_max is not None:
+            restarts_gauge.labels(*v).set(restarts_max)
+
+        self._ckpt_step = gauge(
+            names.CHECKPOINT_LAST_STEP, "Step of the newest committed (or restored) checkpoint."
+        ).labels(*v)
+        self._ckpt_ts = gauge(
+            names.CHECKPOINT_LAST_TIMESTAMP,
+            "Unix time the newest checkpoint committed (the worker's start until one commits); age = time() - this.",
+        ).labels(*v)
+        every_steps = gauge(names.CHECKPOINT_INTERVAL_STEPS, "Configured checkpoint interval in steps.")
+        if checkpoint_every_steps is not None:
+            every_steps.labels(*v).set(checkpoint_every_steps)
+        every_seconds = gauge(names.CHECKPOINT_INTERVAL_SECONDS, "Configured checkpoint interval in seconds.")
+        if checkpoint_every_seconds is not None:
+            every_seconds.labels(*v).set(checkpoint_every_seconds)
+        self._ckpt_committed = counter(names.CHECKPOINTS_COMMITTED, "Checkpoints committed.").labels(*v)
+        self._ckpt_save = hist(
+            names.CHECKPOINT_SAVE_DURATION, "Time from staging a checkpoint to its commit.", names.CHECKPOINT_BUCKETS
+        ).labels(*v)
+        self._ckpt_blocked = hist(
+            names.CHECKPOINT_BLOCKED, "Time training was blocked by a checkpoint save.", names.CHECKPOINT_BUCKETS
+        ).labels(*v)
+        self._ckpt_bytes = gauge(names.CHECKPOINT_BYTES, "Bytes this rank wrote for its last checkpoint.").labels(*v)
+        self._store_failures = counter(
+            names.STORE_FAILURES, "Failed writes to (or reads from) a checkpoint store.", [names.LABEL_STORE]
+        )
+        for store in stores:
+            self._store_failures.labels(*v, store)
+        self._restores = counter(names.RESTORES, "Restores from a checkpoint.", [names.LABEL_SOURCE])
+        self._restore_s = gauge(names.RESTORE_DURATION, "Duration of the last restore.").labels(*v)
+        self._eval = gauge(names.EVAL_METRIC, "Held-out evaluation results.", [names.LABEL_METRIC])
+        self._events = counter(names.EVENTS, "Worker events (watchdog, fault, finished, ...).", [names.LABEL_EVENT])
+
+        now = time.time()
+        self._start_time.set(now)
+        self._last_step_ts.set(now)
+        self._ckpt_ts.set(now)
+        self._world_size.set(info.world_size)
+        self._generation.set(info.generation)
+
+        # Always registered: without a reader it exports `torchrig_gpu_available 0`, which dashboards and
+        # alerts can tell apart from an exporter that is down.
+        self.registry.register(GpuCollector(gpu_reader, self._base_values, gpu_devices))
+
+        if port is not None:
+            self._serve(port, bind_address)
+        self._set_info()
+
+    # -- server -----------------------------------------------------------------------------------
+    def _candidate_ports(self, base_port: int) -> list[int]:
+        if base_port == 0:  # an ephemeral port was asked for (tests, several jobs on one host)
+            return [0]
+        first = base_port + self.info.local_rank
+        stride = max(1, self.info.local_world_size)
+        ports = [first + k * stride for k in range(PORT_ATTEMPTS)]
+        return [p for p in ports if p <= 65535] + [0]
+
+    def _serve(self, base_port: int, bind_address: str) -> None:
+        first = base_port + self.info.local_rank
+        for candidate in self._candidate_ports(base_port):
+            try:
+                self._server, self._thread = start_http_server(candidate, addr=bind_address, registry=self.registry)
+            except OSError as exc:
+                if candidate == first:
+                    log.warning(
+                        "metrics port %d on %s is unavailable (%s); trying further ports", first, bind_address, exc
+                    )
+                continue
+            self.port = int(self._server.server_port)
+            if base_port and self.port != first:
+                log.warning("metrics exporter of rank %d serves on port %d, not %d", self.info.rank, self.port, first)
+            return
+        log.error("no port available for the metrics exporter on %s; metrics are not served", bind_address)
+
+    def _set_info(self) -> None:
+        self._info_gauge.clear()
+        self._info_gauge.labels(
+            *self._base_values,
+            str(self.port if self.port is not None else ""),
+            str(self.info.generation),
+            str(self.info.local_rank),
+            __version__,
+        ).set(1)
+
+    @property
+    def url(self) -> str | None:
+        """`http://host:port/metrics` of this exporter (host as bound), or None when not serving."""
+        if self._server is None:
+            return None
+        host = self._server.server_address[0]
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.port}/metrics"
+
+    # -- MetricsSink ------------------------------------------------------------------------------
+    def on_start(self, info: RunInfo) -> None:
+        # Series labels stay those of construction (rank and node identify a worker process); the
+        # values that change across restarts are gauges.
+        self.info = info
+        self._world_size.set(info.world_size)
+        self._generation.set(info.generation)
+        self._set_info()
+
+    def on_step(self, record: StepRecord) -> None:
+        step_s = record.step_s
+        self._step.set(record.step)
+        self._last_step_ts.set(record.time)
+        self._samples.inc(record.samples)
+        if record.tokens:
+            self._tokens.inc(record.tokens)
+        self._step_hist_child.observe(step_s)
+        self._data_wait.inc(record.data_wait_s)
+        self._data_wait_last.set(record.data_wait_s)
+        self._comm.inc(record.comm_s)
+        self._loss.set(record.loss)
+        self._lr.set(record.lr)
+        self._world_size.set(record.world_size)
+        if record.grad_norm is not None:
+            if self._grad_norm_child is None:  # created on first use: no series until there is a value
+                self._grad_norm_child = self._grad_norm.labels(*self._base_values)
+            self._grad_norm_child.set(record.grad_norm)
+        if step_s > 0:
+            self._ema_samples_s = _ema(self._ema_samples_s, record.samples / step_s)
+            self._samples_s.set(self._ema_samples_s)
+            self._ema_comm = _ema(self._ema_comm, min(record.comm_s / step_s, 1.0))
+            self._comm_ratio.set(self._ema_comm)
+            if record.tokens:
+                self._ema_tokens_s = _ema(self._ema_tokens_s, record.tokens / step_s)
+                self._tokens_s.set(self._ema_tokens_s)
+            if self.peak_flops is not None and record.flops > 0:
+                self._ema_mfu = _ema(self._ema_mfu, record.flops / step_s / self.peak_flops)
+                if self._mfu_child is None:
+                    self._mfu_child = self._mfu.labels(*self._base_values)
+                self._mfu_child.set(self._ema_mfu)
+
+    def on_checkpoint(self, record: CheckpointRecord) -> None:
+        if not record.committed:
+            self._ckpt_blocked.observe(record.blocked_s)
+            if record.bytes:
+                self._ckpt_bytes.set(record.bytes)
+            return
+        self._ckpt_committed.inc()
+        self._ckpt_step.set(record.step)
+        self._ckpt_ts.set(record.time or time.time())
+        if record.save_s is not None:
+            self._ckpt_save.observe(record.save_s)
+        if record.bytes:
+            self._ckpt_bytes.set(record.bytes)
+
+    def on_store_failure(self, store: str, error: str) -> None:
+        self._store_failures.labels(*self._base_values, store).inc()
+
+    def on_restore(self, record: RestoreRecord) -> None:
+        self._restores.labels(*self._base_values, record.source).inc()
+        self._restore_s.set(record.seconds)
+        self._ckpt_step.set(record.step)
+        self._step.set(record.step)
+
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            self._eval.labels(*self._base_values, key).set(float(value))
+
+    def on_event(self, event: str, **fields: Any) -> None:
+        label = event if event in names.EVENT_NAMES else "other"
+        self._events.labels(*self._base_values, label).inc()
+
+    def close(self) -> None:
+        """Stop serving (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def __repr__(self) -> str:
+        return f"PrometheusSink(rank={self.info.rank}, port={self.port})"
