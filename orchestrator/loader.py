@@ -20,6 +20,7 @@ from orchestrator.spec import JobSpec
 __all__ = ["apply_overrides", "format_validation_error", "load_spec", "parse_set", "read_yaml"]
 
 _PATH_PREFIX_RE = re.compile(r"^([A-Za-z][\w]*(\.[A-Za-z][\w]*)*): ")
+_PLAIN_KEY_RE = re.compile(r"^[\w.\-/]+$")
 _INDEX_RE = re.compile(r"^(?P<key>[^\[\]]+)(\[(?P<idx>\d+)\])?$")
 
 
@@ -32,8 +33,12 @@ def read_yaml(text: str, source: str = "<string>") -> Any:
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
         problem = exc.problem or exc.context or "invalid YAML"
         raise SpecError(f"{where}YAML syntax error: {problem}", source) from None
+    except yaml.reader.ReaderError as exc:
+        char = exc.character if isinstance(exc.character, int) else ord(exc.character)
+        raise SpecError(f"position {exc.position}: YAML error: unacceptable character #x{char:04x}", source) from None
     except yaml.YAMLError as exc:
-        raise SpecError(f"YAML error: {exc}", source) from None
+        # Keep the one-line-per-problem contract: PyYAML messages can span lines.
+        raise SpecError("YAML error: " + " ".join(str(exc).split()), source) from None
     if not docs:
         raise SpecError("the file is empty; expected a TrainingJob document", source)
     if len(docs) > 1:
@@ -74,8 +79,10 @@ def apply_overrides(data: Any, overrides: list[str]) -> Any:
         for i, key in enumerate(path[:-1]):
             nxt = path[i + 1]
             if isinstance(key, int):
-                if not isinstance(node, list) or key >= len(node):
+                if not isinstance(node, list) or key > len(node):
                     raise SpecError(f"--set {expr!r}: index {key} out of range")
+                if key == len(node):  # one past the end appends, as for a final index
+                    node.append([] if isinstance(nxt, int) else {})
                 node = node[key]
                 continue
             if not isinstance(node, dict):
@@ -103,8 +110,11 @@ def _loc_to_path(loc: tuple[Any, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        else:
+        elif _PLAIN_KEY_RE.fullmatch(str(part)):
             out += ("." if out else "") + str(part)
+        else:
+            # Keys with spaces or control characters are quoted so that a problem stays on one line.
+            out += f"[{str(part)!r}]"
     return out
 
 
@@ -121,16 +131,14 @@ def format_validation_error(exc: ValidationError) -> list[str]:
         match = _PATH_PREFIX_RE.match(msg)
         if match and err["type"] == "value_error":
             sub = match.group(1)
-            if sub.startswith(("spec.", "metadata.")):
-                path = sub
-            else:
-                path = f"{path}.{sub}" if path else sub
+            # A message naming a full path (`spec.nodes.max: ...`) replaces the location; a relative one extends it.
+            path = sub if sub.startswith(("spec.", "metadata.")) or not path else f"{path}.{sub}"
             msg = msg[match.end() :]
         if err["type"] == "extra_forbidden":
             msg = "unknown field (check the spelling; keys are camelCase)"
         elif err["type"] == "missing":
             msg = "required field is missing"
-        lines.append(f"{path or '<document>'}: {msg}")
+        lines.append(f"{path or '<document>'}: {' '.join(msg.split())}")
     return lines
 
 

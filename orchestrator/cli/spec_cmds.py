@@ -1,0 +1,118 @@
+"""`torchrig validate`, `torchrig render` and `torchrig schema`: everything about job files that needs
+no cluster. Imports only the model and the compilers (never torch, ray or kubernetes)."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from orchestrator.cli._common import emit_json, handle_errors, output_option, set_option
+from orchestrator.compile import TARGETS
+from orchestrator.compile import render as render_target
+from orchestrator.errors import EXIT_USAGE, SpecError
+from orchestrator.loader import load_spec
+from orchestrator.spec import JobSpec
+
+__all__ = ["render", "schema", "validate"]
+
+_JOB_ARG = click.argument("job", metavar="JOB.yaml", type=click.Path(dir_okay=False, allow_dash=True))
+
+
+@click.command(
+    epilog=(
+        "Examples:\n\n"
+        "  torchrig validate examples/digits-ddp.yaml\n\n"
+        "  torchrig validate job.yaml --set spec.nodes.max=4 -o json\n\n"
+        "Problems are printed one per line as `error: FILE: PATH: MESSAGE` (exit code 2); options "
+        "that are set but have no effect as `warning: PATH: MESSAGE` (exit code 0)."
+    )
+)
+@_JOB_ARG
+@set_option
+@output_option
+@handle_errors
+def validate(job: str, overrides: tuple[str, ...], output: str) -> None:
+    """Check JOB.yaml (after --set overrides) against the job model.
+
+    Prints `ok` when the job is valid. Nothing is submitted and no cluster is needed.
+    """
+    try:
+        spec = load_spec(job, list(overrides))
+    except SpecError as exc:
+        if output != "json":
+            raise
+        emit_json({"ok": False, "file": job, "problems": exc.problems})
+        raise SystemExit(EXIT_USAGE) from None
+    warnings = spec.warnings()
+    if output == "json":
+        emit_json({"ok": True, "file": job, "name": spec.name, "warnings": warnings})
+        return
+    for line in warnings:
+        click.echo(f"warning: {line}", err=True)
+    click.echo("ok")
+
+
+@click.command(
+    epilog=(
+        "Targets:\n\n"
+        "  pytorchjob  Kubeflow Training Operator v1 PyTorchJob (elastic when nodes.min < nodes.max)\n\n"
+        "  trainjob    Kubeflow Trainer v2 TrainJob + ClusterTrainingRuntime (fixed size; Trainer >= 2.2)\n\n"
+        "  rayjob      KubeRay RayJob running the job with Ray Train\n\n"
+        "  torchrun    the torchrun command line for bare metal or Slurm (one per node)\n\n"
+        "  raytrain    the Ray Train plan (ScalingConfig, RunConfig, FailureConfig, CheckpointConfig)\n\n"
+        "Examples:\n\n"
+        "  torchrig render examples/digits-ddp.yaml --target pytorchjob | kubectl apply -f -\n\n"
+        "  torchrig render examples/tinygpt-fsdp.yaml --target trainjob --fixed-size --monitoring\n\n"
+        "  torchrig render job.yaml --target torchrun --set spec.nodes.max=2"
+    )
+)
+@_JOB_ARG
+@click.option(
+    "--target",
+    "-t",
+    type=click.Choice(TARGETS),
+    default="pytorchjob",
+    show_default=True,
+    help="What to render.",
+)
+@click.option("--monitoring", is_flag=True, help="Also render a PodMonitor and a PrometheusRule (prometheus-operator).")
+@click.option(
+    "--fixed-size",
+    is_flag=True,
+    help="Run an elastic job (nodes.min < nodes.max) at nodes.max nodes on a fixed-size shape.",
+)
+@set_option
+@handle_errors
+def render(job: str, target: str, monitoring: bool, fixed_size: bool, overrides: tuple[str, ...]) -> None:
+    """Print what TARGET would get for JOB.yaml: manifests as multi-document YAML ready for
+    `kubectl apply -f -`, or a launch plan.
+
+    A target that cannot express part of the job fails with exit code 2 and names the field and the
+    alternative (e.g. an elastic job on trainjob).
+    """
+    if monitoring and target not in ("pytorchjob", "trainjob", "rayjob"):
+        raise SpecError(f"--monitoring: applies to Kubernetes targets only, not {target!r}")
+    spec = load_spec(job, list(overrides))
+    click.echo(render_target(spec, target, monitoring=monitoring, fixed_size=fixed_size), nl=False)
+
+
+@click.command(
+    epilog=(
+        "Examples:\n\n"
+        "  torchrig schema > torchrig.schema.json\n\n"
+        "  # editors: first line of a job file\n\n"
+        "  # yaml-language-server: $schema=./torchrig.schema.json"
+    )
+)
+def schema() -> None:
+    """Print the JSON Schema of job files (camelCase keys, with descriptions and defaults)."""
+    click.echo(json.dumps(job_schema(), indent=2, sort_keys=False))
+
+
+def job_schema() -> dict[str, object]:
+    """The JSON Schema of a TrainingJob document, by alias."""
+    out = JobSpec.model_json_schema(by_alias=True, mode="validation")
+    out["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    out.setdefault("title", "TrainingJob")
+    return out

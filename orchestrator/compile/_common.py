@@ -1,0 +1,238 @@
+"""Pieces every Kubernetes target shares: names, labels, the spec ConfigMap, the worker pod.
+
+Everything here is a pure function of the `JobSpec`; the target modules assemble these pieces into
+their operator's resource. Paths and names that other components rely on are constants here.
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from orchestrator.loader import dump_spec
+from orchestrator.spec import JobSpec
+
+__all__ = [
+    "RUN_DIR",
+    "SPEC_DIR",
+    "SPEC_FILE",
+    "SPEC_KEY",
+    "WORKER_MODULE",
+    "configmap_name",
+    "container_security_context",
+    "labels",
+    "metrics_ports",
+    "object_meta",
+    "pod_annotations",
+    "pod_labels",
+    "pod_security_context",
+    "resources",
+    "spec_configmap",
+    "volumes_and_mounts",
+    "worker_env",
+]
+
+SPEC_DIR = "/etc/torchrig"
+SPEC_KEY = "job.yaml"
+SPEC_FILE = f"{SPEC_DIR}/{SPEC_KEY}"
+RUN_DIR = "/var/run/torchrig"
+WORKER_MODULE = "training"
+# The user every torchrig image runs as; a fixed id lets `fsGroup` make PVCs writable.
+RUN_AS_USER = 1000
+SHM_PATH = "/dev/shm"
+PART_OF = "torchrig"
+
+
+def configmap_name(spec: JobSpec) -> str:
+    """Name of the ConfigMap that carries the resolved spec to the pods."""
+    return f"{spec.name}-spec"
+
+
+def labels(spec: JobSpec, component: str) -> dict[str, str]:
+    """Labels of every object: the user's `metadata.labels`, then torchrig's (which win)."""
+    out = dict(spec.metadata.labels)
+    out.update(
+        {
+            "app.kubernetes.io/name": PART_OF,
+            "app.kubernetes.io/instance": spec.name,
+            "app.kubernetes.io/managed-by": PART_OF,
+            "app.kubernetes.io/component": component,
+            "torchrig.io/job": spec.name,
+        }
+    )
+    return out
+
+
+def selector_labels(spec: JobSpec) -> dict[str, str]:
+    """The labels that select this job's worker pods (PodMonitor, kubectl)."""
+    return {"app.kubernetes.io/instance": spec.name, "torchrig.io/job": spec.name}
+
+
+def object_meta(spec: JobSpec, component: str, name: str | None = None, namespaced: bool = True) -> dict[str, Any]:
+    """`metadata` of a top-level object."""
+    meta: dict[str, Any] = {"name": name or spec.name}
+    if namespaced:
+        meta["namespace"] = spec.metadata.namespace
+    meta["labels"] = labels(spec, component)
+    if spec.metadata.annotations:
+        meta["annotations"] = dict(spec.metadata.annotations)
+    return meta
+
+
+def pod_labels(spec: JobSpec, component: str = "worker") -> dict[str, str]:
+    out = labels(spec, component)
+    out.update(spec.spec.kubernetes.pod_labels)
+    return out
+
+
+def pod_annotations(spec: JobSpec) -> dict[str, str]:
+    """Pod annotations: Prometheus scrape hints for local rank 0 (the PodMonitor covers every rank)."""
+    out: dict[str, str] = dict(spec.metadata.annotations)
+    if spec.spec.metrics.enabled:
+        out.update(
+            {
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(spec.spec.metrics.port),
+                "prometheus.io/path": "/metrics",
+            }
+        )
+    out.update(spec.spec.kubernetes.pod_annotations)
+    return out
+
+
+def metrics_port_name(local_rank: int) -> str:
+    # Port names are IANA service names: at most 15 characters, so `metrics-r<N>` for N < 100000.
+    return "metrics" if local_rank == 0 else f"metrics-r{local_rank}"
+
+
+def metrics_ports(spec: JobSpec) -> list[dict[str, Any]]:
+    """Container ports of the exporters: local rank r serves on `metrics.port + r`."""
+    if not spec.spec.metrics.enabled:
+        return []
+    base = spec.spec.metrics.port
+    return [
+        {"name": metrics_port_name(r), "containerPort": base + r, "protocol": "TCP"}
+        for r in range(spec.spec.procs_per_node)
+    ]
+
+
+def resources(spec: JobSpec) -> dict[str, Any]:
+    """Requests = limits (Guaranteed QoS: a training pod should not be the first one evicted)."""
+    res = spec.spec.resources
+    requests: dict[str, Any] = {"cpu": res.cpu, "memory": res.memory}
+    limits: dict[str, Any] = dict(requests)
+    if res.gpus > 0:
+        limits[res.gpu_resource] = res.gpus
+        requests[res.gpu_resource] = res.gpus
+    return {"requests": requests, "limits": limits}
+
+
+def pod_security_context() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "runAsGroup": RUN_AS_USER,
+        "fsGroup": RUN_AS_USER,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security_context() -> dict[str, Any]:
+    """The `restricted` Pod Security Standard, container part."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def worker_env(spec: JobSpec) -> list[dict[str, Any]]:
+    """Environment of the worker container (architecture.md: backend -> worker contract)."""
+    env: dict[str, str] = {
+        "TORCHRIG_SPEC": SPEC_FILE,
+        "TORCHRIG_RUN_DIR": RUN_DIR,
+        # The agent's shared rendezvous TCPStore leaves stale keys behind after a restart and the new
+        # worker group can hang in init_process_group (ENVIRONMENT.md); a store per group avoids it.
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.update(spec.spec.kubernetes.env)
+    return [{"name": k, "value": v} for k, v in env.items()]
+
+
+def volumes_and_mounts(spec: JobSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Volumes of the pod and mounts of the worker container: spec, run dir, /dev/shm, PVC stores."""
+    s = spec.spec
+    volumes: list[dict[str, Any]] = [
+        {
+            "name": "torchrig-spec",
+            "configMap": {"name": configmap_name(spec), "items": [{"key": SPEC_KEY, "path": SPEC_KEY}]},
+        },
+        {"name": "torchrig-run", "emptyDir": {}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "torchrig-spec", "mountPath": SPEC_DIR, "readOnly": True},
+        {"name": "torchrig-run", "mountPath": RUN_DIR},
+    ]
+    if s.resources.shared_memory is not None:
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": s.resources.shared_memory}})
+        mounts.append({"name": "dshm", "mountPath": SHM_PATH})
+    node_local = s.checkpoint.node_local
+    on_shm = s.resources.shared_memory is not None and (
+        node_local.path == SHM_PATH or node_local.path.startswith(SHM_PATH + "/")
+    )
+    if node_local.enabled and not on_shm:
+        volumes.append({"name": "torchrig-node-local", "emptyDir": {}})
+        mounts.append({"name": "torchrig-node-local", "mountPath": node_local.path})
+    for i, store in enumerate(s.checkpoint.stores):
+        if store.pvc is None:
+            continue
+        name = f"store-{i}"
+        volumes.append({"name": name, "persistentVolumeClaim": {"claimName": store.pvc}})
+        mounts.append({"name": name, "mountPath": store.path})
+    return volumes, mounts
+
+
+def pod_placement(spec: JobSpec) -> dict[str, Any]:
+    """Pod-spec fields that place the pod: service account, selectors, tolerations, pull secrets."""
+    k = spec.spec.kubernetes
+    out: dict[str, Any] = {}
+    if k.service_account:
+        out["serviceAccountName"] = k.service_account
+    if k.priority_class:
+        out["priorityClassName"] = k.priority_class
+    if k.node_selector:
+        out["nodeSelector"] = dict(k.node_selector)
+    if k.tolerations:
+        out["tolerations"] = [dict(t) for t in k.tolerations]
+    if k.image_pull_secrets:
+        out["imagePullSecrets"] = [{"name": n} for n in k.image_pull_secrets]
+    return out
+
+
+def spec_configmap(spec: JobSpec) -> dict[str, Any]:
+    """The ConfigMap holding the resolved spec, mounted at `SPEC_FILE` in every pod."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": object_meta(spec, "spec", configmap_name(spec)),
+        "data": {SPEC_KEY: dump_spec(spec)},
+    }
+
+
+def worker_program(spec_path: str = SPEC_FILE) -> list[str]:
+    """The program torchrun starts on every rank: `-m training --spec PATH`."""
+    return ["-m", WORKER_MODULE, "--spec", spec_path]
+
+
+def shell_join(args: list[str]) -> str:
+    """Join args for a POSIX shell; `$VAR` references stay expandable (double quotes), the rest is quoted."""
+    out = []
+    for arg in args:
+        if "$" in arg and all(c not in arg for c in '"`\\'):
+            out.append(f'"{arg}"' if any(c.isspace() for c in arg) or arg != shlex.quote(arg) else arg)
+        else:
+            out.append(shlex.quote(arg))
+    return " ".join(out)

@@ -1,0 +1,136 @@
+"""Kubeflow Training Operator v1 (`kubeflow.org/v1` PyTorchJob) + the spec ConfigMap.
+
+Two shapes, following the operator (release-1.9) and its validating webhook:
+
+- elastic (`nodes.min < nodes.max`): `elasticPolicy` and Worker replicas only. The operator injects
+  `PET_NNODES=min:max`, `PET_RDZV_ENDPOINT=<job>-worker-0:<pytorchjob-port>`, `PET_RDZV_BACKEND`,
+  `PET_RDZV_ID`, `PET_MAX_RESTARTS` and `PET_NPROC_PER_NODE`, which `torchrun` reads as its defaults.
+- fixed size: Master (exactly 1 replica, webhook rule) + Worker (nodes - 1, omitted when 0). The
+  operator injects `MASTER_ADDR`, `MASTER_PORT`, `WORLD_SIZE` and `RANK` (the pod's node index, master
+  0) only when a Master exists, so the command passes them to torchrun through `$(VAR)` expansion.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orchestrator.compile import _common as c
+from orchestrator.spec import JobSpec
+
+__all__ = ["API_VERSION", "CONTAINER_NAME", "KIND", "RDZV_PORT", "compile_pytorchjob", "worker_command"]
+
+API_VERSION = "kubeflow.org/v1"
+KIND = "PyTorchJob"
+# The operator finds the training container by this name (webhook: "must have a container named pytorch").
+CONTAINER_NAME = "pytorch"
+# The operator reads the rendezvous/master port from the container port with this name.
+PORT_NAME = "pytorchjob-port"
+RDZV_PORT = 23456
+
+
+def worker_command(spec: JobSpec, *, elastic: bool) -> list[str]:
+    """The container command: torchrun on each node, the rest from operator-injected env."""
+    s = spec.spec
+    cmd = ["torchrun", "--nproc-per-node", str(s.procs_per_node)]
+    if not elastic:
+        cmd += [
+            "--nnodes",
+            str(s.nodes.max),
+            "--node-rank",
+            "$(RANK)",
+            "--master-addr",
+            "$(MASTER_ADDR)",
+            "--master-port",
+            "$(MASTER_PORT)",
+            "--max-restarts",
+            str(s.restarts.max),
+        ]
+    return cmd + c.worker_program()
+
+
+def _pod_template(spec: JobSpec, *, elastic: bool) -> dict[str, Any]:
+    s = spec.spec
+    volumes, mounts = c.volumes_and_mounts(spec)
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": s.image,
+        "imagePullPolicy": s.kubernetes.image_pull_policy,
+        "command": worker_command(spec, elastic=elastic),
+        "env": c.worker_env(spec),
+        "ports": [{"name": PORT_NAME, "containerPort": RDZV_PORT, "protocol": "TCP"}, *c.metrics_ports(spec)],
+        "resources": c.resources(spec),
+        "volumeMounts": mounts,
+        "securityContext": c.container_security_context(),
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "securityContext": c.pod_security_context(),
+        **c.pod_placement(spec),
+    }
+    if s.kubernetes.gang == "volcano":
+        pod_spec["schedulerName"] = "volcano"
+    return {
+        "metadata": {"labels": c.pod_labels(spec), "annotations": c.pod_annotations(spec)},
+        "spec": pod_spec,
+    }
+
+
+def _run_policy(spec: JobSpec, min_available: int) -> dict[str, Any]:
+    k = spec.spec.kubernetes
+    policy: dict[str, Any] = {"cleanPodPolicy": k.clean_pod_policy, "backoffLimit": spec.spec.restarts.max}
+    if k.ttl_seconds_after_finished is not None:
+        policy["ttlSecondsAfterFinished"] = k.ttl_seconds_after_finished
+    if k.active_deadline_seconds is not None:
+        policy["activeDeadlineSeconds"] = k.active_deadline_seconds
+    if k.gang == "volcano":
+        sched: dict[str, Any] = {"minAvailable": min_available}
+        if k.queue:
+            sched["queue"] = k.queue
+        if k.priority_class:
+            sched["priorityClass"] = k.priority_class
+        policy["schedulingPolicy"] = sched
+    return policy
+
+
+def compile_pytorchjob(spec: JobSpec, *, fixed_size: bool = False) -> list[dict[str, Any]]:
+    """The ConfigMap and the PyTorchJob, in apply order.
+
+    Args:
+        spec: the job.
+        fixed_size: run an elastic spec at `nodes.max` nodes with a Master (no elasticPolicy).
+    """
+    s = spec.spec
+    elastic = s.nodes.elastic and not fixed_size
+    template = _pod_template(spec, elastic=elastic)
+    replica_specs: dict[str, Any] = {}
+    if elastic:
+        replica_specs["Worker"] = {"replicas": s.nodes.max, "restartPolicy": "OnFailure", "template": template}
+    else:
+        replica_specs["Master"] = {"replicas": 1, "restartPolicy": "OnFailure", "template": template}
+        if s.nodes.max > 1:
+            replica_specs["Worker"] = {
+                "replicas": s.nodes.max - 1,
+                "restartPolicy": "OnFailure",
+                "template": template,
+            }
+    meta = c.object_meta(spec, "training")
+    if s.kubernetes.gang == "kueue" and s.kubernetes.queue:
+        meta["labels"]["kueue.x-k8s.io/queue-name"] = s.kubernetes.queue
+    job_spec: dict[str, Any] = {
+        # Top-level nprocPerNode (a string in the CRD) is what the webhook wants; elasticPolicy.nProcPerNode
+        # is deprecated there.
+        "nprocPerNode": str(s.procs_per_node),
+        "runPolicy": _run_policy(spec, s.nodes.min if elastic else s.nodes.max),
+        "pytorchReplicaSpecs": replica_specs,
+    }
+    if elastic:
+        job_spec["elasticPolicy"] = {
+            "minReplicas": s.nodes.min,
+            "maxReplicas": s.nodes.max,
+            "rdzvBackend": "c10d",
+            "rdzvId": spec.name,
+            "maxRestarts": s.restarts.max,
+        }
+    job = {"apiVersion": API_VERSION, "kind": KIND, "metadata": meta, "spec": job_spec}
+    return [c.spec_configmap(spec), job]

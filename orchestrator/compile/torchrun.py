@@ -1,0 +1,78 @@
+"""The `torchrun` command line for bare metal or Slurm: run it once per node.
+
+Rendezvous is c10d on `$HOST:29400` (the first node, say `$(scontrol show hostnames | head -1)` under
+Slurm), so any node can restart and the group re-forms between `nodes.min` and `nodes.max` nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.compile import _common as c
+from orchestrator.spec import JobSpec
+
+__all__ = ["RDZV_PORT", "TorchrunCommand", "compile_torchrun"]
+
+RDZV_PORT = 29400
+
+
+@dataclass(frozen=True)
+class TorchrunCommand:
+    """A launch plan: argv (`args`), the environment to export, and the same as shell text."""
+
+    args: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def command(self) -> str:
+        """The command as one shell line; `$HOST` stays expandable."""
+        return c.shell_join(list(self.args))
+
+    @property
+    def script(self) -> str:
+        """`export` lines followed by the command."""
+        exports = [f"export {k}={c.shell_join([v])}" for k, v in self.env.items()]
+        return "\n".join([*exports, self.command]) + "\n"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"args": list(self.args), "env": dict(self.env), "command": self.command}
+
+
+def compile_torchrun(
+    spec: JobSpec,
+    *,
+    fixed_size: bool = False,
+    spec_path: str = "job.yaml",
+    rdzv_host: str = "$HOST",
+    rdzv_port: int = RDZV_PORT,
+) -> TorchrunCommand:
+    """The torchrun invocation of this job.
+
+    Args:
+        spec: the job.
+        fixed_size: `--nnodes max` instead of the elastic range.
+        spec_path: path of the resolved job file on every node.
+        rdzv_host: host of the c10d rendezvous store (default: the shell variable `$HOST`).
+        rdzv_port: its port.
+    """
+    s = spec.spec
+    nnodes = str(s.nodes.max) if (fixed_size or not s.nodes.elastic) else f"{s.nodes.min}:{s.nodes.max}"
+    args = [
+        "torchrun",
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        str(s.procs_per_node),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{rdzv_host}:{rdzv_port}",
+        "--rdzv-id",
+        spec.name,
+        "--max-restarts",
+        str(s.restarts.max),
+        *c.worker_program(spec_path),
+    ]
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TORCHRIG_SPEC": spec_path}
+    return TorchrunCommand(args=tuple(args), env=env)

@@ -1,0 +1,180 @@
+"""Kubeflow Trainer v2 (`trainer.kubeflow.org/v1alpha1` TrainJob), for Trainer >= v2.2.
+
+Emits the spec ConfigMap, a ClusterTrainingRuntime `torchrig-<name>` (unless `kubernetes.runtimeRef`
+names an existing runtime) and the TrainJob. The runtime follows Trainer's own `torch-distributed`: a
+JobSet with one replicatedJob named `node` labelled `trainer.kubeflow.org/trainjob-ancestor-step:
+trainer` and a container named `node`, into which the torch plugin injects `PET_NNODES`,
+`PET_NPROC_PER_NODE`, `PET_NODE_RANK`, `PET_MASTER_ADDR` and `PET_MASTER_PORT` (torchrun's defaults).
+What the job adds to any runtime (volumes, placement, env) goes into `runtimePatches`, so a
+user-supplied runtime gets it too. Trainer v2.2 removed elastic training: elastic specs are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orchestrator.compile import _common as c
+from orchestrator.errors import UnsupportedFeature
+from orchestrator.naming import TRAINJOB_REPLICATED_JOB
+from orchestrator.spec import JobSpec
+
+__all__ = ["API_VERSION", "CONTAINER_NAME", "PATCH_MANAGER", "check_trainjob", "compile_trainjob", "runtime_name"]
+
+API_VERSION = "trainer.kubeflow.org/v1alpha1"
+CONTAINER_NAME = "node"
+ANCESTOR_LABEL = "trainer.kubeflow.org/trainjob-ancestor-step"
+PATCH_MANAGER = "torchrig.io/torchrig"
+
+
+def runtime_name(spec: JobSpec) -> str:
+    return spec.spec.kubernetes.runtime_ref or f"torchrig-{spec.name}"
+
+
+def check_trainjob(spec: JobSpec, *, fixed_size: bool = False) -> None:
+    """Raise UnsupportedFeature for what a TrainJob cannot express."""
+    s = spec.spec
+    if s.nodes.elastic and not fixed_size:
+        raise UnsupportedFeature(
+            f"spec.nodes: TrainJob (Trainer >= v2.2) has no elastic training (min {s.nodes.min} < max "
+            f"{s.nodes.max}); use --target pytorchjob or rayjob, set min = max, or pass --fixed-size "
+            f"to run at {s.nodes.max} nodes"
+        )
+    if s.kubernetes.gang == "volcano" and s.kubernetes.runtime_ref:
+        raise UnsupportedFeature(
+            "spec.kubernetes.gang: with runtimeRef the runtime's podGroupPolicy decides gang scheduling; "
+            "set gang: none (and configure the runtime) or drop runtimeRef"
+        )
+
+
+def worker_command(spec: JobSpec) -> list[str]:
+    # Nodes, node rank and master address come from the PET_* variables the torch plugin injects.
+    return ["torchrun", "--nproc-per-node", str(spec.spec.procs_per_node), *c.worker_program()]
+
+
+def _runtime(spec: JobSpec) -> dict[str, Any]:
+    s = spec.spec
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": s.image,
+        "imagePullPolicy": s.kubernetes.image_pull_policy,
+        "command": worker_command(spec),
+        "ports": c.metrics_ports(spec),
+        "resources": c.resources(spec),
+        "securityContext": c.container_security_context(),
+    }
+    if not container["ports"]:
+        del container["ports"]
+    pod_spec: dict[str, Any] = {"containers": [container]}
+    if s.kubernetes.priority_class:
+        pod_spec["priorityClassName"] = s.kubernetes.priority_class
+    jobset_spec: dict[str, Any] = {
+        # JobSet restarts the whole group from the last checkpoint, at most restarts.max times.
+        "failurePolicy": {"maxRestarts": s.restarts.max},
+        "replicatedJobs": [
+            {
+                "name": TRAINJOB_REPLICATED_JOB,
+                "replicas": 1,
+                "template": {
+                    "metadata": {"labels": {ANCESTOR_LABEL: "trainer"}},
+                    "spec": {
+                        "template": {
+                            "metadata": {"labels": c.pod_labels(spec), "annotations": c.pod_annotations(spec)},
+                            "spec": pod_spec,
+                        }
+                    },
+                },
+            }
+        ],
+    }
+    runtime_spec: dict[str, Any] = {
+        "mlPolicy": {"numNodes": s.nodes.max, "torch": {}},
+        "template": {"spec": jobset_spec},
+    }
+    if s.kubernetes.gang == "volcano":
+        runtime_spec["podGroupPolicy"] = {"volcano": {}}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "ClusterTrainingRuntime",
+        "metadata": c.object_meta(spec, "runtime", runtime_name(spec), namespaced=False),
+        "spec": runtime_spec,
+    }
+
+
+def _runtime_patch(spec: JobSpec) -> dict[str, Any]:
+    volumes, mounts = c.volumes_and_mounts(spec)
+    pod_spec: dict[str, Any] = {
+        "securityContext": c.pod_security_context(),
+        "volumes": volumes,
+        "containers": [
+            {
+                "name": CONTAINER_NAME,
+                "env": c.worker_env(spec),
+                "volumeMounts": mounts,
+                "securityContext": c.container_security_context(),
+            }
+        ],
+    }
+    placement = c.pod_placement(spec)
+    placement.pop("priorityClassName", None)  # not patchable; set in the generated runtime
+    pod_spec.update(placement)
+    return {
+        "manager": PATCH_MANAGER,
+        "trainingRuntimeSpec": {
+            "template": {
+                "spec": {
+                    "replicatedJobs": [
+                        {
+                            "name": TRAINJOB_REPLICATED_JOB,
+                            "template": {
+                                "spec": {
+                                    "template": {
+                                        "metadata": {
+                                            "labels": c.pod_labels(spec),
+                                            "annotations": c.pod_annotations(spec),
+                                        },
+                                        "spec": pod_spec,
+                                    }
+                                }
+                            },
+                        }
+                    ]
+                }
+            }
+        },
+    }
+
+
+def compile_trainjob(spec: JobSpec, *, fixed_size: bool = False) -> list[dict[str, Any]]:
+    """The ConfigMap, the ClusterTrainingRuntime (unless `runtimeRef`) and the TrainJob, in apply order.
+
+    Raises:
+        UnsupportedFeature: elastic spec without `fixed_size`; volcano gang with a user runtime.
+    """
+    check_trainjob(spec, fixed_size=fixed_size)
+    s = spec.spec
+    meta = c.object_meta(spec, "training")
+    if s.kubernetes.queue and s.kubernetes.gang != "volcano":
+        meta["labels"]["kueue.x-k8s.io/queue-name"] = s.kubernetes.queue
+    trainer: dict[str, Any] = {
+        "image": s.image,
+        "command": worker_command(spec),
+        "numNodes": s.nodes.max,
+        "numProcPerNode": s.procs_per_node,
+        "resourcesPerNode": c.resources(spec),
+    }
+    job_spec: dict[str, Any] = {
+        "runtimeRef": {
+            "apiGroup": "trainer.kubeflow.org",
+            "kind": "ClusterTrainingRuntime",
+            "name": runtime_name(spec),
+        },
+        "trainer": trainer,
+        "runtimePatches": [_runtime_patch(spec)],
+    }
+    if s.kubernetes.active_deadline_seconds is not None:
+        job_spec["activeDeadlineSeconds"] = s.kubernetes.active_deadline_seconds
+    out = [c.spec_configmap(spec)]
+    if not s.kubernetes.runtime_ref:
+        out.append(_runtime(spec))
+    out.append({"apiVersion": API_VERSION, "kind": "TrainJob", "metadata": meta, "spec": job_spec})
+    return out

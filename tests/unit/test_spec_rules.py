@@ -1,0 +1,183 @@
+"""Every validation rule of the job model: one test each, asserting the exact `path: message` line."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from orchestrator.errors import SpecError
+from orchestrator.loader import apply_overrides, validate_document
+from orchestrator.naming import max_name_length
+from orchestrator.spec import JobSpec
+
+BASE: dict[str, Any] = {
+    "apiVersion": "torchrig/v1",
+    "kind": "TrainingJob",
+    "metadata": {"name": "t"},
+    "spec": {"task": {"entrypoint": "training.examples.digits:task"}, "training": {"steps": 10}},
+}
+
+
+def problems(*overrides: str) -> list[str]:
+    try:
+        validate_document(apply_overrides(copy.deepcopy(BASE), list(overrides)))
+    except SpecError as exc:
+        return exc.problems
+    return []
+
+
+def spec_of(*overrides: str) -> JobSpec:
+    return validate_document(apply_overrides(copy.deepcopy(BASE), list(overrides)))
+
+
+def test_minimal_document_is_valid() -> None:
+    assert problems() == []
+
+
+def test_nodes_max_below_min() -> None:
+    assert problems("spec.nodes.min=3", "spec.nodes.max=2") == ["spec.nodes.max: must be >= spec.nodes.min (3)"]
+
+
+def test_procs_per_node_must_match_gpus() -> None:
+    assert problems("spec.resources.gpus=2", "spec.procsPerNode=1") == [
+        "spec.procsPerNode: must equal spec.resources.gpus (2): one process per GPU"
+    ]
+
+
+def test_hsdp_needs_two_nodes() -> None:
+    assert problems("spec.training.strategy=hsdp") == [
+        "spec.training.strategy: hsdp shards within a node and replicates across nodes, so it needs "
+        "spec.nodes.min >= 2 (use fsdp on one node)"
+    ]
+
+
+def test_fp16_needs_ddp() -> None:
+    assert problems("spec.training.precision=fp16", "spec.training.strategy=fsdp") == [
+        "spec.training.precision: fp16 needs a gradient scaler, supported with strategy ddp only; "
+        "use bf16 with fsdp/hsdp"
+    ]
+
+
+def test_name_must_fit_derived_pod_names() -> None:
+    limit = max_name_length(1)
+    assert problems(f"metadata.name={'a' * limit}") == []
+    assert problems(f"metadata.name={'a' * (limit + 1)}") == [
+        f"metadata.name: at most {limit} characters with spec.nodes.max=1, so that the pod names the "
+        f"operators derive stay within 63 (got {limit + 1})"
+    ]
+
+
+def test_name_must_be_dns1035() -> None:
+    assert problems("metadata.name=Foo") == [
+        "metadata.name: must be a DNS-1035 label: lowercase letters, digits and '-', starting with a letter "
+        "and ending with a letter or digit"
+    ]
+
+
+def test_namespace_must_be_dns1123() -> None:
+    assert problems("metadata.namespace=Team_A") == [
+        "metadata.namespace: must be a DNS-1123 label of at most 63 characters"
+    ]
+
+
+def test_label_keys_validated() -> None:
+    assert problems("metadata.labels={'a b': c}") == [
+        "metadata.labels: label key 'a b' is not a valid Kubernetes label key"
+    ]
+
+
+def test_pvc_needs_absolute_file_uri() -> None:
+    assert problems("spec.checkpoint.stores=[{uri: 's3://b/x', pvc: c}]") == [
+        "spec.checkpoint.stores[0].pvc: needs an absolute `file:///...` uri (the mount path)"
+    ]
+
+
+def test_store_names_unique() -> None:
+    assert problems("spec.checkpoint.stores=[{uri: 'file:///a', name: x}, {uri: 's3://b', name: x}]") == [
+        "spec.checkpoint.stores: two stores share the name 'x'; give them distinct `name`s"
+    ]
+
+
+def test_store_scheme_supported() -> None:
+    assert problems("spec.checkpoint.stores=[{uri: 'ftp://x'}]") == [
+        "spec.checkpoint.stores[0].uri: unsupported scheme 'ftp'; use one of: file, s3, gs, gcs, az, abfs, memory"
+    ]
+
+
+def test_kueue_needs_queue() -> None:
+    assert problems("spec.kubernetes.gang=kueue") == [
+        "spec.kubernetes.queue: required with gang kueue (the name of the Kueue LocalQueue)"
+    ]
+
+
+def test_checkpoint_every_needs_a_trigger() -> None:
+    assert problems("spec.checkpoint.every={}") == ["spec.checkpoint.every: set steps, seconds, or both"]
+
+
+def test_entrypoint_shape() -> None:
+    assert problems("spec.task.entrypoint=foo") == [
+        "spec.task.entrypoint: must be an import path of the form `package.module:callable`"
+    ]
+
+
+def test_whole_gpus() -> None:
+    assert problems("spec.resources.gpus=1.5") == ["spec.resources.gpus: must be a whole number of GPUs"]
+
+
+def test_quantities_validated() -> None:
+    assert problems("spec.resources.memory=4GB") == [
+        "spec.resources.memory: '4GB' is not a Kubernetes quantity (e.g. 500m, 2, 4Gi)"
+    ]
+
+
+def test_betas_range() -> None:
+    assert problems("spec.training.optimizer.betas=[0.9, 1.5]") == [
+        "spec.training.optimizer.betas: each beta must be in [0, 1)"
+    ]
+
+
+def test_unknown_field_named() -> None:
+    assert problems("spec.trainig={}") == ["spec.trainig: unknown field (check the spelling; keys are camelCase)"]
+
+
+def test_missing_field_named() -> None:
+    assert problems("spec.training={}") == ["spec.training.steps: required field is missing"]
+
+
+def test_every_problem_reported_at_once() -> None:
+    assert len(problems("metadata.name=Foo", "spec.trainig={}", "spec.training.steps=0")) == 3
+
+
+@pytest.mark.parametrize(
+    ("overrides", "warning"),
+    [
+        (
+            ["spec.checkpoint.nodeLocal.enabled=true"],
+            "spec.checkpoint.nodeLocal.replicateToPeer: has no effect with one node (no peer)",
+        ),
+        (
+            ["spec.training.lrSchedule.baseWorldSize=4"],
+            "spec.training.lrSchedule.baseWorldSize: has no effect while scaleWithWorldSize is none",
+        ),
+        (
+            ["spec.kubernetes.target=trainjob", "spec.kubernetes.queue=q"],
+            "spec.kubernetes.queue: TrainJob uses it as the Kueue queue label only",
+        ),
+        (
+            ["spec.training.precision=fp16"],
+            "spec.training.precision: fp16 on CPU runs slowly and is emulated; prefer bf16 or fp32",
+        ),
+        (
+            ["spec.training.lrSchedule.minLrRatio=0.1"],
+            "spec.training.lrSchedule.minLrRatio: has no effect with decay constant",
+        ),
+    ],
+)
+def test_warnings_for_options_without_effect(overrides: list[str], warning: str) -> None:
+    assert spec_of(*overrides).warnings() == [warning]
+
+
+def test_no_warnings_by_default() -> None:
+    assert spec_of().warnings() == []
