@@ -91,16 +91,18 @@ def test_events_contract(tmp_path: Path) -> None:
     sink.on_event("after_close")  # ignored, no error
     got = lines(tmp_path / "events.jsonl")
     assert [g["event"] for g in got] == [
-        "start", "restore", "step_times", "step_times", "checkpoint_staged", "checkpoint_committed",
+        "start", "restore", "first_step", "step_times", "step_times", "checkpoint_staged", "checkpoint_committed",
         "store_failure", "finished",
     ]  # fmt: skip
     for g in got:
         assert g["rank"] == 0 and g["generation"] == 1 and g["time"] > 0
-    start, restore, st12, st14, staged, committed, failure, finished = got
+    start, restore, first, st12, st14, staged, committed, failure, finished = got
+    assert first["step"] == 11, "the first step after a restore marks the end of the recovery"
     assert start["world_size"] == 2 and start["local_rank"] == 0 and start["node_rank"] == 0 and start["pid"] > 0
     assert restore == {**restore, "step": 10, "store": "local", "seconds": 0.5, "source": "store"}
     assert st12["step"] == 12 and st12["step_s"] == pytest.approx(0.15)
     assert st14["step"] == 14 and st14["step_s"] == pytest.approx(0.35)
+    assert st14["compute_s"] == pytest.approx(st14["step_s"] - st14["comm_s"])
     assert staged["step"] == 14 and staged["time"] == 200.0
     assert committed["stores_ok"] == ["a"] and committed["stores_failed"] == ["b"] and committed["save_s"] == 2.0
     assert failure["store"] == "b" and failure["error"] == "timeout"

@@ -126,7 +126,9 @@ class EventsJsonlSink(MetricsSink):
         self.log_every = max(1, log_every)
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._step_s_sum = 0.0
+        self._comm_s_sum = 0.0
         self._steps = 0
+        self._first_step_seen = False
 
     def write(self, event: str, **fields: Any) -> None:
         """Append one event line."""
@@ -154,12 +156,26 @@ class EventsJsonlSink(MetricsSink):
         )
 
     def on_step(self, record: StepRecord) -> None:
+        if not self._first_step_seen:
+            # The first step this process completed: after a restart, the end of the recovery (MTTR).
+            self._first_step_seen = True
+            self.write("first_step", time=record.time, step=record.step, world_size=record.world_size)
         self._step_s_sum += record.step_s
+        self._comm_s_sum += record.comm_s
         self._steps += 1
         if record.step % self.log_every == 0:
-            mean = self._step_s_sum / self._steps
-            self._step_s_sum, self._steps = 0.0, 0
-            self.write("step_times", time=record.time, step=record.step, step_s=mean)
+            n = self._steps
+            step_s, comm_s = self._step_s_sum / n, self._comm_s_sum / n
+            self._step_s_sum, self._comm_s_sum, self._steps = 0.0, 0.0, 0
+            # compute_s separates a straggler from the ranks that wait for it inside the collectives.
+            self.write(
+                "step_times",
+                time=record.time,
+                step=record.step,
+                step_s=step_s,
+                comm_s=comm_s,
+                compute_s=step_s - comm_s,
+            )
 
     def on_checkpoint(self, record: CheckpointRecord) -> None:
         if record.committed:
