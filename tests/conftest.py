@@ -14,4 +14,5 @@ pytest_plugins = [
     "tests.fixtures.s3",
     "tests.fixtures.prometheus",
     "tests.fixtures.ray",
+    "tests.fixtures.k8s_fake",
 ]
