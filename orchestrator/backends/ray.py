@@ -18,9 +18,11 @@ worker was noticed late and the run resumed from an older checkpoint (ENVIRONMEN
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -28,7 +30,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from orchestrator.backends.base import Backend, Capabilities, DryRun, RunHandle, RunState, RunStatus, SubmitOptions
-from orchestrator.errors import BackendError, RecoveryFailed, SpecError
+from orchestrator.errors import BackendError, RecoveryFailed, SpecError, UnsupportedFeature
 from orchestrator.spec import JobSpec, parse_quantity
 
 __all__ = [
@@ -260,6 +262,20 @@ class RayBackend(Backend):
                 ray.shutdown()
         return RunHandle(self.name, str(run_dir), info={"summary": summary})
 
+    # -- supervised background run (drills, benchmarks) -------------------------------------------
+    def launch(self, spec: JobSpec, options: SubmitOptions | None = None) -> RayLocalRun:
+        """Start an embedded-Ray run in a background thread; the drills watch its run directory."""
+        from orchestrator.backends._local_rundir import new_run_dir
+
+        options = options or SubmitOptions()
+        dryrun = self.dry_run(spec, options)
+        if "jobs_api" in dryrun.request:
+            raise UnsupportedFeature("--address: drills run on an embedded local Ray, not through the Jobs API")
+        run_dir = Path(options.run_dir) if options.run_dir else new_run_dir(spec.name)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        options.run_dir = str(run_dir)
+        return RayLocalRun(self, dryrun, run_dir)
+
     # -- Jobs API --------------------------------------------------------------------------------
     def _jobs_client(self, address: str) -> Any:
         from ray.job_submission import JobSubmissionClient
@@ -381,3 +397,43 @@ class RayBackend(Backend):
                 continue
             out.append(self._status(f"{host}/{job.submission_id}"))
         return out
+
+
+class RayLocalRun:
+    """An embedded-Ray run in a background thread, with the supervision surface of a local run."""
+
+    def __init__(self, backend: RayBackend, dryrun: DryRun, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.summary: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, args=(backend, dryrun), name="torchrig-ray", daemon=True)
+        self._thread.start()
+
+    def _main(self, backend: RayBackend, dryrun: DryRun) -> None:
+        try:
+            handle = backend._run_local(dryrun)
+            self.summary = dict(handle.info.get("summary") or {})
+        except BaseException as exc:  # reported through wait(); the thread must not die silently
+            self.error = exc
+
+    def poll(self) -> str | None:
+        if self._thread.is_alive():
+            return None
+        return "succeeded" if self.error is None else "failed"
+
+    def wait(self, timeout_s: float | None = None) -> dict[str, Any]:
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise BackendError(f"the Ray run did not finish within {timeout_s} s; see {self.run_dir}")
+        if self.summary is None:
+            path = self.run_dir / "summary.json"
+            self.summary = json.loads(path.read_text()) if path.exists() else {"status": "failed"}
+            if self.error is not None:
+                self.summary.setdefault("reason", repr(self.error))
+        return self.summary
+
+    def kill_node(self, index: int) -> None:
+        raise UnsupportedFeature("kill-node: the Ray backend runs one emulated node; use --backend local")
+
+    def add_node(self) -> None:
+        raise UnsupportedFeature("kill-node: the Ray backend runs one emulated node; use --backend local")

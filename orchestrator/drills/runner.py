@@ -20,6 +20,10 @@ from orchestrator.spec import JobSpec
 
 __all__ = ["DrillOptions", "run_drill"]
 
+# Uninterrupted references by (backend, nodes, job): a reference depends only on the job, so drills of
+# one job in one process (a test session, a seed sweep) run it once.
+_REFERENCES: dict[tuple[str, int, str], tuple[str, dict[str, Any]]] = {}
+
 
 @dataclass
 class DrillOptions:
@@ -136,17 +140,25 @@ def run_drill(scenario_name: str, spec: JobSpec, options: DrillOptions) -> Drill
 
     if options.reference:
         reference_spec = validate_document(scenario.prepare(copy.deepcopy(base), ctx), "drill-reference")
-        ref = _launch(reference_spec, drill_dir / "reference", options, {}, nodes=nodes)
-        ref_summary = ref.wait(options.timeout_s)
-        report.reference_run_dir = str(ref.run_dir)
+        key = (options.backend, nodes, reference_spec.model_dump_json(exclude={"metadata"}))
+        if key in _REFERENCES:
+            ref_dir, ref_summary = _REFERENCES[key]
+            report.notes.append(f"reference reused from {ref_dir} (same job, backend and world size)")
+        else:
+            ref = _launch(reference_spec, drill_dir / "reference", options, {}, nodes=nodes)
+            ref_summary = ref.wait(options.timeout_s)
+            ref_dir = str(ref.run_dir)
+            if ref_summary.get("status") == "succeeded":
+                _REFERENCES[key] = (ref_dir, ref_summary)
+        report.reference_run_dir = ref_dir
         report.reference_final_loss = ref_summary.get("final_loss")
         report.reference_params_sha256 = ref_summary.get("params_sha256")
         if scenario.compares_params and report.params_sha256 and report.reference_params_sha256:
             report.final_params_match_reference = report.params_sha256 == report.reference_params_sha256
         elif not scenario.compares_params:
             report.final_params_match_reference = None
-    scenario.judge(report, history, ctx)
     report.events = sorted(ctx.events + _job_events(history), key=lambda e: float(e["time"]))
+    scenario.judge(report, history, ctx)
     report.write(drill_dir / "report.json")
     return report
 

@@ -1,0 +1,308 @@
+"""`torchrig checkpoints list|verify|inspect`: what the stores hold, whether it verifies, what is inside."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+import click
+import yaml
+from pydantic import ValidationError
+
+from orchestrator.cli._common import emit_json, handle_errors, output_option
+from orchestrator.errors import BackendError, SpecError, TorchrigError
+
+if TYPE_CHECKING:
+    from training.checkpoint.manifest import CheckpointListing, Manifest
+    from training.checkpoint.storage import FsspecStorage
+
+__all__ = ["checkpoints"]
+
+EXIT_INVALID = 1
+
+
+class CheckpointInvalidError(TorchrigError):
+    """The newest committed checkpoint of a store does not verify."""
+
+
+def _parse_options(pairs: tuple[str, ...]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise SpecError(f"--option: expected key=value, got {pair!r}")
+        # YAML scalars, so `anon=true` or `max_attempts=3` arrive typed.
+        options[key] = yaml.safe_load(raw) if raw else ""
+    return options
+
+
+def _open(uris: tuple[str, ...], options: dict[str, Any]) -> list[FsspecStorage]:
+    from training.checkpoint.storage import open_storage
+    from training.config import StoreConfig
+
+    stores = []
+    for uri in uris:
+        try:
+            StoreConfig(uri=uri)
+        except ValidationError as exc:
+            msg = str(exc.errors()[0]["msg"]).removeprefix("Value error, ")
+            raise SpecError(f"STORE_URI {uri}: {msg}") from None
+        try:
+            stores.append(open_storage(uri, options if "://" in uri and not uri.startswith("file://") else None))
+        except (ImportError, ValueError, TypeError) as exc:
+            raise SpecError(f"STORE_URI {uri}: {exc}") from None
+    return stores
+
+
+def _listing(store: FsspecStorage) -> list[CheckpointListing]:
+    from training.checkpoint.manifest import list_checkpoints
+
+    try:
+        return list_checkpoints(store)
+    except Exception as exc:
+        raise BackendError(f"{store.uri}: cannot list the store: {type(exc).__name__}: {exc}") from None
+
+
+def _human(num: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if num < 1024 or unit == "GiB":
+            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
+        num /= 1024
+    return f"{num:.1f} TiB"
+
+
+def _when(ts: float) -> str:
+    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _row(c: CheckpointListing) -> dict[str, Any]:
+    m = c.manifest
+    return {
+        "step": c.step,
+        "committed": c.committed,
+        "generation": m.generation if m else None,
+        "world_size": m.world_size if m else None,
+        "files": len(m.files) if m else None,
+        "bytes": m.total_bytes if m else None,
+        "time": m.time if m else None,
+        "error": c.error,
+    }
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        # Piped or captured output: do not squeeze URIs and states into 80 columns.
+        console.width = 200
+    return console
+
+
+@click.group(name="checkpoints")
+def checkpoints() -> None:
+    """List, verify and inspect checkpoints in one or more stores.
+
+    STORE_URI is a store root as in `spec.checkpoint.stores[].uri`: a path, `file:///abs`, or
+    `s3://bucket/prefix` (with `--option endpoint_url=... --option key=... --option secret=...`).
+    """
+
+
+_options = click.option(
+    "--option",
+    "pairs",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="fsspec storage option for object stores (repeatable), e.g. endpoint_url=http://127.0.0.1:9000.",
+)
+
+
+@checkpoints.command(name="list")
+@click.argument("uris", nargs=-1, required=True, metavar="STORE_URI...")
+@_options
+@output_option
+@handle_errors
+def list_cmd(uris: tuple[str, ...], pairs: tuple[str, ...], output: str) -> None:
+    """List the steps in each store: committed or not, generation, world size, size.
+
+    With several stores, one table shows which store holds which step.
+    """
+    stores = _open(uris, _parse_options(pairs))
+    per_store = {s.uri: {c.step: c for c in _listing(s)} for s in stores}
+    if output == "json":
+        emit_json(
+            {uri: [_row(c) for c in sorted(rows.values(), key=lambda c: -c.step)] for uri, rows in per_store.items()}
+        )
+        return
+    from rich.table import Table
+
+    steps = sorted({step for rows in per_store.values() for step in rows}, reverse=True)
+    table = Table(title="checkpoints" if len(stores) == 1 else "checkpoints across stores")
+    for col in ("step", "gen", "world", "size", "time (UTC)"):
+        table.add_column(col, justify="right" if col != "time (UTC)" else "left", no_wrap=True)
+    for store in stores:
+        table.add_column(store.uri if len(stores) > 1 else "state", overflow="fold")
+    for step in steps:
+        present = [per_store[s.uri].get(step) for s in stores]
+        ref = next((c.manifest for c in present if c is not None and c.manifest is not None), None)
+        cells = []
+        for c in present:
+            if c is None:
+                cells.append("[dim]-[/dim]")
+            elif c.committed:
+                cells.append("[green]committed[/green]")
+            else:
+                cells.append("[yellow]uncommitted[/yellow]" if not c.error else "[red]bad manifest[/red]")
+        table.add_row(
+            str(step),
+            str(ref.generation) if ref else "?",
+            str(ref.world_size) if ref else "?",
+            _human(ref.total_bytes) if ref else "?",
+            _when(ref.time) if ref else "",
+            *cells,
+        )
+    console = _console()
+    if not steps:
+        console.print("no checkpoints in " + ", ".join(s.uri for s in stores))
+        return
+    console.print(table)
+
+
+@checkpoints.command(name="verify")
+@click.argument("uris", nargs=-1, required=True, metavar="STORE_URI...")
+@click.option("--step", type=int, default=None, help="Verify this step only (default: every committed step).")
+@_options
+@output_option
+@handle_errors
+def verify_cmd(uris: tuple[str, ...], step: int | None, pairs: tuple[str, ...], output: str) -> None:
+    """Re-hash every file of the committed checkpoints against their manifests.
+
+    Exits 1 when the newest committed checkpoint of a store (or `--step`) does not verify, or a store
+    holds no committed checkpoint; the failing files are listed.
+    """
+    from training.checkpoint.manifest import verify_store
+
+    stores = _open(uris, _parse_options(pairs))
+    results: dict[str, list[dict[str, Any]]] = {}
+    failures: list[str] = []
+    for store in stores:
+        listing = [c for c in _listing(store) if step is None or c.step == step]
+        rows: list[dict[str, Any]] = []
+        for c in listing:
+            if c.manifest is None:
+                rows.append({"step": c.step, "status": "uncommitted" if not c.error else "bad manifest", "bad": {}})
+                continue
+            try:
+                report = verify_store(store, c.manifest)
+            except Exception as exc:
+                raise BackendError(f"{store.uri}: cannot read step {c.step}: {exc}") from None
+            rows.append({"step": c.step, "status": "ok" if report.ok else "CORRUPT", "bad": report.bad})
+        results[store.uri] = rows
+        committed = [r for r in rows if r["status"] in ("ok", "CORRUPT")]
+        if step is not None and not rows:
+            failures.append(f"{store.uri}: no step {step}")
+        elif step is not None and rows[0]["status"] != "ok":
+            failures.append(f"{store.uri}: step {step} is {rows[0]['status']}")
+        elif not committed:
+            failures.append(f"{store.uri}: no committed checkpoint")
+        elif committed[0]["status"] != "ok":
+            failures.append(f"{store.uri}: newest committed step {committed[0]['step']} does not verify")
+    if output == "json":
+        emit_json({"ok": not failures, "stores": results, "failures": failures})
+    else:
+        from rich.table import Table
+
+        console = _console()
+        for uri, rows in results.items():
+            table = Table(title=f"verify {uri}")
+            table.add_column("step", justify="right")
+            table.add_column("status")
+            table.add_column("failing files")
+            for r in rows:
+                color = {"ok": "green", "CORRUPT": "red"}.get(r["status"], "yellow")
+                bad = "\n".join(f"{k}: {v}" for k, v in sorted(r["bad"].items()))
+                table.add_row(str(r["step"]), f"[{color}]{r['status']}[/{color}]", bad)
+            console.print(table)
+    if failures:
+        if output != "json":
+            for line in failures:
+                click.echo(f"error: {line}", err=True)
+        raise SystemExit(EXIT_INVALID)
+
+
+@checkpoints.command(name="inspect")
+@click.argument("uri", metavar="STORE_URI")
+@click.option("--step", type=int, default=None, help="Step to inspect (default: the newest committed).")
+@click.option("--max-keys", type=int, default=200, show_default=True, help="Show at most this many state keys.")
+@_options
+@output_option
+@handle_errors
+def inspect_cmd(uri: str, step: int | None, max_keys: int, pairs: tuple[str, ...], output: str) -> None:
+    """Show one checkpoint: its manifest and the tensors and values in its DCP metadata."""
+    (store,) = _open((uri,), _parse_options(pairs))
+    listing = [c for c in _listing(store) if c.manifest is not None and (step is None or c.step == step)]
+    if not listing:
+        what = f"step {step}" if step is not None else "committed checkpoint"
+        raise CheckpointInvalidError(f"{uri}: no {what}")
+    manifest = listing[0].manifest
+    assert manifest is not None
+    keys = _state_keys(store, manifest)
+    if output == "json":
+        from dataclasses import asdict
+
+        emit_json({"manifest": asdict(manifest), "state": keys})
+        return
+    from rich.table import Table
+
+    console = _console()
+    console.print(
+        f"[bold]step {manifest.step}[/bold]  generation {manifest.generation}  world size {manifest.world_size}  "
+        f"nodes {manifest.num_nodes}  job {manifest.job}  torch {manifest.torch_version}  "
+        f"{_human(manifest.total_bytes)}  {_when(manifest.time)} UTC" + ("  (final)" if manifest.final else "")
+    )
+    files = Table(title="files")
+    for col in ("path", "size", "sha256", "rank", "node"):
+        files.add_column(col)
+    for f in manifest.files:
+        files.add_row(f.path, _human(f.size), f.sha256[:16] + "…", str(f.rank), str(f.node_rank))
+    console.print(files)
+    state = Table(title=f"state ({len(keys)} keys)")
+    for col in ("key", "kind", "dtype", "shape"):
+        state.add_column(col)
+    for k in keys[:max_keys]:
+        state.add_row(k["key"], k["kind"], k.get("dtype", ""), str(k.get("shape", "")))
+    console.print(state)
+    if len(keys) > max_keys:
+        console.print(f"... {len(keys) - max_keys} more keys (--max-keys)")
+
+
+def _state_keys(store: FsspecStorage, manifest: Manifest) -> list[dict[str, Any]]:
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    from training.checkpoint.manifest import step_dir
+
+    rel = f"{step_dir(manifest.step)}/{manifest.dcp_dir}/.metadata"
+    with tempfile.TemporaryDirectory() as tmp:
+        local = os.path.join(tmp, ".metadata")
+        try:
+            store.get_file(rel, local)
+        except Exception as exc:
+            raise BackendError(f"{store.uri}: cannot read {rel}: {exc}") from None
+        with open(local, "rb") as fh:
+            # DCP's own format: its .metadata is a pickle written by FileSystemWriter.finish.
+            metadata = pickle.load(fh)
+    if not isinstance(metadata, Metadata):
+        raise CheckpointInvalidError(f"{store.uri}: {rel} is not DCP metadata")
+    out: list[dict[str, Any]] = []
+    for key, meta in sorted(metadata.state_dict_metadata.items()):
+        if isinstance(meta, TensorStorageMetadata):
+            dtype = str(meta.properties.dtype).removeprefix("torch.")
+            out.append(
+                {"key": key, "kind": "tensor", "dtype": dtype, "shape": list(meta.size), "chunks": len(meta.chunks)}
+            )
+        else:
+            out.append({"key": key, "kind": "bytes"})
+    return out

@@ -1,0 +1,155 @@
+"""Checkpoints on two local stores and a real S3 endpoint (moto on 127.0.0.1): redundancy, fallback to the
+object store, a store lost mid-run, and the `torchrig checkpoints` CLI against all of them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from orchestrator.cli import cli
+from tests.fixtures.s3 import S3Server
+from training.checkpoint import CheckpointContext, CheckpointManager, list_checkpoints, open_storage
+from training.checkpoint.manifest import step_dir, verify_store
+from training.config import CheckpointConfig
+from training.metrics.base import CheckpointRecord, MetricsSink
+
+pytestmark = [pytest.mark.s3, pytest.mark.timeout(180)]
+
+
+class Recorder(MetricsSink):
+    def __init__(self) -> None:
+        self.checkpoints: list[CheckpointRecord] = []
+        self.failures: list[str] = []
+
+    def on_checkpoint(self, record: CheckpointRecord) -> None:
+        self.checkpoints.append(record)
+
+    def on_store_failure(self, store: str, error: str) -> None:
+        self.failures.append(store)
+
+
+def _cfg(tmp_path: Path, s3: S3Server, *, local: int = 2) -> CheckpointConfig:
+    stores: list[dict[str, Any]] = [{"uri": str(tmp_path / n), "name": n} for n in "ab"[:local]]
+    stores.append({"uri": s3.uri(), "name": "s3", "options": s3.options})
+    return CheckpointConfig.model_validate({"every": {"steps": 1}, "stores": stores})
+
+
+def _ctx(tmp_path: Path, generation: int) -> CheckpointContext:
+    return CheckpointContext("job", str(tmp_path / "run"), 0, 1, 0, 1, 0, 1, generation, "run")
+
+
+def _state(step: int) -> dict[str, Any]:
+    return {"model": {"w": torch.full((256, 256), float(step))}, "step": step}
+
+
+def _restore(tmp_path: Path, s3: S3Server, generation: int, **kw: Any) -> tuple[Any, dict[str, Any]]:
+    target = _state(-1)
+    mgr = CheckpointManager(_cfg(tmp_path, s3, **kw), _ctx(tmp_path, generation))
+    result = mgr.restore(target)
+    mgr.close()
+    return result, target
+
+
+def test_three_stores_and_a_lost_s3(tmp_path: Path, s3_server: S3Server) -> None:
+    sink = Recorder()
+    mgr = CheckpointManager(_cfg(tmp_path, s3_server), _ctx(tmp_path, 0), sink)
+    for step in (1, 2):
+        mgr.save(step, _state(step))
+        mgr.wait()
+    assert [r.stores_ok for r in sink.checkpoints if r.committed] == [["a", "b", "s3"]] * 2
+    s3 = open_storage(s3_server.uri(), s3_server.options)
+    listing = list_checkpoints(s3)
+    assert [c.step for c in listing if c.committed] == [2, 1]
+    assert listing[0].manifest is not None and verify_store(s3, listing[0].manifest).ok
+
+    s3_server.stop()  # the object store goes away mid-run: training and the other stores go on
+    mgr.save(3, _state(3))
+    mgr.close()
+    last = sink.checkpoints[-1]
+    assert last.committed and last.stores_ok == ["a", "b"] and last.stores_failed == ["s3"]
+    assert sink.failures == ["s3"]
+    result, target = _restore(tmp_path, s3_server, 1)  # with S3 still down: the listing failure is tolerated
+    assert result is not None and (result.step, result.store) == (3, "a")
+    assert torch.equal(target["model"]["w"], _state(3)["model"]["w"]) and target["step"] == 3
+
+
+def test_restore_falls_back_to_s3_copy_when_local_is_corrupt(tmp_path: Path, s3_server: S3Server) -> None:
+    mgr = CheckpointManager(_cfg(tmp_path, s3_server, local=1), _ctx(tmp_path, 0))
+    for step in (1, 2):
+        mgr.save(step, _state(step))
+    mgr.close()
+    shard = tmp_path / "a" / step_dir(2) / "gen-0000" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    result, target = _restore(tmp_path, s3_server, 1, local=1)
+    assert result is not None and (result.step, result.store, result.source) == (2, "s3", "store")
+    assert result.uri == f"{s3_server.uri()}/{step_dir(2)}"
+    assert torch.equal(target["model"]["w"], _state(2)["model"]["w"])
+    # the S3 copy is now corrupt too (truncated object): the newest valid is step 1
+    s3 = open_storage(s3_server.uri(), s3_server.options)
+    rel = f"{step_dir(2)}/gen-0000/__0_0.distcp"
+    s3.fs.pipe_file(f"{s3.root}/{rel}", s3.read_bytes(rel)[:-100])
+    result, target = _restore(tmp_path, s3_server, 2, local=1)
+    assert result is not None and (result.step, result.store) == (1, "a")
+    assert target["step"] == 1
+
+
+def test_cli_list_verify_inspect_across_stores(tmp_path: Path, s3_server: S3Server) -> None:
+    mgr = CheckpointManager(_cfg(tmp_path, s3_server, local=1), _ctx(tmp_path, 0))
+    for step in (1, 2):
+        mgr.save(step, _state(step))
+    mgr.close()
+    (tmp_path / "a" / step_dir(2) / "manifest.json").unlink()  # step 2 uncommitted in store a
+    opts = [
+        "--option",
+        f"endpoint_url={s3_server.endpoint_url}",
+        "--option",
+        "key=testing",
+        "--option",
+        "secret=testing",
+    ]
+    runner = CliRunner()
+    a = str(tmp_path / "a")
+
+    res = runner.invoke(cli, ["checkpoints", "list", a, s3_server.uri(), *opts, "-o", "json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert [(r["step"], r["committed"]) for r in data[a]] == [(2, False), (1, True)]
+    assert [(r["step"], r["committed"]) for r in data[s3_server.uri()]] == [(2, True), (1, True)]
+    res = runner.invoke(cli, ["checkpoints", "list", a, s3_server.uri(), *opts])
+    assert res.exit_code == 0 and "uncommitted" in res.output and "committed" in res.output
+
+    res = runner.invoke(cli, ["checkpoints", "verify", s3_server.uri(), *opts])
+    assert res.exit_code == 0, res.output
+    s3 = open_storage(s3_server.uri(), s3_server.options)
+    rel = f"{step_dir(2)}/gen-0000/__0_0.distcp"
+    blob = bytearray(s3.read_bytes(rel))
+    blob[0] ^= 1
+    s3.fs.pipe_file(f"{s3.root}/{rel}", bytes(blob))
+    res = runner.invoke(cli, ["checkpoints", "verify", s3_server.uri(), *opts, "-o", "json"])
+    assert res.exit_code == 1
+    report = json.loads(res.output)
+    assert report["stores"][s3_server.uri()][0] == {
+        "step": 2,
+        "status": "CORRUPT",
+        "bad": {"gen-0000/__0_0.distcp": "sha256 mismatch"},
+    }
+    # store a: its newest committed step (1) verifies, the uncommitted step 2 is not a failure
+    assert runner.invoke(cli, ["checkpoints", "verify", a]).exit_code == 0
+
+    res = runner.invoke(cli, ["checkpoints", "inspect", s3_server.uri(), *opts, "--step", "1", "-o", "json"])
+    assert res.exit_code == 0, res.output
+    info = json.loads(res.output)
+    assert info["manifest"]["step"] == 1
+    assert {"key": "model.w", "kind": "tensor", "dtype": "float32", "shape": [256, 256], "chunks": 1} in info["state"]
+
+    res = runner.invoke(cli, ["checkpoints", "list", "ftp://nope"])
+    assert res.exit_code == 2 and "unsupported scheme" in res.output
+    res = runner.invoke(cli, ["checkpoints", "list", a, "--option", "novalue"])
+    assert res.exit_code == 2 and "key=value" in res.output

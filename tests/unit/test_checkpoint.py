@@ -1,0 +1,340 @@
+"""CheckpointManager in one process (world size 1) on local-directory stores: redundancy, integrity,
+fallback, fencing, retention, async blocking. S3 and multi-process tests are in tests/integration."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.distributed.checkpoint.stateful import Stateful
+
+from training.checkpoint import CheckpointContext, CheckpointError, CheckpointManager, list_checkpoints, open_storage
+from training.checkpoint.manifest import MANIFEST_NAME, Manifest, read_manifest, step_dir, verify_store
+from training.config import CheckpointConfig
+from training.metrics.base import CheckpointRecord, MetricsSink, RestoreRecord
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Progress(Stateful):
+    def __init__(self, step: int = 0) -> None:
+        self.step = step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+
+
+class Recorder(MetricsSink):
+    def __init__(self) -> None:
+        self.checkpoints: list[CheckpointRecord] = []
+        self.failures: list[tuple[str, str]] = []
+        self.restores: list[RestoreRecord] = []
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    def on_checkpoint(self, record: CheckpointRecord) -> None:
+        self.checkpoints.append(record)
+
+    def on_store_failure(self, store: str, error: str) -> None:
+        self.failures.append((store, error))
+
+    def on_restore(self, record: RestoreRecord) -> None:
+        self.restores.append(record)
+
+    def on_event(self, event: str, **fields: Any) -> None:
+        self.events.append((event, fields))
+
+
+def make_state(seed: int, size: int = 64) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    return {"model": {"w": torch.randn(size, size), "b": torch.randn(size)}, "progress": Progress(seed)}
+
+
+def ctx(tmp_path: Path, generation: int = 0, run_id: str = "run-1") -> CheckpointContext:
+    return CheckpointContext(
+        job="job",
+        run_dir=str(tmp_path / "run"),
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        node_rank=0,
+        num_nodes=1,
+        generation=generation,
+        run_id=run_id,
+    )
+
+
+def config(*uris: str, **kw: Any) -> CheckpointConfig:
+    return CheckpointConfig.model_validate(
+        {"every": {"steps": 1}, "stores": [{"uri": u, "name": f"s{i}"} for i, u in enumerate(uris)], **kw}
+    )
+
+
+def save_steps(mgr: CheckpointManager, steps: list[int]) -> dict[int, dict[str, Any]]:
+    states = {}
+    for step in steps:
+        states[step] = make_state(step)
+        mgr.save(step, states[step])
+        mgr.wait()
+    return states
+
+
+def restored(mgr: CheckpointManager) -> tuple[Any, dict[str, Any]]:
+    target = make_state(999)
+    return mgr.restore(target), target
+
+
+def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert torch.equal(a["model"]["w"], b["model"]["w"])
+    assert torch.equal(a["model"]["b"], b["model"]["b"])
+    assert a["progress"].step == b["progress"].step
+
+
+def test_save_goes_to_every_store_with_a_verifying_manifest(tmp_path: Path) -> None:
+    uris = [str(tmp_path / "a"), f"file://{tmp_path / 'b'}"]
+    sink = Recorder()
+    mgr = CheckpointManager(config(*uris), ctx(tmp_path), sink)
+    states = save_steps(mgr, [1, 2])
+    mgr.close()
+    for uri in uris:
+        store = open_storage(uri)
+        listing = list_checkpoints(store)
+        assert [c.step for c in listing] == [2, 1]
+        manifest = listing[0].manifest
+        assert manifest is not None and manifest.generation == 0 and manifest.world_size == 1
+        assert {f.path for f in manifest.files} == {"gen-0000/.metadata", "gen-0000/__0_0.distcp"}
+        assert verify_store(store, manifest).ok
+    committed = [r for r in sink.checkpoints if r.committed]
+    assert [r.step for r in committed] == [1, 2] and committed[-1].stores_ok == ["s0", "s1"]
+    result, target = restored(CheckpointManager(config(*uris), ctx(tmp_path, 1)))
+    assert result is not None and result.step == 2 and result.store == "s0" and result.source == "store"
+    assert_same(target, states[2])
+
+
+@pytest.mark.parametrize("damage", ["flip_byte", "truncate", "delete_manifest", "delete_shard", "garbage_manifest"])
+def test_damaged_copy_falls_back_to_other_store_then_older_step(tmp_path: Path, damage: str) -> None:
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    mgr = CheckpointManager(config(a, b), ctx(tmp_path))
+    states = save_steps(mgr, [1, 2])
+    mgr.close()
+
+    def hurt(root: str, step: int) -> None:
+        d = Path(root) / step_dir(step)
+        shard = d / "gen-0000" / "__0_0.distcp"
+        if damage == "flip_byte":
+            data = bytearray(shard.read_bytes())
+            data[len(data) // 2] ^= 0x01
+            shard.write_bytes(bytes(data))
+        elif damage == "truncate":
+            shard.write_bytes(shard.read_bytes()[:-7])
+        elif damage == "delete_manifest":
+            (d / MANIFEST_NAME).unlink()
+        elif damage == "delete_shard":
+            shard.unlink()
+        else:
+            (d / MANIFEST_NAME).write_text("{not json")
+
+    hurt(a, 2)  # the first store's newest copy is bad: the second store's copy of step 2 wins
+    sink = Recorder()
+    result, target = restored(CheckpointManager(config(a, b), ctx(tmp_path, 1), sink))
+    assert result is not None and (result.step, result.store) == (2, "s1")
+    assert_same(target, states[2])
+    hurt(b, 2)  # now step 2 is bad everywhere: step 1
+    result, target = restored(CheckpointManager(config(a, b), ctx(tmp_path, 2)))
+    assert result is not None and (result.step, result.store) == (1, "s0")
+    assert_same(target, states[1])
+    # evidence is never deleted by a restore
+    assert (Path(a) / step_dir(2)).exists() and (Path(b) / step_dir(2)).exists()
+
+
+def test_resume_policies(tmp_path: Path) -> None:
+    a = str(tmp_path / "a")
+    with pytest.raises(CheckpointError, match="required"):
+        CheckpointManager(config(a, resume="required"), ctx(tmp_path)).restore(make_state(0))
+    assert CheckpointManager(config(a), ctx(tmp_path)).restore(make_state(0)) is None
+    mgr = CheckpointManager(config(a), ctx(tmp_path))
+    save_steps(mgr, [3])
+    mgr.close()
+    target = make_state(7)
+    assert CheckpointManager(config(a, resume="never"), ctx(tmp_path, 1)).restore(target) is None
+    assert target["progress"].step == 7
+    result = CheckpointManager(config(a, resume="required"), ctx(tmp_path, 1)).restore(target)
+    assert result is not None and result.step == 3 and target["progress"].step == 3
+
+
+def test_broken_store_does_not_stop_the_others_and_is_retried(tmp_path: Path) -> None:
+    good = str(tmp_path / "good")
+    blocker = tmp_path / "blocked"
+    blocker.write_text("a file where a directory is expected")  # root ignores chmod; this fails for root too
+    sink = Recorder()
+    mgr = CheckpointManager(config(good, str(blocker / "sub")), ctx(tmp_path), sink)
+    save_steps(mgr, [1])
+    assert mgr.last_committed_step == 1
+    last = sink.checkpoints[-1]
+    assert last.committed and last.stores_ok == ["s0"] and last.stores_failed == ["s1"]
+    assert [s for s, _ in sink.failures] == ["s1"]
+    blocker.unlink()  # the store comes back: the next checkpoint reaches it
+    save_steps(mgr, [2])
+    mgr.close()
+    assert sink.checkpoints[-1].stores_ok == ["s0", "s1"]
+    assert [c.step for c in list_checkpoints(open_storage(str(blocker / "sub"))) if c.committed] == [2]
+
+
+def test_retention_keeps_newest_and_evidence(tmp_path: Path) -> None:
+    a = str(tmp_path / "a")
+    mgr = CheckpointManager(config(a, keep=2), ctx(tmp_path))
+    save_steps(mgr, [1, 2])
+    # debris of a crashed save older than the kept ones, and evidence newer than them
+    (Path(a) / step_dir(0) / "gen-0000").mkdir(parents=True)
+    (Path(a) / step_dir(50) / "gen-0000").mkdir(parents=True)
+    save_steps(mgr, [3, 4])
+    mgr.close()
+    listing = list_checkpoints(open_storage(a))
+    assert [(c.step, c.committed) for c in listing] == [(50, False), (4, True), (3, True)]
+
+
+def test_stale_generation_is_fenced(tmp_path: Path) -> None:
+    a = str(tmp_path / "a")
+    old = CheckpointManager(config(a), ctx(tmp_path, generation=0))
+    save_steps(old, [1])
+    new = CheckpointManager(config(a), ctx(tmp_path, generation=1))  # the restarted group takes over
+    new_states = save_steps(new, [2])
+    sink = Recorder()
+    old.sink = sink
+    save_steps(old, [2, 3])  # the stale worker is still running
+    assert not any(r.committed for r in sink.checkpoints)
+    assert any(e == "checkpoint_fenced" for e, _ in sink.events)
+    manifest = read_manifest(open_storage(a), 2)
+    assert manifest.generation == 1  # not overwritten
+    assert [c.step for c in list_checkpoints(open_storage(a)) if c.committed] == [2, 1]
+    # the stale writer's step-2 shards went to gen-0000/, the newer ones in gen-0001/ are intact
+    assert verify_store(open_storage(a), manifest).ok
+    result, target = restored(CheckpointManager(config(a), ctx(tmp_path, generation=2)))
+    assert result is not None and result.step == 2
+    assert_same(target, new_states[2])
+    old.close()
+    new.close()
+
+
+def test_new_launch_takes_over_from_an_older_launch(tmp_path: Path) -> None:
+    a = str(tmp_path / "a")
+    first = CheckpointManager(config(a), ctx(tmp_path, generation=3, run_id="launch-1"))
+    save_steps(first, [1])
+    first.close()
+    second = CheckpointManager(config(a), ctx(tmp_path, generation=0, run_id="launch-2"))
+    assert second.restore(make_state(0)) is not None
+    save_steps(second, [2])
+    second.close()
+    assert read_manifest(open_storage(a), 2).run_id == "launch-2"
+    fence = json.loads((Path(a) / "fence.json").read_text())
+    assert fence["run_id"] == "launch-2"
+
+
+def test_should_save_by_steps_and_if_busy_skip(tmp_path: Path) -> None:
+    cfg = CheckpointConfig.model_validate(
+        {"every": {"steps": 5}, "ifBusy": "skip", "stores": [{"uri": str(tmp_path / "a")}]}
+    )
+    mgr = CheckpointManager(cfg, ctx(tmp_path))
+    assert [s for s in range(0, 16) if mgr.should_save(s)] == [5, 10, 15]
+    sink = Recorder()
+    mgr.sink = sink
+    big = {"model": {"w": torch.randn(1024, 1024)}}
+    mgr.save(5, big)
+    mgr.save(10, big)  # the first is very likely still uploading: skipped, never queued
+    mgr.close()
+    skipped = [f["step"] for e, f in sink.events if e == "checkpoint_skipped"]
+    committed = [r.step for r in sink.checkpoints if r.committed]
+    assert sorted(skipped + committed) == [5, 10] and 5 in committed
+
+
+def test_should_save_by_seconds(tmp_path: Path) -> None:
+    cfg = CheckpointConfig.model_validate({"every": {"seconds": 0.2}, "stores": [{"uri": str(tmp_path / "a")}]})
+    mgr = CheckpointManager(cfg, ctx(tmp_path))
+    assert not mgr.should_save(1)
+    import time
+
+    time.sleep(0.25)
+    assert mgr.should_save(2)
+    mgr.save(2, make_state(2))
+    assert not mgr.should_save(3)
+    mgr.close()
+
+
+def test_async_save_blocks_less_than_the_full_save(tmp_path: Path) -> None:
+    state = {"model": {f"w{i}": torch.randn(1024, 1024) for i in range(8)}}  # 32 MiB
+    stores = [str(tmp_path / "a"), str(tmp_path / "b")]
+    mgr = CheckpointManager(config(*stores), ctx(tmp_path))
+    mgr.save(1, state)
+    mgr.close()
+    record = mgr.history[-1]
+    assert record.committed and record.save_s is not None
+    # staging (a CPU copy) must be a small fraction of serialise + hash + upload to two stores
+    assert record.blocked_s < 0.5 * record.save_s, (record.blocked_s, record.save_s)
+    sync = CheckpointManager(config(*stores, **{"async": False}), ctx(tmp_path, 1))
+    sync.save(2, state)
+    sync.close()
+    assert sync.history[-1].blocked_s == sync.history[-1].save_s
+
+
+def test_staged_copy_is_isolated_from_later_updates(tmp_path: Path) -> None:
+    a = str(tmp_path / "a")
+    mgr = CheckpointManager(config(a), ctx(tmp_path))
+    state = make_state(1)
+    expected = state["model"]["w"].clone()
+    mgr.save(1, state)
+    state["model"]["w"].add_(100.0)  # training goes on while the save is in flight
+    state["progress"].step = 42
+    mgr.close()
+    result, target = restored(CheckpointManager(config(a), ctx(tmp_path, 1)))
+    assert result is not None
+    assert torch.equal(target["model"]["w"], expected) and target["progress"].step == 1
+
+
+def test_node_local_copy_is_preferred_and_verified(tmp_path: Path) -> None:
+    a = str(tmp_path / "a")
+    node_local = {"enabled": True, "path": str(tmp_path / "shm")}
+    mgr = CheckpointManager(config(a, nodeLocal=node_local), ctx(tmp_path))
+    states = save_steps(mgr, [1, 2])
+    mgr.close()
+    local_steps = sorted(os.listdir(tmp_path / "shm" / "job" / "node-0"))
+    assert local_steps == [step_dir(2)]  # only the newest is kept locally
+    result, target = restored(CheckpointManager(config(a, nodeLocal=node_local), ctx(tmp_path, 1)))
+    assert result is not None and (result.step, result.source) == (2, "node-local")
+    assert_same(target, states[2])
+    # corrupt the local copy: the store's copy is used instead
+    shard = tmp_path / "shm" / "job" / "node-0" / step_dir(2) / "gen-0000" / "__0_0.distcp"
+    shard.write_bytes(b"x" + shard.read_bytes()[1:])
+    result, target = restored(CheckpointManager(config(a, nodeLocal=node_local), ctx(tmp_path, 2)))
+    assert result is not None and (result.step, result.source, result.store) == (2, "store", "s0")
+    assert_same(target, states[2])
+
+
+def test_manifest_roundtrip() -> None:
+    from training.checkpoint.manifest import FileEntry
+
+    m = Manifest(1, 2, 3, "j", 1.5, "2.13", [FileEntry("gen-0003/a", 1, "ab", 0, 0)], run_id="r")
+    assert Manifest.from_json(m.to_json()) == m
+
+
+@given(
+    step=st.integers(min_value=0, max_value=10**9),
+    generation=st.integers(min_value=0, max_value=9999),
+    paths=st.lists(st.text(alphabet="abc_./0123456789", min_size=1, max_size=20), max_size=5),
+)
+def test_manifest_and_step_names_roundtrip(step: int, generation: int, paths: list[str]) -> None:
+    from training.checkpoint.manifest import FileEntry, gen_dir, parse_step_dir
+
+    assert parse_step_dir(step_dir(step)) == step
+    assert parse_step_dir(gen_dir(generation)) is None
+    files = [FileEntry(f"{gen_dir(generation)}/{p}", i, "0" * 64, i, 0) for i, p in enumerate(paths)]
+    m = Manifest(step, 2, generation, "job", 1.0, torch.__version__, files)
+    assert Manifest.from_json(m.to_json()) == m

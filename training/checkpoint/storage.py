@@ -1,0 +1,194 @@
+"""Where checkpoints live: a tiny storage Protocol over fsspec.
+
+Paths are `str`, never `Path`, because a store root may be a remote URI (`s3://bucket/prefix` is not a
+filesystem path). Every method takes a path *relative to the store root*, so the manager and the CLI
+never join URIs by hand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from typing import Any, Protocol, runtime_checkable
+from urllib.parse import urlparse
+
+__all__ = ["CHUNK_BYTES", "CheckpointStorage", "FsspecStorage", "open_storage", "sha256_file"]
+
+CHUNK_BYTES = 4 * 1024 * 1024
+
+
+def sha256_file(path: str) -> tuple[str, int]:
+    """The sha256 hex digest and size of a local file, read in chunks."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(CHUNK_BYTES):
+            digest.update(chunk)
+            size += len(chunk)
+    return digest.hexdigest(), size
+
+
+@runtime_checkable
+class CheckpointStorage(Protocol):
+    """One checkpoint store. All paths are relative to the store root and use `/`."""
+
+    uri: str
+    name: str
+
+    def put_file(self, local_path: str, rel: str) -> None:
+        """Upload a local file to `rel` (parents created as needed)."""
+
+    def get_file(self, rel: str, local_path: str) -> None:
+        """Download `rel` to a local file."""
+
+    def read_bytes(self, rel: str) -> bytes:
+        """The whole content of a (small) object."""
+
+    def write_bytes_atomic(self, rel: str, data: bytes) -> None:
+        """Write a small object so that a reader sees either nothing or all of it."""
+
+    def size(self, rel: str) -> int:
+        """Size in bytes; raises FileNotFoundError when absent."""
+
+    def exists(self, rel: str) -> bool:
+        """Whether `rel` exists (file or directory)."""
+
+    def list_dir(self, rel: str) -> list[str]:
+        """Names (not paths) of the direct children of `rel`; empty when it does not exist."""
+
+    def list_files(self, rel: str) -> list[str]:
+        """Every file below `rel`, as paths relative to `rel`."""
+
+    def delete_dir(self, rel: str) -> None:
+        """Remove `rel` and everything below it."""
+
+    def sha256(self, rel: str) -> tuple[str, int]:
+        """Digest and size of a stored file, streamed from the store."""
+
+
+class FsspecStorage:
+    """A `CheckpointStorage` on any fsspec filesystem (local, NFS/PVC, s3, gcs, azure, memory).
+
+    Args:
+        uri: the store root, e.g. `file:///ckpt`, `/ckpt` or `s3://bucket/prefix`.
+        options: fsspec storage options (`endpoint_url`, `key`, `secret`, ...).
+        name: short name for logs and metrics.
+    """
+
+    def __init__(self, uri: str, options: dict[str, Any] | None = None, name: str | None = None) -> None:
+        import fsspec
+
+        self.uri = uri
+        self.name = name or uri
+        scheme = urlparse(uri).scheme if "://" in uri else "file"
+        self.scheme = scheme
+        opts = dict(options or {})
+        if scheme == "s3":
+            # s3fs takes endpoint_url inside client_kwargs; accept it at the top level like users write it.
+            endpoint = opts.pop("endpoint_url", None)
+            if endpoint is not None:
+                opts.setdefault("client_kwargs", {})["endpoint_url"] = endpoint
+            # A lost store must fail fast, not retry for minutes while a checkpoint is in flight.
+            opts.setdefault("config_kwargs", {}).setdefault("connect_timeout", 5)
+            opts["config_kwargs"].setdefault("read_timeout", 30)
+            opts["config_kwargs"].setdefault("retries", {"max_attempts": 2})
+            # Listings must reflect what another process just wrote.
+            opts.setdefault("use_listings_cache", False)
+            opts.setdefault("skip_instance_cache", True)
+        elif scheme == "file":
+            opts.setdefault("auto_mkdir", True)
+        self.fs: Any = fsspec.filesystem(scheme, **opts)
+        root = uri.split("://", 1)[1] if "://" in uri else uri
+        if scheme == "file":
+            root = os.path.abspath(root)
+        self.root = root.rstrip("/") or "/"
+
+    def __repr__(self) -> str:
+        return f"FsspecStorage({self.uri!r})"
+
+    def _full(self, rel: str) -> str:
+        rel = rel.strip("/")
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def local_path(self, rel: str = "") -> str | None:
+        """The local filesystem path of `rel` for `file` stores (read in place), else None."""
+        return self._full(rel) if self.scheme == "file" else None
+
+    def put_file(self, local_path: str, rel: str) -> None:
+        full = self._full(rel)
+        if self.scheme == "file":
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+        self.fs.put_file(local_path, full)
+
+    def get_file(self, rel: str, local_path: str) -> None:
+        os.makedirs(os.path.dirname(local_path) or ".", exist_ok=True)
+        self.fs.get_file(self._full(rel), local_path)
+
+    def read_bytes(self, rel: str) -> bytes:
+        data = self.fs.cat_file(self._full(rel))
+        assert isinstance(data, bytes)
+        return data
+
+    def write_bytes_atomic(self, rel: str, data: bytes) -> None:
+        full = self._full(rel)
+        if self.scheme == "file":
+            # Rename is atomic on a POSIX filesystem; a crash leaves only a `.tmp-*` file, never half a manifest.
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+            tmp = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, full)
+        else:
+            # A single PUT of an object is atomic in S3, GCS and Azure Blob.
+            self.fs.pipe_file(full, data)
+
+    def size(self, rel: str) -> int:
+        info = self.fs.info(self._full(rel))
+        return int(info["size"])
+
+    def exists(self, rel: str) -> bool:
+        return bool(self.fs.exists(self._full(rel)))
+
+    def list_dir(self, rel: str) -> list[str]:
+        full = self._full(rel)
+        try:
+            entries = self.fs.ls(full, detail=False)
+        except FileNotFoundError:
+            return []
+        prefix = full.rstrip("/") + "/"
+        # Some filesystems list a directory itself among its children: keep only what lies below it.
+        return sorted(
+            {str(e).rstrip("/")[len(prefix) :].split("/")[0] for e in entries if str(e).startswith(prefix)} - {""}
+        )
+
+    def list_files(self, rel: str) -> list[str]:
+        full = self._full(rel)
+        try:
+            found = self.fs.find(full)
+        except FileNotFoundError:
+            return []
+        prefix = full.rstrip("/") + "/"
+        # s3fs returns paths without the scheme; local returns absolute paths: strip the root either way.
+        return sorted(str(p)[len(prefix) :] for p in found if str(p).startswith(prefix))
+
+    def delete_dir(self, rel: str) -> None:
+        full = self._full(rel)
+        if self.fs.exists(full):
+            self.fs.rm(full, recursive=True)
+
+    def sha256(self, rel: str) -> tuple[str, int]:
+        digest = hashlib.sha256()
+        size = 0
+        with self.fs.open(self._full(rel), "rb", block_size=CHUNK_BYTES) as fh:
+            while chunk := fh.read(CHUNK_BYTES):
+                digest.update(chunk)
+                size += len(chunk)
+        return digest.hexdigest(), size
+
+
+def open_storage(uri: str, options: dict[str, Any] | None = None, name: str | None = None) -> FsspecStorage:
+    """Open a store by URI (a bare path is a local directory)."""
+    return FsspecStorage(uri, options, name)
