@@ -157,7 +157,7 @@ class Backend(ABC):
         return self._list()
 
     # -- hooks ------------------------------------------------------------------------------------
-    def _check(self, spec: JobSpec, options: SubmitOptions) -> None:
+    def _check(self, spec: JobSpec, options: SubmitOptions) -> None:  # noqa: B027 - optional hook
         """Backend-specific feature checks (default: none)."""
 
     @abstractmethod

@@ -1,0 +1,58 @@
+"""The c10d rendezvous store of a local run, in its own small process.
+
+When an agent hosts the rendezvous store, killing that agent kills the job (every other agent loses
+its rendezvous: RendezvousConnectionError). Here the store lives in a process of its own and every
+agent joins with `is_host=false`, so any agent (emulated node) can die and the rest re-rendezvous.
+
+Usage: `python -m orchestrator.backends._local_store PORT_FILE`: binds 127.0.0.1 on a
+free port, writes the port to PORT_FILE (atomically), and serves until its parent (the supervisor) is gone or a
+SIGTERM arrives.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from types import FrameType
+
+__all__ = ["main"]
+
+
+def main(argv: list[str]) -> int:
+    """Serve the store; see the module docstring for the arguments."""
+    from torch._C._distributed_c10d import TCPStore
+
+    port_file = argv[0]
+    parent = os.getppid()
+    stop = False
+
+    def _on_term(signum: int, frame: FrameType | None) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, _on_term)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when the run ends
+    store = TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        multi_tenant=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=60),
+    )
+    tmp = port_file + ".tmp"
+    with open(tmp, "w") as fh:
+        fh.write(str(store.port))
+    os.replace(tmp, port_file)
+    # Outlive nothing: when the supervisor dies we are re-parented, and stop.
+    while not stop and os.getppid() == parent:
+        time.sleep(0.5)
+    del store
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

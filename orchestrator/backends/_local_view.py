@@ -1,0 +1,199 @@
+"""What `torchrig run` shows while a local run goes: a rich live view on a terminal, plain progress
+lines otherwise, nothing with `--quiet`. Everything shown comes from the run directory's
+metrics.jsonl / events.jsonl, the same files `torchrig report` reads afterwards."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from orchestrator.backends._local_rundir import JsonlTail, RunFiles
+
+__all__ = ["LiveProgress", "PlainView", "QuietView", "RichView", "RunView", "create_view"]
+
+
+@dataclass
+class LiveProgress:
+    """The latest state of a run, folded from the new lines of metrics.jsonl and events.jsonl."""
+
+    run_dir: Path
+    total_steps: int
+    step: int = 0
+    loss: float | None = None
+    samples_per_s: float | None = None
+    world_size: int | None = None
+    restarts: int = 0
+    last_checkpoint_step: int | None = None
+    last_checkpoint_time: float | None = None
+    faults: int = 0
+    _metrics: JsonlTail = field(init=False)
+    _events: JsonlTail = field(init=False)
+
+    def __post_init__(self) -> None:
+        files = RunFiles(self.run_dir)
+        self._metrics = JsonlTail(files.metrics)
+        self._events = JsonlTail(files.events)
+
+    def poll(self) -> bool:
+        """Read what was appended since the last call; True when something changed."""
+        changed = False
+        for rec in self._metrics.read_new():
+            changed = True
+            self.step = int(rec.get("step", self.step))
+            self.loss = _float(rec.get("loss"), self.loss)
+            self.samples_per_s = _float(rec.get("samples_per_s"), self.samples_per_s)
+            if isinstance(rec.get("world_size"), int):
+                self.world_size = rec["world_size"]
+        for ev in self._events.read_new():
+            changed = True
+            kind = ev.get("event")
+            gen = ev.get("generation")
+            if isinstance(gen, int):
+                self.restarts = max(self.restarts, gen)
+            if kind == "start" and isinstance(ev.get("world_size"), int):
+                self.world_size = ev["world_size"]
+            elif kind == "checkpoint_committed" and isinstance(ev.get("step"), int):
+                if self.last_checkpoint_step is None or ev["step"] >= self.last_checkpoint_step:
+                    self.last_checkpoint_step = ev["step"]
+                    self.last_checkpoint_time = _float(ev.get("time"), time.time())
+            elif kind == "fault":
+                self.faults += 1
+        return changed
+
+    def checkpoint_text(self) -> str:
+        if self.last_checkpoint_step is None:
+            return "none yet"
+        age = time.time() - (self.last_checkpoint_time or time.time())
+        return f"step {self.last_checkpoint_step} ({age:.0f} s ago)"
+
+    def line(self) -> str:
+        """One plain progress line."""
+        parts = [f"step {self.step}/{self.total_steps}"]
+        if self.loss is not None:
+            parts.append(f"loss {self.loss:.4f}")
+        if self.samples_per_s is not None:
+            parts.append(f"{self.samples_per_s:.0f} samples/s")
+        if self.world_size is not None:
+            parts.append(f"world {self.world_size}")
+        parts.append(f"restarts {self.restarts}")
+        parts.append(f"checkpoint {self.checkpoint_text()}")
+        return "  ".join(parts)
+
+
+def _float(value: Any, default: float | None) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+
+class RunView:
+    """No-op base: what the supervisor calls while a run goes."""
+
+    def __init__(self, progress: LiveProgress, endpoints: list[str]) -> None:
+        self.progress = progress
+        self.endpoints = endpoints
+
+    def start(self) -> None:
+        """Before the first refresh."""
+
+    def refresh(self, note: str = "") -> None:
+        """Called a few times a second."""
+        self.progress.poll()
+
+    def stop(self) -> None:
+        """After the last refresh (before the final line)."""
+
+
+class QuietView(RunView):
+    """`--quiet` and `-o json`: nothing while running."""
+
+
+class PlainView(RunView):
+    """Not a terminal: a progress line every `every_s` seconds when something changed."""
+
+    def __init__(self, progress: LiveProgress, endpoints: list[str], out: TextIO, every_s: float = 5.0) -> None:
+        super().__init__(progress, endpoints)
+        self.out = out
+        self.every_s = every_s
+        self._last = 0.0
+        self._dirty = False
+        self._note = ""
+
+    def refresh(self, note: str = "") -> None:
+        self._dirty |= self.progress.poll()
+        if note and note != self._note:
+            self._note = note
+            print(note, file=self.out, flush=True)
+        now = time.monotonic()
+        if self._dirty and now - self._last >= self.every_s:
+            self._last = now
+            self._dirty = False
+            print(self.progress.line(), file=self.out, flush=True)
+
+    def stop(self) -> None:
+        self.progress.poll()
+        print(self.progress.line(), file=self.out, flush=True)
+
+
+class RichView(RunView):
+    """A terminal: a rich live panel (progress bar, loss, throughput, world size, checkpoint age)."""
+
+    def __init__(self, progress: LiveProgress, endpoints: list[str], out: TextIO) -> None:
+        super().__init__(progress, endpoints)
+        from rich.console import Console
+        from rich.live import Live
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.console = Console(file=out)
+        self.bar = Progress(
+            TextColumn("[bold]steps"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=self.console,
+        )
+        self.task = self.bar.add_task("steps", total=progress.total_steps)
+        self.live = Live(console=self.console, refresh_per_second=4, transient=False)
+        self._note = ""
+
+    def _render(self) -> Any:
+        from rich.console import Group
+        from rich.table import Table
+
+        p = self.progress
+        table = Table.grid(padding=(0, 2))
+        table.add_column(style="dim")
+        table.add_column()
+        table.add_row("loss", "-" if p.loss is None else f"{p.loss:.4f}")
+        table.add_row("samples/s", "-" if p.samples_per_s is None else f"{p.samples_per_s:.0f}")
+        table.add_row("world size", "-" if p.world_size is None else str(p.world_size))
+        table.add_row("restarts", str(p.restarts))
+        table.add_row("checkpoint", p.checkpoint_text())
+        table.add_row("metrics", ", ".join(self.endpoints) or "disabled")
+        if self._note:
+            table.add_row("status", self._note)
+        return Group(self.bar, table)
+
+    def start(self) -> None:
+        self.live.start()
+
+    def refresh(self, note: str = "") -> None:
+        self.progress.poll()
+        self._note = note
+        self.bar.update(self.task, completed=self.progress.step)
+        self.live.update(self._render())
+
+    def stop(self) -> None:
+        self.refresh()
+        self.live.stop()
+
+
+def create_view(progress: LiveProgress, endpoints: list[str], *, quiet: bool, out: TextIO | None = None) -> RunView:
+    """Pick the view: quiet, rich on a terminal, plain lines otherwise."""
+    stream = out or sys.stdout
+    if quiet:
+        return QuietView(progress, endpoints)
+    if stream.isatty():
+        return RichView(progress, endpoints, stream)
+    return PlainView(progress, endpoints, stream)

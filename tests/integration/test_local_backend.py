@@ -1,0 +1,295 @@
+"""The local backend end to end: real torch.distributed.elastic agents, a real c10d rendezvous in its
+own store process, real gloo workers (the stand-in worker of this directory), real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from orchestrator.backends._local_procs import find_marked
+from orchestrator.backends._local_rundir import read_jsonl
+from orchestrator.backends.base import SubmitOptions
+from orchestrator.backends.local import LocalBackend
+from orchestrator.loader import validate_document
+from tests.fixtures.common import REPO, free_port
+
+STANDIN = str(Path(__file__).with_name("standin_worker.py"))
+
+
+def write_job(
+    tmp_path: Path,
+    *,
+    steps: int = 30,
+    procs: int = 2,
+    nodes: tuple[int, int] = (1, 1),
+    restarts: int = 3,
+    every: int = 10,
+    log_every: int = 5,
+) -> Path:
+    doc: dict[str, Any] = {
+        "apiVersion": "torchrig/v1",
+        "kind": "TrainingJob",
+        "metadata": {"name": "standin"},
+        "spec": {
+            "task": {"entrypoint": "training.examples.digits:task"},
+            "training": {"steps": steps},
+            "nodes": {"min": nodes[0], "max": nodes[1]},
+            "procsPerNode": procs,
+            "restarts": {"max": restarts},
+            "checkpoint": {"every": {"steps": every}, "stores": [{"uri": "file://./checkpoints", "name": "local"}]},
+            "metrics": {"port": free_port(), "logEvery": log_every},
+        },
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def torchrig(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", "from orchestrator.cli import main; main()", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def run_token(run_dir: Path) -> str:
+    return str(json.loads((run_dir / "supervisor.json").read_text())["run_token"])
+
+
+def assert_no_processes_left(run_dir: Path) -> None:
+    token = run_token(run_dir)
+    deadline = time.monotonic() + 10
+    while find_marked(token) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert find_marked(token) == [], "processes of the run outlived it"
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_end_to_end_writes_summary(tmp_path: Path) -> None:
+    job = write_job(tmp_path, steps=20)
+    run_dir = tmp_path / "run"
+    proc = torchrig("run", str(job), "--run-dir", str(run_dir), "--worker", STANDIN, "-o", "json")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary == json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "succeeded"
+    assert summary["steps"] == 20 and summary["restarts"] == 0 and summary["world_sizes"] == [2]
+    assert summary["restored_from"] == []
+    assert summary["params_sha256"] == json.loads((run_dir / "result.json").read_text())["params_sha256"]
+    assert summary["checkpoints"] == [
+        {"name": "local", "uri": f"file://{run_dir.resolve()}/checkpoints", "last_committed_step": 20}
+    ]
+    for key in ("final_loss", "eval", "samples_per_s", "wall_s", "run_dir"):
+        assert key in summary
+    # The workers saw the resolved spec the backend wrote, and the env contract (the stand-in asserts it).
+    assert validate_document(yaml.safe_load((run_dir / "job.yaml").read_text())).name == "standin"
+    starts = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "start"]
+    assert sorted(e["rank"] for e in starts) == [0, 1]
+    # Elastic logged into the run directory (never /tmp/torchelastic_*), per attempt and local rank.
+    assert list((run_dir / "logs" / "node0").glob("*/attempt_0/1/stderr.log"))
+    rank1 = torchrig("logs", str(run_dir), "--rank", "1")
+    assert rank1.returncode == 0 and "[rank1]:step 5 " in rank1.stdout and "[rank0]" not in rank1.stdout
+    st = torchrig("status", f"local://{run_dir}")
+    assert st.returncode == 0 and "succeeded" in st.stdout
+    assert_no_processes_left(run_dir)
+
+
+@pytest.mark.timeout(180)
+def test_worker_sigkill_restarts_and_resumes(tmp_path: Path) -> None:
+    job = write_job(tmp_path, steps=30)
+    faults = json.dumps([{"kind": "kill", "rank": 1, "step": 15, "generation": 0}])
+    run_dir = tmp_path / "run"
+    proc = torchrig(
+        "run", str(job), "--run-dir", str(run_dir), "--worker", STANDIN, "-o", "json", env={"TORCHRIG_FAULTS": faults}
+    )
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["status"] == "succeeded"
+    assert summary["restarts"] == 1
+    assert summary["restored_from"] == [{"store": "local", "step": 10}]
+    assert summary["steps"] == 30
+
+
+@pytest.mark.timeout(180)
+def test_restarts_exhausted_fails_with_exit_4_and_log_path(tmp_path: Path) -> None:
+    job = write_job(tmp_path, steps=30, restarts=1)
+    faults = json.dumps([{"kind": "exit", "rank": 0, "step": 3, "generation": g} for g in (0, 1)])
+    run_dir = tmp_path / "run"
+    proc = torchrig(
+        "run", str(job), "--run-dir", str(run_dir), "--worker", STANDIN, "-q", env={"TORCHRIG_FAULTS": faults}
+    )
+    assert proc.returncode == 4, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "restarts exhausted" in errors[0] and "Traceback" not in proc.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["restarts"] == 1
+    assert Path(summary["failure_log"]).is_file() and str(run_dir) in summary["failure_log"]
+    assert summary["failure_log"] in errors[0]
+    st = torchrig("status", str(run_dir))
+    assert st.returncode == 1
+    assert_no_processes_left(run_dir)
+
+
+@pytest.mark.timeout(120)
+def test_sigint_cancels_cleanly(tmp_path: Path) -> None:
+    job = write_job(tmp_path, steps=2000, every=10)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from orchestrator.cli import main; main()",
+            "run",
+            str(job),
+            "--run-dir",
+            str(run_dir),
+            "--worker",
+            STANDIN,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "STANDIN_STEP_S": "0.05"},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            committed = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("event") == "checkpoint_committed"]
+            if committed:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("no checkpoint within 60 s")
+        token = run_token(run_dir)
+        assert find_marked(token), "agents and workers should be running"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "cancelled"
+    assert summary["checkpoints"][0]["last_committed_step"] >= 10
+    assert "last committed checkpoint: file://" in err
+    assert find_marked(token) == []
+    assert torchrig("status", str(run_dir)).returncode == 11
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_five_consecutive_worker_kills_never_hang(tmp_path: Path) -> None:
+    job = write_job(tmp_path, steps=20, restarts=5, every=5)
+    faults = json.dumps([{"kind": "kill", "rank": g % 2, "step": 8, "generation": g} for g in range(5)])
+    run_dir = tmp_path / "run"
+    start = time.monotonic()
+    proc = torchrig(
+        "run",
+        str(job),
+        "--run-dir",
+        str(run_dir),
+        "--worker",
+        STANDIN,
+        "-o",
+        "json",
+        env={"TORCHRIG_FAULTS": faults},
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["status"] == "succeeded" and summary["restarts"] == 5
+    assert [r["step"] for r in summary["restored_from"]] == [5] * 5
+    print(f"5 kill/restart cycles: {time.monotonic() - start:.1f} s")
+
+
+def _wait_world(run_dir: Path, world: int, after: float, timeout: float) -> float:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for m in read_jsonl(run_dir / "metrics.jsonl"):
+            if m.get("world_size") == world and m["time"] > after:
+                return float(m["time"])
+        time.sleep(0.2)
+    raise AssertionError(f"world size {world} not reached after {after} within {timeout} s")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_nodes_kill_store_candidate_node_then_rejoin(tmp_path: Path) -> None:
+    """Node 0 is the agent that would host the c10d store with torchrun's defaults; killing it (agent
+    and workers) leaves the survivor at world size 1, and a replacement node grows the world back."""
+    job = write_job(tmp_path, steps=1000, procs=1, nodes=(1, 2), every=10)
+    spec = validate_document(yaml.safe_load(job.read_text()))
+    backend = LocalBackend()
+    options = SubmitOptions(
+        run_dir=str(tmp_path / "run"), nodes=2, env={"STANDIN_STEP_S": "0.05"}, extra={"worker": STANDIN}
+    )
+    run = backend.launch(spec, options)
+    try:
+        t2 = _wait_world(run.run_dir, 2, 0.0, 90)
+        node0 = run.node_pids(0)
+        assert len(node0) >= 2, "agent and its worker"
+        killed_at = time.time()
+        run.kill_node(0)
+        assert all(
+            not Path(f"/proc/{p}").exists() or "Z" in Path(f"/proc/{p}/stat").read_text().split()[2] for p in node0
+        )
+        t1 = _wait_world(run.run_dir, 1, killed_at, 90)
+        print(f"kill node 0 -> first step at world size 1: {t1 - killed_at:.1f} s")
+        assert run.add_node() == 2
+        added_at = time.time()
+        _wait_world(run.run_dir, 2, max(t1, added_at), 90)
+        summary = run.wait(timeout_s=200)
+    finally:
+        if run.summary is None:
+            run.finish("cancelled")
+    assert t2 < killed_at
+    assert summary["status"] == "succeeded", summary
+    sizes = summary["world_sizes"]
+    assert sizes[-3:] == [2, 1, 2], sizes
+    assert find_marked(run.token) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_digits_demo_with_the_real_worker(tmp_path: Path) -> None:
+    """`make demo`'s job through the real `python -m training` worker, shortened, with a worker kill."""
+    run_dir = tmp_path / "run"
+    faults = json.dumps([{"kind": "kill", "rank": 1, "step": 70, "generation": 0}])
+    proc = torchrig(
+        "run",
+        str(REPO / "examples" / "digits-ddp.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "-o",
+        "json",
+        "--set",
+        "spec.training.steps=120",
+        "--set",
+        f"spec.metrics.port={free_port()}",
+        env={"TORCHRIG_FAULTS": faults},
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    assert summary["status"] == "succeeded" and summary["steps"] == 120
+    assert summary["restarts"] == 1 and summary["restored_from"][0]["step"] == 50
+    assert summary["params_sha256"] and summary["eval"]
+    assert summary["checkpoints"][0]["last_committed_step"] == 120
+    assert summary["world_sizes"] == [2]
+    assert_no_processes_left(run_dir)

@@ -1,0 +1,162 @@
+"""Run-directory helpers of the local backend: summary.json from worker files, incremental tails, run
+state from the supervisor record, process liveness."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestrator.backends._local_procs import alive, find_marked, process_start_ticks
+from orchestrator.backends._local_rundir import (
+    JsonlTail,
+    build_summary,
+    iter_rank_lines,
+    read_jsonl,
+    run_state,
+    world_sizes_from_events,
+    write_json,
+)
+from orchestrator.backends.base import RunState
+
+
+def _lines(path: Path, records: list[dict[str, object]], torn: str = "") -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + torn)
+
+
+def test_summary_from_worker_files(tmp_path: Path) -> None:
+    _lines(
+        tmp_path / "events.jsonl",
+        [
+            {"time": 1, "rank": 0, "generation": 0, "event": "start", "world_size": 2},
+            {"time": 1, "rank": 1, "generation": 0, "event": "start", "world_size": 2},
+            {
+                "time": 2,
+                "rank": 0,
+                "generation": 0,
+                "event": "checkpoint_committed",
+                "step": 50,
+                "stores_ok": ["local"],
+            },
+            {"time": 3, "rank": 0, "generation": 1, "event": "start", "world_size": 1},
+            {"time": 4, "rank": 0, "generation": 1, "event": "restore", "step": 50, "store": "local"},
+            {"time": 4, "rank": 1, "generation": 1, "event": "restore", "step": 50, "store": "local"},
+            {"time": 5, "rank": 0, "generation": 2, "event": "start", "world_size": 2},
+            {"time": 6, "rank": 0, "generation": 2, "event": "checkpoint_committed", "step": 100, "stores_ok": ["s3"]},
+        ],
+        torn='{"time": 7, "rank": 0, "ev',
+    )  # a writer killed mid-line
+    _lines(tmp_path / "metrics.jsonl", [{"step": 90, "loss": 0.5, "samples_per_s": 10.0}])
+    (tmp_path / "result.json").write_text(
+        json.dumps(
+            {"steps": 100, "final_loss": 0.25, "eval": {"accuracy": 0.97}, "params_sha256": "ab", "samples_per_s": 12.5}
+        )
+    )
+    summary = build_summary(
+        tmp_path,
+        status="succeeded",
+        wall_s=3.21,
+        stores=[{"name": "local", "uri": "file:///x"}, {"name": "s3", "uri": "s3://b/p"}],
+        total_steps=100,
+    )
+    assert summary["status"] == "succeeded"
+    assert summary["steps"] == 100 and summary["final_loss"] == 0.25 and summary["eval"] == {"accuracy": 0.97}
+    assert summary["restarts"] == 2
+    assert summary["restored_from"] == [{"store": "local", "step": 50}]
+    assert summary["world_sizes"] == [2, 1, 2]
+    assert summary["params_sha256"] == "ab" and summary["samples_per_s"] == 12.5 and summary["wall_s"] == 3.21
+    assert summary["checkpoints"] == [
+        {"name": "local", "uri": "file:///x", "last_committed_step": 50},
+        {"name": "s3", "uri": "s3://b/p", "last_committed_step": 100},
+    ]
+
+
+def test_summary_without_result_falls_back_to_metrics(tmp_path: Path) -> None:
+    _lines(tmp_path / "metrics.jsonl", [{"step": 10, "loss": 1.5}, {"step": 20, "loss": 1.25, "samples_per_s": 3.0}])
+    summary = build_summary(tmp_path, status="cancelled", wall_s=1.0, stores=[], reason="cancelled by the user")
+    assert (summary["steps"], summary["final_loss"], summary["samples_per_s"]) == (20, 1.25, 3.0)
+    assert summary["params_sha256"] is None and summary["reason"] == "cancelled by the user"
+
+
+@given(st.lists(st.integers(1, 4), max_size=20))
+def test_world_sizes_collapse_consecutive_repeats(sizes: list[int]) -> None:
+    events = [{"time": i, "event": "start", "world_size": s} for i, s in enumerate(sizes)]
+    got = world_sizes_from_events(list(reversed(events)))  # order comes from the time, not the file
+    assert all(a != b for a, b in itertools.pairwise(got))
+    assert set(got) == set(sizes)
+    if sizes:
+        assert got[0] == sizes[0] and got[-1] == sizes[-1]
+
+
+@settings(deadline=None, max_examples=40)
+@given(st.lists(st.dictionaries(st.text(max_size=5), st.integers()), max_size=8), st.integers(1, 40))
+def test_jsonl_tail_sees_each_record_once_whatever_the_chunking(records: list[dict[str, int]], cut: int) -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "m.jsonl"
+        data = "".join(json.dumps(r) + "\n" for r in records).encode()
+        tail = JsonlTail(path)
+        got: list[dict[str, int]] = []
+        for i in range(0, len(data) + cut, cut):
+            path.write_bytes(data[: i + cut])
+            got += tail.read_new()
+        assert got == records
+
+
+def test_read_jsonl_skips_garbage(tmp_path: Path) -> None:
+    (tmp_path / "e.jsonl").write_text('{"a": 1}\nnot json\n[1, 2]\n\n{"b": 2}\n')
+    assert read_jsonl(tmp_path / "e.jsonl") == [{"a": 1}, {"b": 2}]
+    assert read_jsonl(tmp_path / "missing.jsonl") == []
+
+
+def test_run_state_from_summary_and_supervisor(tmp_path: Path) -> None:
+    assert run_state(tmp_path)[0] is RunState.UNKNOWN
+    (tmp_path / "job.yaml").write_text("x: 1\n")
+    assert run_state(tmp_path)[0] is RunState.PENDING
+    me = os.getpid()
+    write_json(tmp_path / "supervisor.json", {"pid": me, "start_ticks": process_start_ticks(me)})
+    assert run_state(tmp_path)[0] is RunState.RUNNING
+    # Same pid, other start time: a reused pid is not our supervisor.
+    write_json(tmp_path / "supervisor.json", {"pid": me, "start_ticks": (process_start_ticks(me) or 0) + 1})
+    state, message, _ = run_state(tmp_path)
+    assert state is RunState.UNKNOWN and "gone" in message
+    for status, expected in [("succeeded", 0), ("failed", 1), ("cancelled", 11)]:
+        write_json(tmp_path / "summary.json", {"status": status})
+        assert run_state(tmp_path)[0].exit_code == expected
+
+
+def test_alive_and_find_marked_track_real_processes() -> None:
+    token = os.urandom(6).hex()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(30)"],
+        env={**os.environ, "TORCHRIG_RUN_TOKEN": token, "TORCHRIG_LOCAL_NODE": "3"},
+    )
+    try:
+        ticks = process_start_ticks(proc.pid)
+        assert alive(proc.pid, ticks)
+        deadline = time.monotonic() + 5
+        while not find_marked(token) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the child may still be in exec for an instant
+        assert find_marked(token) == [proc.pid] and find_marked(token, 3) == [proc.pid] and find_marked(token, 1) == []
+        proc.kill()
+        proc.wait()
+        assert not alive(proc.pid, ticks) and find_marked(token) == []
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_rank_lines_filter_by_prefix(tmp_path: Path) -> None:
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "node0.log").write_text("[rank0]:a\n[rank1]:b\nagent line\n")
+    (tmp_path / "logs" / "node1.log").write_text("[rank10]:c\n[rank1]:d\n")
+    assert list(iter_rank_lines(tmp_path, 1)) == ["[rank1]:b", "[rank1]:d"]
+    assert len(list(iter_rank_lines(tmp_path, None))) == 5

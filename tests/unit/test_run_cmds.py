@@ -1,0 +1,188 @@
+"""The run lifecycle CLI without launching anything: dry runs, bad input, status/list/logs/report over
+run directories written by hand."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from orchestrator.backends._local_procs import process_start_ticks
+from orchestrator.backends._local_rundir import write_json
+from orchestrator.cli import cli
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "digits-ddp.yaml"
+
+
+def invoke(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    result = CliRunner().invoke(cli, list(args), env=env, catch_exceptions=False)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def make_run(root: Path, name: str, stamp: str, status: str | None, job: Path = EXAMPLE) -> Path:
+    run_dir = root / name / stamp
+    run_dir.mkdir(parents=True)
+    (run_dir / "job.yaml").write_text(job.read_text())
+    if status:
+        write_json(run_dir / "summary.json", {"status": status, "steps": 7, "run_dir": str(run_dir)})
+    return run_dir
+
+
+def test_dry_run_shows_the_elastic_launch(tmp_path: Path) -> None:
+    code, out, _ = invoke(
+        "run", str(EXAMPLE), "--dry-run", "--nodes", "2", "--run-dir", str(tmp_path / "r"), "-o", "json"
+    )
+    assert code == 0
+    plan = json.loads(out)
+    assert plan["rendezvous"]["conf"]["is_host"] == "false"
+    assert len(plan["agents"]) == 2
+    cmd = plan["agents"][1]["command"]
+    for part in (
+        "torch.distributed.run",
+        "--nnodes=1:2",
+        "--nproc-per-node=2",
+        "--max-restarts=3",
+        "--rdzv-backend=c10d",
+        "--local-addr=127.0.0.1",
+        f"--log-dir={tmp_path / 'r'}/logs/node1",
+        "-m training --spec",
+    ):
+        assert part in cmd
+    assert plan["env"]["TORCHRIG_METRICS_BIND"] == "127.0.0.1"
+    assert plan["env"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert not (tmp_path / "r").exists(), "a dry run creates nothing"
+
+
+def test_dry_run_text_is_yaml_and_applies_set(tmp_path: Path) -> None:
+    code, out, _ = invoke(
+        "run", str(EXAMPLE), "--dry-run", "--set", "spec.restarts.max=7", "--run-dir", str(tmp_path / "r")
+    )
+    assert code == 0
+    assert "--max-restarts=7" in yaml.safe_load(out)["agents"][0]["command"]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--nodes", "3"], "--nodes: 3 exceeds spec.nodes.max (2)"),
+        (["--nodes", "0"], "--nodes: must be at least 1"),
+        (["--backend", "nope"], "unknown backend 'nope'; valid backends:"),
+        (["--set", "spec.training.steps=-1"], "spec.training.steps"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(tmp_path: Path, args: list[str], needle: str) -> None:
+    code, _, err = invoke("run", str(EXAMPLE), "--dry-run", "--run-dir", str(tmp_path / "r"), *args)
+    assert code == 2
+    assert needle in err and "Traceback" not in err
+
+
+def test_run_dir_of_another_job_is_refused(tmp_path: Path) -> None:
+    other = tmp_path / "other.yaml"
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["training"]["steps"] = 5
+    other.write_text(yaml.safe_dump(doc))
+    run_dir = make_run(tmp_path, "x", "1", "succeeded", job=other)
+    code, _, err = invoke("run", str(EXAMPLE), "--dry-run", "--run-dir", str(run_dir))
+    assert code == 2 and "holds a run of a different job" in err
+    # The same job again is a resume: allowed, and nothing already written is touched.
+    code, out, _ = invoke("run", str(other), "--dry-run", "--run-dir", str(run_dir), "-o", "json")
+    assert code == 0 and json.loads(out)["resume"] is True
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "succeeded"
+
+
+def test_run_dir_of_a_live_run_is_refused(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path, "x", "1", None)
+    write_json(run_dir / "supervisor.json", {"pid": os.getpid(), "start_ticks": process_start_ticks(os.getpid())})
+    code, _, err = invoke("run", str(EXAMPLE), "--dry-run", "--run-dir", str(run_dir))
+    assert code == 3 and "still going" in err
+
+
+def test_status_exit_codes_and_list(tmp_path: Path) -> None:
+    ok = make_run(tmp_path, "digits-ddp", "20261122-000001", "succeeded")
+    bad = make_run(tmp_path, "digits-ddp", "20261122-000002", "failed")
+    gone = make_run(tmp_path, "digits-ddp", "20261122-000003", "cancelled")
+    live = make_run(tmp_path, "digits-ddp", "20261122-000004", None)
+    write_json(live / "supervisor.json", {"pid": os.getpid(), "start_ticks": process_start_ticks(os.getpid())})
+    (live / "metrics.jsonl").write_text(json.dumps({"step": 3, "loss": 1.0}) + "\n")
+    assert invoke("status", str(ok))[0] == 0
+    assert invoke("status", f"local://{bad}")[0] == 1
+    assert invoke("status", str(gone))[0] == 11
+    code, out, _ = invoke("status", str(live), "-o", "json")
+    assert code == 10 and json.loads(out)["details"]["step"] == 3
+    code, _, err = invoke("status", str(tmp_path / "nope"))
+    assert code == 2 and "no such run directory" in err
+    code, out, _ = invoke("list", "-o", "json", env={"TORCHRIG_RUNS_DIR": str(tmp_path)})
+    assert code == 0
+    states = {Path(r["run"].removeprefix("local://")).name: r["state"] for r in json.loads(out)}
+    assert states == {
+        "20261122-000001": "succeeded",
+        "20261122-000002": "failed",
+        "20261122-000003": "cancelled",
+        "20261122-000004": "running",
+    }
+
+
+def test_cancel_of_a_finished_run_changes_nothing(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path, "x", "1", "succeeded")
+    code, out, _ = invoke("cancel", str(run_dir))
+    assert code == 0 and "succeeded" in out
+
+
+def test_ref_backend_mismatch_is_usage_error(tmp_path: Path) -> None:
+    code, _, err = invoke("status", "ray://raysubmit_1", "--backend", "local")
+    assert code == 2 and "belongs to backend 'ray'" in err
+
+
+def test_logs_by_rank(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path, "x", "1", "succeeded")
+    (run_dir / "logs").mkdir()
+    (run_dir / "logs" / "node0.log").write_text("[rank0]:zero\n[rank1]:one\n")
+    code, out, _ = invoke("logs", str(run_dir), "--rank", "1")
+    assert code == 0 and out == "[rank1]:one\n"
+    code, out, _ = invoke("logs", str(run_dir), "--follow")  # a finished run: prints all and returns
+    assert code == 0 and out == "[rank0]:zero\n[rank1]:one\n"
+
+
+def test_report_json_and_plot(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path, "x", "1", "succeeded")
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps({"time": 100.0 + i, "step": 10 * i, "loss": 2.0 / i, "samples_per_s": 50.0 + i, "world_size": 2})
+            + "\n"
+            for i in range(1, 6)
+        )
+    )
+    (run_dir / "events.jsonl").write_text(
+        "".join(
+            json.dumps(e) + "\n"
+            for e in [
+                {"time": 99.0, "rank": 0, "generation": 0, "event": "start", "world_size": 2},
+                {
+                    "time": 102.0,
+                    "rank": 0,
+                    "generation": 0,
+                    "event": "checkpoint_committed",
+                    "step": 20,
+                    "blocked_s": 0.03,
+                },
+                {"time": 103.0, "rank": 0, "generation": 1, "event": "start", "world_size": 1},
+            ]
+        )
+    )
+    png = tmp_path / "r.png"
+    code, out, _ = invoke("report", str(run_dir), "-o", "json", "--plot", str(png))
+    assert code == 0
+    data = json.loads(out)
+    assert data["summary"]["status"] == "succeeded"
+    assert data["derived"]["world_sizes"] == [2, 1]
+    assert data["derived"]["checkpoints_committed"] == 1 and data["derived"]["min_loss"] == 0.4
+    assert data["derived"]["samples_per_s_median"] == 53.0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code, out, _ = invoke("report", str(run_dir))
+    assert code == 0 and "succeeded" in out
+    code, _, err = invoke("report", str(tmp_path))
+    assert code == 2 and "holds no summary.json" in err
