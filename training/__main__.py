@@ -1,0 +1,81 @@
+"""`python -m training --spec job.yaml`: the worker entry point under every launcher.
+
+The spec comes from `--spec` or `TORCHRIG_SPEC`; the run directory from `--run-dir`,
+`TORCHRIG_RUN_DIR`, or `runs/<job name>` under the working directory (the same for every rank, so
+relative checkpoint stores and `events.jsonl` are shared). Exit codes: 0 success, 1 training failed,
+2 bad spec or task (one line on stderr, no traceback), 70 watchdog (see `training.watchdog`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import traceback
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, load the spec and run this worker. Returns the process exit code."""
+    parser = argparse.ArgumentParser(prog="python -m training", description="Run one torchrig training worker.")
+    parser.add_argument("--spec", default=os.environ.get("TORCHRIG_SPEC"), help="resolved job file (TORCHRIG_SPEC)")
+    parser.add_argument(
+        "--run-dir", default=os.environ.get("TORCHRIG_RUN_DIR"), help="run directory (TORCHRIG_RUN_DIR)"
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("TORCHRIG_LOG_LEVEL", "INFO").upper(),
+        format="%(asctime)s %(levelname)s [rank " + os.environ.get("RANK", "0") + "] %(name)s: %(message)s",
+    )
+    if not args.spec:
+        print("torchrig: error: no job file: pass --spec PATH or set TORCHRIG_SPEC", file=sys.stderr)
+        return EXIT_USAGE
+
+    from training.config import load_worker_spec
+
+    try:
+        spec = load_worker_spec(args.spec)
+    except FileNotFoundError as exc:
+        print(f"torchrig: error: {args.spec}: {exc.strerror}", file=sys.stderr)
+        return EXIT_USAGE
+    except ValueError as exc:
+        problems = "; ".join(str(exc).splitlines())
+        print(f"torchrig: error: {args.spec}: {problems}", file=sys.stderr)
+        return EXIT_USAGE
+    run_dir = args.run_dir or os.path.join("runs", spec.name)
+
+    from training.task import TaskLoadError
+    from training.worker import run_worker
+
+    try:
+        run_worker(spec, run_dir=run_dir)
+    except TaskLoadError as exc:
+        print(f"torchrig: error: {args.spec}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as exc:
+        # A failure inside training (the user's task, OOM, a lost peer): the traceback belongs in the
+        # worker log, the last line says what happened; torchrun's error file gets the root cause.
+        traceback.print_exc()
+        _record_for_torchelastic(exc)
+        print(f"torchrig: error: worker failed: {type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _record_for_torchelastic(exc: BaseException) -> None:
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+        get_error_handler().record_exception(exc)
+    except Exception:  # the error report must never mask the error itself
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Handwritten digits: an MLP on scikit-learn's bundled 8x8 digits (real data, no download).
+
+1797 images, a fixed stratified 80/20 train/held-out split, features standardised with the training
+set's statistics. The default job (examples/digits-ddp.yaml) reaches >= 95% held-out accuracy on CPU in
+a few seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import cached_property
+
+import numpy as np
+import torch
+import torch.nn.functional as F  # noqa: N812 - the universal alias
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+from training.task import TaskBase
+
+__all__ = ["DigitsTask", "task"]
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class DigitsTask(TaskBase):
+    """Classify 8x8 digit images with a 2-hidden-layer MLP.
+
+    Args:
+        hidden: Width of the hidden layers.
+        dropout: Dropout after each hidden layer (randomness is reseeded per step by the worker).
+        held_out: Fraction of the data held out for evaluation.
+    """
+
+    def __init__(self, hidden: int = 256, dropout: float = 0.0, held_out: float = 0.2) -> None:
+        if hidden <= 0:
+            raise ValueError("hidden must be > 0")
+        if not 0.0 < held_out < 1.0:
+            raise ValueError("held_out must be in (0, 1)")
+        self.hidden = hidden
+        self.dropout = dropout
+        self.held_out = held_out
+
+    @cached_property
+    def _splits(self) -> tuple[TensorDataset, TensorDataset]:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+
+        x, y = load_digits(return_X_y=True)
+        x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=self.held_out, random_state=0, stratify=y)
+        mean = x_train.mean(axis=0)
+        std = x_train.std(axis=0)
+        # border pixels that never light up in training keep scale 1 (as StandardScaler does), else a
+        # stray held-out pixel there becomes a huge input
+        std[std < 1e-6] = 1.0
+
+        def to_ds(xs: np.ndarray, ys: np.ndarray) -> TensorDataset:
+            return TensorDataset(
+                torch.from_numpy(((xs - mean) / std).astype(np.float32)), torch.from_numpy(ys.astype(np.int64))
+            )
+
+        return to_ds(x_train, y_train), to_ds(x_test, y_test)
+
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(
+            nn.Linear(64, self.hidden),
+            nn.ReLU(),
+            nn.Dropout(self.dropout),
+            nn.Linear(self.hidden, self.hidden),
+            nn.ReLU(),
+            nn.Dropout(self.dropout),
+            nn.Linear(self.hidden, 10),
+        )
+
+    def train_dataset(self) -> Dataset[tuple[torch.Tensor, ...]]:
+        return self._splits[0]
+
+    def eval_dataset(self) -> Dataset[tuple[torch.Tensor, ...]]:
+        return self._splits[1]
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+    def evaluate(self, model: nn.Module, batch: Batch) -> Mapping[str, float | torch.Tensor]:
+        x, y = batch
+        logits = model(x).float()
+        return {
+            "correct": (logits.argmax(dim=1) == y).sum(),
+            "loss": F.cross_entropy(logits, y, reduction="sum"),
+            "count": float(y.shape[0]),
+        }
+
+    def summarize(self, totals: Mapping[str, float]) -> dict[str, float]:
+        count = totals.get("count", 0.0)
+        if not count:
+            return {}
+        return {"accuracy": totals["correct"] / count, "loss": totals["loss"] / count, "count": count}
+
+    def flops_per_sample(self) -> float:
+        # forward 2 * weights, backward twice that
+        weights = 64 * self.hidden + self.hidden * self.hidden + self.hidden * 10
+        return 6.0 * weights
+
+
+def task(hidden: int = 256, dropout: float = 0.0, held_out: float = 0.2) -> DigitsTask:
+    """Entry point for `task.entrypoint: training.examples.digits:task`."""
+    return DigitsTask(hidden=hidden, dropout=dropout, held_out=held_out)

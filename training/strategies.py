@@ -1,0 +1,309 @@
+"""Parallelism and numerics from `spec.training`: DDP, FSDP2, HSDP, mixed precision, activation
+checkpointing, gradient accumulation, clipping, the optimizer and the learning-rate schedule.
+
+Everything here runs on CPU/gloo as well as on GPU/nccl.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import GradBucket  # type: ignore[attr-defined]
+
+from training.config import LrScheduleConfig, OptimizerConfig, Precision, Strategy, TrainingConfig
+from training.env import DistEnv
+
+__all__ = ["CommTimer", "Parallel", "build_optimizer", "clip_grad_norm", "lr_at", "parallelize"]
+
+log = logging.getLogger(__name__)
+
+
+class CommTimer:
+    """Wall time covered by gradient collectives, as the union of their [issue, done] intervals.
+
+    Collectives overlap with compute and with each other (DDP buckets); the union counts each second
+    of communication once. Callbacks may run on the backend's threads, hence the lock.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._intervals: list[tuple[float, float]] = []
+
+    def record(self, start: float, end: float) -> None:
+        with self._lock:
+            self._intervals.append((start, end))
+
+    def track(self, start: float, work: dist.Work | None) -> None:
+        """Record the interval of a collective issued at `start` (sync: done now; async: when its future is)."""
+        if work is None:
+            self.record(start, time.perf_counter())
+            return
+        fut = work.get_future()
+        fut.add_done_callback(lambda _: self.record(start, time.perf_counter()))
+
+    def take(self) -> float:
+        """Seconds of communication since the last call (and forget them)."""
+        with self._lock:
+            intervals, self._intervals = sorted(self._intervals), []
+        total, cur_start, cur_end = 0.0, None, None
+        for start, end in intervals:
+            if cur_end is None or start > cur_end:
+                if cur_end is not None and cur_start is not None:
+                    total += cur_end - cur_start
+                cur_start, cur_end = start, end
+            else:
+                cur_end = max(cur_end, end)
+        if cur_end is not None and cur_start is not None:
+            total += cur_end - cur_start
+        return total
+
+
+@dataclass
+class Parallel:
+    """A model wrapped for its strategy, and how to run a micro-step with it.
+
+    Attributes:
+        model: The wrapped module to train (DDP, FSDP2 root, or the plain module at world size 1).
+        module: The unwrapped module (same object for FSDP2, which wraps in place).
+        strategy: What was applied.
+        comm: Times the gradient collectives.
+        scaler: Gradient scaler for fp16, else None.
+        mesh: The FSDP/HSDP device mesh, else None.
+    """
+
+    model: nn.Module
+    module: nn.Module
+    strategy: Strategy
+    device: torch.device
+    precision: Precision
+    comm: CommTimer = field(default_factory=CommTimer)
+    scaler: torch.amp.GradScaler | None = None
+    mesh: Any = None
+
+    @contextlib.contextmanager
+    def micro_step(self, sync: bool) -> Iterator[None]:
+        """Context of one forward/backward; `sync=False` skips the gradient collective (accumulation)."""
+        with contextlib.ExitStack() as stack:
+            if isinstance(self.model, nn.parallel.DistributedDataParallel):
+                if not sync:
+                    stack.enter_context(self.model.no_sync())
+            elif self.strategy is not Strategy.ddp:
+                self.model.set_requires_gradient_sync(sync)  # type: ignore[operator]
+            if self.strategy is Strategy.ddp and self.precision is not Precision.fp32:
+                dtype = torch.bfloat16 if self.precision is Precision.bf16 else torch.float16
+                stack.enter_context(torch.autocast(self.device.type, dtype=dtype))
+            yield
+
+    def eval_model(self) -> nn.Module:
+        """The module to evaluate with: DDP's inner module (no buffer broadcast), FSDP's root (its
+        forward all-gathers the shards, so every rank must run the same number of eval batches)."""
+        return self.module if isinstance(self.model, nn.parallel.DistributedDataParallel) else self.model
+
+    def eval_autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.strategy is Strategy.ddp and self.precision is not Precision.fp32:
+            dtype = torch.bfloat16 if self.precision is Precision.bf16 else torch.float16
+            return torch.autocast(self.device.type, dtype=dtype)
+        return contextlib.nullcontext()
+
+
+def _timed_allreduce_hook(timer: CommTimer) -> Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    def hook(process_group: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        start = time.perf_counter()
+        fut = default_hooks.allreduce_hook(process_group, bucket)
+
+        def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            timer.record(start, time.perf_counter())
+            return f.value()
+
+        return fut.then(done)
+
+    # DDP checks the hook's annotations as objects; this module's are strings (PEP 563).
+    hook.__annotations__ = {
+        "process_group": Any,
+        "bucket": GradBucket,
+        "return": torch.futures.Future[torch.Tensor],
+    }
+    return hook
+
+
+def _timed_fsdp_comms(model: nn.Module, timer: CommTimer) -> None:
+    """Route FSDP2's all-gather and reduce-scatter through timed wrappers of the default collectives.
+
+    Uses FSDP2's custom-comm hooks (`set_custom_all_gather/reduce_scatter`); on a torch without them
+    comm time is reported as 0 rather than guessed.
+    """
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    except ImportError:  # pragma: no cover - older torch
+        log.info("FSDP2 custom comms unavailable in this torch; comm_s is reported as 0")
+        return
+
+    def _empty(size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    class TimedAllGather(AllGather):
+        def allocate(
+            self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+        ) -> torch.Tensor:
+            return _empty(size, dtype=dtype, device=device)
+
+        def __call__(
+            self,
+            output_tensor: torch.Tensor,
+            input_tensor: torch.Tensor,
+            group: dist.ProcessGroup,
+            async_op: bool = False,
+        ) -> dist.Work | None:
+            start = time.perf_counter()
+            work: dist.Work | None = dist.all_gather_into_tensor(
+                output_tensor, input_tensor, group=group, async_op=async_op
+            )
+            timer.track(start, work if async_op else None)
+            return work
+
+    class TimedReduceScatter(ReduceScatter):
+        def allocate(
+            self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+        ) -> torch.Tensor:
+            return _empty(size, dtype=dtype, device=device)
+
+        def __call__(
+            self,
+            output_tensor: torch.Tensor,
+            input_tensor: torch.Tensor,
+            group: dist.ProcessGroup,
+            op: Any,
+            async_op: bool = False,
+        ) -> dist.Work | None:
+            start = time.perf_counter()
+            work: dist.Work | None = dist.reduce_scatter_tensor(
+                output_tensor, input_tensor, op=op, group=group, async_op=async_op
+            )
+            timer.track(start, work if async_op else None)
+            return work
+
+    from torch.distributed.fsdp import FSDPModule
+
+    gather, scatter = TimedAllGather(), TimedReduceScatter()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_all_gather(gather)
+            module.set_custom_reduce_scatter(scatter)
+
+
+def parallelize(
+    model: nn.Module, blocks: Sequence[nn.Module], cfg: TrainingConfig, dist_env: DistEnv, device: torch.device
+) -> Parallel:
+    """Apply activation checkpointing, then the strategy and its mixed precision, to `model` (in place).
+
+    Args:
+        model: The task's model, on the CPU in float32, identically initialised on every rank.
+        blocks: The task's repeated blocks (FSDP units, activation-checkpointing units).
+        cfg: `spec.training`.
+        dist_env: This rank's coordinates (HSDP mesh shape: num_nodes x local_world_size).
+        device: Where to train.
+    """
+    model.to(device)
+    if cfg.activation_checkpointing:
+        if not blocks:
+            log.warning("activationCheckpointing: the task exposes no blocks; nothing is recomputed")
+        # The composable API keeps parameter names unchanged (checkpoint_wrapper would add a prefix),
+        # so checkpoints stay loadable with activation checkpointing switched on or off.
+        from torch.distributed._composable import checkpoint  # type: ignore[attr-defined]
+
+        for block in blocks:
+            checkpoint(block)
+
+    par = Parallel(model=model, module=model, strategy=cfg.strategy, device=device, precision=cfg.precision)
+    if cfg.strategy is Strategy.ddp:
+        if cfg.precision is Precision.fp16:
+            par.scaler = torch.amp.GradScaler(device.type)
+        if dist_env.world_size > 1:
+            ddp = nn.parallel.DistributedDataParallel(
+                model, device_ids=[device.index] if device.type == "cuda" else None
+            )
+            ddp.register_comm_hook(None, _timed_allreduce_hook(par.comm))
+            par.model = ddp
+        return par
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if cfg.strategy is Strategy.hsdp:
+        mesh = init_device_mesh(
+            device.type, (dist_env.num_nodes, dist_env.local_world_size), mesh_dim_names=("replicate", "shard")
+        )
+    else:
+        mesh = init_device_mesh(device.type, (dist_env.world_size,), mesh_dim_names=("shard",))
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if cfg.precision is Precision.bf16
+        else MixedPrecisionPolicy()
+    )
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    _timed_fsdp_comms(model, par.comm)
+    par.mesh = mesh
+    return par
+
+
+def clip_grad_norm(par: Parallel, max_norm: float) -> float:
+    """Clip the global gradient norm and return it (before clipping).
+
+    Under FSDP2 the gradients are DTensor shards; `clip_grad_norm_` reduces their partial norms across
+    the mesh, so the norm is the one of the full gradient (checked against a single process in the
+    equivalence tests).
+    """
+    norm = torch.nn.utils.clip_grad_norm_(par.model.parameters(), max_norm)
+    full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    return float(full)
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """The optimizer of `training.optimizer` over the (possibly sharded) parameters.
+
+    `foreach=False` keeps the per-parameter update order fixed, one ingredient of bit-exact resume.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, foreach=False)
+    if cfg.name == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, foreach=False)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, foreach=False)
+
+
+def lr_at(step: int, world_size: int, base_lr: float, total_steps: int, schedule: LrScheduleConfig) -> float:
+    """The learning rate of optimizer step `step` (0-based): a pure function, so resume is exact.
+
+    Peak rate = `base_lr` scaled by the *current* world size (recomputed after every elastic resize);
+    linear warm-up over `warmupSteps`, then constant / cosine / linear decay that reaches
+    `minLrRatio` x peak at the last step.
+    """
+    ratio = world_size / schedule.base_world_size
+    if schedule.scale_with_world_size == "linear":
+        peak = base_lr * ratio
+    elif schedule.scale_with_world_size == "sqrt":
+        peak = base_lr * math.sqrt(ratio)
+    else:
+        peak = base_lr
+    if step < schedule.warmup_steps:
+        return peak * (step + 1) / schedule.warmup_steps
+    if schedule.decay == "constant":
+        return peak
+    span = max(1, total_steps - 1 - schedule.warmup_steps)
+    progress = min(1.0, (step - schedule.warmup_steps) / span)
+    factor = 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule.decay == "cosine" else 1.0 - progress
+    return peak * (schedule.min_lr_ratio + (1.0 - schedule.min_lr_ratio) * factor)
