@@ -1,6 +1,7 @@
-"""Generated artifacts: `manifests/<example>/<target>.yaml` from `examples/*.yaml`, and `docs/spec.md`
-from the job model. Run by `make manifests` (`python -m orchestrator.gen`); `--check` exits 1 when
-anything on disk is stale, and tests/unit/test_generated.py does the same check.
+"""Generated artifacts: `manifests/<example>/<target>.yaml` from `examples/*.yaml`, `docs/spec.md`
+from the job model, and the Helm chart's generated files (`orchestrator.chart.chart_files`: values.yaml,
+values.schema.json, templates/_model.tpl, files/). Run by `make manifests` (`python -m orchestrator.gen`);
+`--check` exits 1 when anything on disk is stale, and tests/unit/test_generated.py does the same check.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from orchestrator.chart import chart_files
 from orchestrator.compile import MANIFEST_TARGETS, render
 from orchestrator.loader import load_spec
 from orchestrator.spec import JobSpec
@@ -190,6 +192,7 @@ def generate(repo: Path = REPO) -> dict[str, str]:
     for example in sorted((repo / "examples").glob("*.yaml")):
         out.update(_example_manifests(example))
     out["docs/spec.md"] = spec_reference()
+    out.update(chart_files(repo))
     return out
 
 
@@ -198,6 +201,7 @@ def stale(repo: Path = REPO) -> list[str]:
     expected = generate(repo)
     out = [p for p, text in expected.items() if not (repo / p).exists() or (repo / p).read_text() != text]
     on_disk = {str(p.relative_to(repo)) for p in (repo / "manifests").rglob("*.yaml")}
+    on_disk |= {str(p.relative_to(repo)) for p in (repo / "helm" / "torchrig" / "ci").glob("*-values.yaml")}
     out += sorted(on_disk - set(expected))
     return out
 

@@ -31,8 +31,8 @@ __all__ = [
     "NodeLocalConfig",
     "OptimizerConfig",
     "Precision",
-    "ResumePolicy",
     "RestartsConfig",
+    "ResumePolicy",
     "StoreConfig",
     "Strategy",
     "TaskConfig",
@@ -181,8 +181,7 @@ class TrainingConfig(Model):
         # FSDP2 with fp16 params has no sharded grad-scaler path in torch; bf16 needs none.
         if self.precision is Precision.fp16 and self.strategy is not Strategy.ddp:
             raise ValueError(
-                "precision: fp16 needs a gradient scaler, supported with strategy ddp only; "
-                "use bf16 with fsdp/hsdp"
+                "precision: fp16 needs a gradient scaler, supported with strategy ddp only; use bf16 with fsdp/hsdp"
             )
         return self
 
@@ -228,18 +227,15 @@ class StoreConfig(Model):
     def _supported_scheme(cls, value: str) -> str:
         scheme = urlparse(value).scheme if "://" in value else "file"
         if scheme not in SUPPORTED_STORE_SCHEMES:
-            raise ValueError(
-                f"unsupported scheme {scheme!r}; use one of: {', '.join(SUPPORTED_STORE_SCHEMES)}"
-            )
+            raise ValueError(f"unsupported scheme {scheme!r}; use one of: {', '.join(SUPPORTED_STORE_SCHEMES)}")
         if scheme == "file" and value.startswith("file://") and not value[len("file://") :]:
             raise ValueError("file:// URI needs a path")
         return value
 
     @model_validator(mode="after")
     def _pvc_only_for_files(self) -> StoreConfig:
-        if self.pvc is not None:
-            if self.scheme != "file" or not self.path.startswith("/"):
-                raise ValueError("pvc: needs an absolute `file:///...` uri (the mount path)")
+        if self.pvc is not None and (self.scheme != "file" or not self.path.startswith("/")):
+            raise ValueError("pvc: needs an absolute `file:///...` uri (the mount path)")
         return self
 
     @property
@@ -307,14 +303,14 @@ class NodeLocalConfig(Model):
 class CheckpointConfig(Model):
     """Redundant, verified checkpoints. A restart is only as good as the checkpoint it finds."""
 
-    every: CheckpointEvery = Field(
-        default_factory=lambda: CheckpointEvery(steps=100), description="When to save."
-    )
+    every: CheckpointEvery = Field(default_factory=lambda: CheckpointEvery(steps=100), description="When to save.")
     keep: int = Field(default=3, ge=1, description="Committed checkpoints kept per store (the newest ones).")
     async_: bool = Field(
         default=True,
         alias="async",
-        description="Training blocks only while the state is staged in memory; writing and upload run in the background.",
+        description=(
+            "Training blocks only while the state is staged in memory; writing and upload run in the background."
+        ),
     )
     if_busy: IfBusy = Field(
         default=IfBusy.wait,
