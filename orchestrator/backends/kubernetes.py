@@ -554,6 +554,20 @@ class KubernetesBackend(Backend):
             api.close()
         return out
 
+    def pods(self, run_id: str) -> list[Any]:
+        """The job's pods (V1Pod objects), ordered by node index (drills watch these)."""
+        api = self._client()
+        try:
+            namespace, _, name = self._parse_run_id(run_id)
+            return self._pods(api, namespace, name)
+        finally:
+            api.close()
+
+    @staticmethod
+    def pod_index(pod: Any) -> int | None:
+        """Node index of a pod (see `delete_pod`)."""
+        return _pod_index(pod)
+
     def delete_pod(self, run_id: str, index: int, *, grace_period_s: int = 0) -> str:
         """Delete the pod of node `index` (the `kill-worker` drill); returns the pod's name.
 

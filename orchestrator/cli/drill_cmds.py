@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
 from orchestrator.cli._common import emit_json, handle_errors, output_option, set_option
+
+if TYPE_CHECKING:
+    from orchestrator.drills.report import DrillReport
+    from orchestrator.spec import JobSpec
 
 _SCENARIO_HELP = """\b
 Scenarios:
@@ -30,10 +35,15 @@ Scenarios:
 )
 @click.argument("scenario", metavar="SCENARIO")
 @click.argument("job", type=click.Path(dir_okay=False))
-@click.option("--backend", default="local", show_default=True, help="Where to run: local or ray.")
+@click.option(
+    "--backend",
+    default="local",
+    show_default=True,
+    help="local or ray; kubernetes runs kill-worker against a cluster (deletes a pod through the API).",
+)
 @click.option("--seed", default=0, show_default=True, help="Seeds the choice of rank, step and damage.")
 @click.option("--at-step", type=int, default=None, help="Inject the fault at this step (default: random).")
-@click.option("--rank", type=int, default=None, help="Rank to hit (default: random).")
+@click.option("--rank", type=int, default=None, help="Rank to hit (kubernetes: node index; default: random).")
 @click.option("--nodes", type=int, default=None, help="Emulated nodes (local backend); kill-node needs 2.")
 @click.option("--no-reference", is_flag=True, help="Skip the uninterrupted reference run (no params check).")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Write the JSON report here.")
@@ -69,12 +79,16 @@ def drill(
 ) -> None:
     from orchestrator.drills import DrillOptions, run_drill
     from orchestrator.drills.history import RunHistory
-    from orchestrator.drills.report import plot_report, render_table
+    from orchestrator.drills.report import plot_report
     from orchestrator.drills.scenarios import get_scenario
     from orchestrator.loader import load_spec
 
     get_scenario(scenario)  # unknown names fail before anything runs
     spec = load_spec(job, list(overrides))
+    if backend == "kubernetes":
+        report = _kubernetes_drill(scenario, spec, seed, rank, timeout_s)
+        _finish(report, report_path, output)
+        return
     extra: dict[str, object] = {"hang_timeout_s": hang_timeout}
     if corruption:
         extra["corruption"] = corruption
@@ -92,10 +106,25 @@ def drill(
     if output == "text":
         click.echo(f"drill {scenario}: running {spec.name} on {backend} with the fault, then a reference ...", err=True)
     report = run_drill(scenario, spec, options)
-    if report_path:
-        report.write(report_path)
     if plot_path:
         plot_report(report, RunHistory.load(report.run_dir), plot_path)
+    _finish(report, report_path, output)
+
+
+def _kubernetes_drill(scenario: str, spec: JobSpec, seed: int, node: int | None, timeout_s: float) -> DrillReport:
+    from orchestrator.drills.kubernetes import run_kubernetes_kill_worker
+    from orchestrator.errors import UnsupportedFeature
+
+    if scenario != "kill-worker":
+        raise UnsupportedFeature(f"--backend kubernetes: only kill-worker runs on a cluster (got {scenario})")
+    return run_kubernetes_kill_worker(spec, seed=seed, node_index=node, timeout_s=timeout_s)
+
+
+def _finish(report: DrillReport, report_path: str | None, output: str) -> None:
+    from orchestrator.drills.report import render_table
+
+    if report_path:
+        report.write(report_path)
     if output == "json":
         emit_json(report.to_dict())
     else:
