@@ -56,6 +56,13 @@ Scenarios:
     help="corrupt-checkpoint: which damage (default: random by seed).",
 )
 @click.option("--hang-timeout", type=float, default=10.0, show_default=True, help="hang: watchdog seconds.")
+@click.option(
+    "--repeat",
+    type=int,
+    default=1,
+    show_default=True,
+    help="kill-worker: kill N times in a row, once after each checkpoint (kill g drawn from seed + g).",
+)
 @set_option
 @output_option
 @handle_errors
@@ -74,6 +81,7 @@ def drill(
     timeout_s: float,
     corruption: str | None,
     hang_timeout: float,
+    repeat: int,
     overrides: tuple[str, ...],
     output: str,
 ) -> None:
@@ -89,7 +97,7 @@ def drill(
         report = _kubernetes_drill(scenario, spec, seed, rank, timeout_s)
         _finish(report, report_path, output)
         return
-    extra: dict[str, object] = {"hang_timeout_s": hang_timeout}
+    extra: dict[str, object] = {"hang_timeout_s": hang_timeout, "repeat": repeat}
     if corruption:
         extra["corruption"] = corruption
     options = DrillOptions(

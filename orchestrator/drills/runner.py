@@ -38,7 +38,7 @@ class DrillOptions:
     drill_dir: str | None = None
     timeout_s: float = 600.0
     quiet: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)  # scenario options (hang_timeout_s, slow_s, corruption)
+    extra: dict[str, Any] = field(default_factory=dict)  # scenario options (hang_timeout_s, slow_s, corruption, repeat)
 
 
 def _isolate_stores(spec: dict[str, Any], tag: str) -> dict[str, Any]:
