@@ -89,7 +89,8 @@ class FaultInjector:
     """Fires this rank's faults of this generation at the right moments of the loop."""
 
     def __init__(self, faults: list[Fault], *, rank: int, generation: int, events: MetricsSink) -> None:
-        self.faults = [f for f in faults if f.rank == rank and f.generation == generation]
+        # rank -1 / generation -1 match every rank / generation (drills pace a whole job this way).
+        self.faults = [f for f in faults if f.rank in (rank, -1) and f.generation in (generation, -1)]
         self.events = events
         self._fired: set[Fault] = set()
 

@@ -4,7 +4,7 @@ When an agent hosts the rendezvous store, killing that agent kills the job (ever
 its rendezvous: RendezvousConnectionError). Here the store lives in a process of its own and every
 agent joins with `is_host=false`, so any agent (emulated node) can die and the rest re-rendezvous.
 
-Usage: `python -m orchestrator.backends._local_store PORT_FILE`: binds 127.0.0.1 on a
+Usage: `python -m orchestrator.backends._local_store PORT_FILE [HOST]`: binds HOST (default 127.0.0.1) on a
 free port, writes the port to PORT_FILE (atomically), and serves until its parent (the supervisor) is gone or a
 SIGTERM arrives.
 """
@@ -26,6 +26,7 @@ def main(argv: list[str]) -> int:
     from torch._C._distributed_c10d import TCPStore
 
     port_file = argv[0]
+    host = argv[1] if len(argv) > 1 else "127.0.0.1"
     parent = os.getppid()
     stop = False
 
@@ -36,7 +37,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, _on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when the run ends
     store = TCPStore(
-        "127.0.0.1",
+        host,
         0,
         is_master=True,
         multi_tenant=True,

@@ -124,21 +124,36 @@ class LocalPlan:
     worker: list[str]
     env: dict[str, str]
     resume: bool = False
+    # Per-node placement (the partition drill puts each emulated node in its own network namespace):
+    # {"prefix": [...command prefix...], "addr": "address others reach it at", "ifname": "gloo interface"}.
+    placements: list[dict[str, Any]] = field(default_factory=list)
+
+    def placement(self, node: int) -> dict[str, Any]:
+        """Where node `node` runs; a replacement node takes the last placement (the lost node's place)."""
+        if not self.placements:
+            return {"prefix": [], "addr": "127.0.0.1", "ifname": None}
+        return self.placements[min(node, len(self.placements) - 1)]
+
+    @property
+    def store_host(self) -> str:
+        return str(self.placement(0)["addr"])
 
     def agent_command(self, node: int, store_port: int | str, spec_file: str) -> list[str]:
         conf = ",".join(f"{k}={v}" for k, v in RDZV_CONF.items())
+        place = self.placement(node)
         return [
+            *place["prefix"],
             sys.executable,
             "-m",
             "torch.distributed.run",
             f"--nnodes={self.nnodes}",
             f"--nproc-per-node={self.procs_per_node}",
             "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{store_port}",
+            f"--rdzv-endpoint={self.store_host}:{store_port}",
             f"--rdzv-id={self.rdzv_id}",
             f"--rdzv-conf={conf}",
             f"--max-restarts={self.max_restarts}",
-            "--local-addr=127.0.0.1",
+            f"--local-addr={place['addr']}",
             f"--log-dir={Path(self.run_dir) / 'logs' / f'node{node}'}",
             "--tee=3",
             *self.worker,
@@ -237,7 +252,14 @@ class LocalRun:
             port_file.unlink()
         self._store_log = (self.files.logs / "store.log").open("ab")
         self._store = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.backends._local_store", str(port_file)],
+            [
+                *self.plan.placement(0)["prefix"],
+                sys.executable,
+                "-m",
+                "orchestrator.backends._local_store",
+                str(port_file),
+                self.plan.store_host,
+            ],
             stdin=subprocess.DEVNULL,
             stdout=self._store_log,
             stderr=subprocess.STDOUT,
@@ -288,6 +310,8 @@ class LocalRun:
             NODE_ENV: str(node),
             "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": LOG_LINE_PREFIX,
         }
+        if self.plan.placement(node)["ifname"]:
+            env["GLOO_SOCKET_IFNAME"] = str(self.plan.placement(node)["ifname"])
         log = self.files.node_log(node).open("ab")
         proc = subprocess.Popen(
             cmd,
@@ -321,7 +345,7 @@ class LocalRun:
     # -- what the drills use ----------------------------------------------------------------------
     @property
     def store_address(self) -> str:
-        return f"127.0.0.1:{self._store_port}"
+        return f"{self.plan.store_host}:{self._store_port}"
 
     def agent_pids(self) -> dict[int, int]:
         """Node index -> pid of its (live) agent. Each agent leads its own process group."""
@@ -552,6 +576,7 @@ class LocalBackend(Backend):
             worker=worker_args,
             env=env,
             resume=resume,
+            placements=list(options.extra.get("placements") or []),
         )
 
     @staticmethod

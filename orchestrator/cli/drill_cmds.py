@@ -22,6 +22,7 @@ Scenarios:
   lose-store               make one store unreachable mid-run; training continues on the others
   hang                     one rank stops progressing; the step watchdog restarts the group
   straggler                slow one rank down; the report names it from per-rank step times
+  partition                cut one of two emulated nodes off the network (Linux, root: network namespaces)
 """
 
 

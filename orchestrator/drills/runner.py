@@ -118,19 +118,14 @@ def run_drill(scenario_name: str, spec: JobSpec, options: DrillOptions) -> Drill
     report.fault_step, report.fault_rank = ctx.fault_step, ctx.fault_rank
     ctx.event("drill_started", fault_step=ctx.fault_step, fault_rank=ctx.fault_rank, faults=faults)
 
-    run = _launch(faulted_spec, drill_dir / "run", options, {"TORCHRIG_FAULTS": json.dumps(faults)} if faults else {})
     errors: list[BaseException] = []
-
-    def _during() -> None:
-        try:
-            scenario.during(run, ctx, faulted)
-        except BaseException as exc:  # reported, never swallowed: the verdict fails
-            errors.append(exc)
-
-    actor = threading.Thread(target=_during, name="drill-actions", daemon=True)
-    actor.start()
-    summary = run.wait(options.timeout_s)
-    actor.join(timeout=5)
+    try:
+        extra = scenario.launch_extra(ctx)
+        env = {"TORCHRIG_FAULTS": json.dumps(faults)} if faults else {}
+        run = _launch(faulted_spec, drill_dir / "run", options, env, extra=extra)
+        summary = _supervise(scenario, run, ctx, faulted, options, errors)
+    finally:
+        scenario.cleanup(ctx)
     for exc in errors:
         report.notes.append(f"drill action failed: {exc!r}")
         report.check("drill actions ran", False, repr(exc))
@@ -161,6 +156,29 @@ def run_drill(scenario_name: str, spec: JobSpec, options: DrillOptions) -> Drill
     scenario.judge(report, history, ctx)
     report.write(drill_dir / "report.json")
     return report
+
+
+def _supervise(
+    scenario: Any,
+    run: _Run,
+    ctx: DrillContext,
+    spec: dict[str, Any],
+    options: DrillOptions,
+    errors: list[BaseException],
+) -> dict[str, Any]:
+    """Wait for the run while the scenario's outside actions run in a thread."""
+
+    def _during() -> None:
+        try:
+            scenario.during(run, ctx, spec)
+        except BaseException as exc:  # reported, never swallowed: the verdict fails
+            errors.append(exc)
+
+    actor = threading.Thread(target=_during, name="drill-actions", daemon=True)
+    actor.start()
+    summary = run.wait(options.timeout_s)
+    actor.join(timeout=5)
+    return summary
 
 
 def _job_events(history: RunHistory) -> list[dict[str, Any]]:
@@ -229,13 +247,22 @@ class _Run:
         return dict(summary or {})
 
 
-def _launch(spec: JobSpec, run_dir: Path, options: DrillOptions, env: dict[str, str], nodes: int | None = None) -> _Run:
+def _launch(
+    spec: JobSpec,
+    run_dir: Path,
+    options: DrillOptions,
+    env: dict[str, str],
+    nodes: int | None = None,
+    extra: dict[str, Any] | None = None,
+) -> _Run:
     """Start the job on the drill's backend without blocking (`Backend.launch` -> a supervised run)."""
     from orchestrator.backends import get_backend
     from orchestrator.backends.base import SubmitOptions
 
     backend = get_backend(options.backend)
-    submit = SubmitOptions(run_dir=str(run_dir), nodes=nodes or options.nodes, quiet=True, env=dict(env))
+    submit = SubmitOptions(
+        run_dir=str(run_dir), nodes=nodes or options.nodes, quiet=True, env=dict(env), extra=dict(extra or {})
+    )
     launch = getattr(backend, "launch", None)
     if launch is None:
         raise UnsupportedFeature(f"--backend: {options.backend!r} cannot run drills (it has no supervised launch)")

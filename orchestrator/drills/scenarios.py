@@ -102,6 +102,13 @@ class Scenario:
     def during(self, run: LaunchedRun, ctx: DrillContext, spec: dict[str, Any]) -> None:
         """Outside actions while the job runs (default: none)."""
 
+    def launch_extra(self, ctx: DrillContext) -> dict[str, Any]:
+        """Backend options for the faulted run (e.g. network namespaces); default none."""
+        return {}
+
+    def cleanup(self, ctx: DrillContext) -> None:
+        """Undo what `launch_extra` set up; called even when the drill fails."""
+
     def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> None:
         report.check("job succeeded", report.status == "succeeded", f"status {report.status}")
         if self.needs_restore:
@@ -344,12 +351,21 @@ class LoseStore(_StoreScenario):
         )
 
 
+def _pace(ctx: DrillContext) -> list[dict[str, Any]]:
+    """Every rank sleeps `pace_s` per step, so a small job lasts long enough to lose and regain a node."""
+    pace = float(ctx.options.get("pace_s", 0.05))
+    return [{"kind": "slow", "rank": -1, "step": 1, "generation": -1, "seconds": pace}] if pace > 0 else []
+
+
 class KillNode(Scenario):
     name = "kill-node"
     summary = "Kill a whole node (agent and its ranks); survivors continue smaller, then a new node rejoins."
     proves = "elastic jobs shrink and grow back without losing more than the steps since the last checkpoint."
     needs_nodes = 2
     compares_params = False  # the world size changes on purpose
+
+    def faults(self, ctx: DrillContext) -> list[dict[str, Any]]:
+        return _pace(ctx)
 
     def during(self, run: LaunchedRun, ctx: DrillContext, spec: dict[str, Any]) -> None:
         target = ctx.fault_step
@@ -379,6 +395,61 @@ class KillNode(Scenario):
         report.check("world grew back after the node rejoined", grew_back, f"world sizes {sizes}")
 
 
+class Partition(KillNode):
+    name = "partition"
+    summary = "Cut the network link of one of two emulated nodes (network namespaces joined by a veth pair)."
+    proves = (
+        "a partitioned node is detected (step watchdog, rendezvous keep-alive); the rest restarts from the last "
+        "checkpoint at the world size that remains, and grows back when a node rejoins."
+    )
+
+    def prepare(self, spec: dict[str, Any], ctx: DrillContext) -> dict[str, Any]:
+        # Survivors block inside a collective when packets stop (no reset arrives): the watchdog ends it.
+        timeout = float(ctx.options.get("hang_timeout_s", 10.0))
+        restarts = spec["spec"].setdefault("restarts", {})
+        restarts["stepTimeoutSeconds"] = min(float(restarts.get("stepTimeoutSeconds", timeout)), timeout)
+        return spec
+
+    def launch_extra(self, ctx: DrillContext) -> dict[str, Any]:
+        from orchestrator.drills.netns import NetnsPair, netns_supported
+
+        reason = netns_supported()
+        if reason:
+            raise UnsupportedFeature(f"partition: {reason}")
+        pair = NetnsPair().create()
+        ctx.options["_netns"] = pair
+        ctx.event("netns_created", namespaces=list(pair.names), addrs=list(pair.addrs))
+        return {
+            "placements": [
+                {"prefix": pair.exec_prefix(i), "addr": pair.addrs[i], "ifname": pair.links[i]} for i in (0, 1)
+            ]
+        }
+
+    def cleanup(self, ctx: DrillContext) -> None:
+        pair = ctx.options.pop("_netns", None)
+        if pair is not None:
+            pair.destroy()
+
+    def during(self, run: LaunchedRun, ctx: DrillContext, spec: dict[str, Any]) -> None:
+        pair = ctx.options["_netns"]
+        timeout = ctx.options.get("timeout_s", 300)
+        wait_for(lambda: _latest_step(run.run_dir) >= ctx.fault_step, timeout, run)
+        ctx.event("fault_injected", kind="partition", node=1, step=_latest_step(run.run_dir))
+        ctx.fault_rank = 1
+        pair.cut(1)
+        per_node = ctx.world_size // ctx.nodes
+        shrunk = wait_for(lambda: _world_sizes(run.run_dir)[-1:] == [ctx.world_size - per_node], timeout, run)
+        ctx.event("shrunk" if shrunk else "did_not_shrink")
+        # The cut-off node is declared lost (a cluster would replace it); after the link is healed a new
+        # node joins from the same namespace and the world grows back.
+        run.kill_node(1)
+        pair.heal(1)
+        rejoin_after = _latest_step(run.run_dir) + max(2, ctx.checkpoint_every // 2)
+        wait_for(lambda: _latest_step(run.run_dir) >= rejoin_after, timeout, run)
+        ctx.event("node_added")
+        run.add_node()
+
+
 def _latest_step(run_dir: Path) -> int:
     history = RunHistory.load(run_dir)
     steps = [int(r["step"]) for r in history.metrics + history.events if isinstance(r.get("step"), int)]
@@ -400,7 +471,7 @@ def _worker_pids(run_dir: Path, rank: int) -> list[int]:
 
 SCENARIOS: dict[str, type[Scenario]] = {
     cls.name: cls
-    for cls in (KillWorker, KillNode, CrashDuringCheckpoint, CorruptCheckpoint, LoseStore, Hang, Straggler)
+    for cls in (KillWorker, KillNode, CrashDuringCheckpoint, CorruptCheckpoint, LoseStore, Hang, Straggler, Partition)
 }
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from orchestrator.drills import DrillOptions, DrillReport, run_drill
+from orchestrator.drills.netns import netns_supported
 from orchestrator.loader import load_spec
 from tests.fixtures.common import REPO, free_port
 
@@ -87,10 +88,21 @@ def test_straggler_is_named(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_kill_node_shrinks_and_grows_back(tmp_path: Path) -> None:
-    spec = load_spec(
+    report = run_drill(
+        "kill-node",
+        _paced_two_node_spec(400),
+        DrillOptions(seed=7, nodes=2, at_step=30, drill_dir=str(tmp_path / "kn"), timeout_s=400),
+    )
+    assert report.passed, json.dumps(report.to_dict(), indent=1, default=str)[-4000:]
+    assert report.final_params_match_reference is None  # the world size changed on purpose
+    assert report.world_sizes[:2] == [2, 1] and report.world_sizes[-1] == 2
+
+
+def _paced_two_node_spec(steps: int) -> Any:
+    return load_spec(
         REPO / "examples" / "digits-ddp.yaml",
         [
-            "spec.training.steps=120",
+            f"spec.training.steps={steps}",
             "spec.checkpoint.every.steps=10",
             "spec.training.evalAtEnd=false",
             "spec.procsPerNode=1",
@@ -99,12 +111,26 @@ def test_kill_node_shrinks_and_grows_back(tmp_path: Path) -> None:
             f"spec.metrics.port={free_port()}",
         ],
     )
+
+
+@pytest.mark.slow
+@pytest.mark.root
+@pytest.mark.skipif(netns_supported() is not None, reason=f"partition drill: {netns_supported()}")
+def test_partition_restarts_at_the_remaining_world_size(tmp_path: Path) -> None:
     report = run_drill(
-        "kill-node", spec, DrillOptions(seed=7, nodes=2, at_step=30, drill_dir=str(tmp_path / "kn"), timeout_s=400)
+        "partition",
+        _paced_two_node_spec(400),
+        DrillOptions(seed=9, nodes=2, at_step=60, reference=False, drill_dir=str(tmp_path / "p"), timeout_s=400),
     )
     assert report.passed, json.dumps(report.to_dict(), indent=1, default=str)[-4000:]
-    assert report.final_params_match_reference is None  # the world size changed on purpose
-    assert report.world_sizes[0] == 2 and 1 in report.world_sizes
+    assert report.world_sizes[:2] == [2, 1], "the cut-off node's rank left the world"
+    assert report.resumed_from_step is not None and report.resumed_from_step <= 60
+    assert not any(ns.startswith("trg") for ns in _netns_list()), "namespaces are cleaned up"
+
+
+def _netns_list() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
 @pytest.mark.slow

@@ -218,6 +218,7 @@ def test_scenario_registry_and_unknown_name() -> None:
         "lose-store",
         "hang",
         "straggler",
+        "partition",
     }
     with pytest.raises(SpecError, match="valid drills: kill-worker"):
         get_scenario("explode")
