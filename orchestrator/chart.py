@@ -135,17 +135,17 @@ _QUANTITY_PATTERN = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|
 # -- the model's shape --------------------------------------------------------------------------------
 
 
-def _nested_model(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
+def nested_model(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
     """The model inside an annotation and whether it is a list of them."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation, False
     origin = typing.get_origin(annotation)
     if origin is list:
-        inner, _ = _nested_model(typing.get_args(annotation)[0])
+        inner, _ = nested_model(typing.get_args(annotation)[0])
         return inner, True
     if origin in (typing.Union, types.UnionType, typing.Annotated):
         for arg in typing.get_args(annotation):
-            inner, is_list = _nested_model(arg)
+            inner, is_list = nested_model(arg)
             if inner is not None:
                 return inner, is_list
     return None, False
@@ -192,7 +192,7 @@ def model_shape(model: type[BaseModel] = JobSpec) -> dict[str, Any]:
     shape: dict[str, Any] = {"defaults": {}, "models": {}, "lists": {}, "quantities": []}
     for name, info in model.model_fields.items():
         key = info.alias or name
-        nested, is_list = _nested_model(info.annotation)
+        nested, is_list = nested_model(info.annotation)
         if nested is not None:
             shape["lists" if is_list else "models"][key] = model_shape(nested)
         if not info.is_required() and not _nullable(info):
@@ -253,7 +253,7 @@ def _quantities(schema: dict[str, Any], model: type[BaseModel]) -> None:
 def _all_models(model: type[BaseModel]) -> list[type[BaseModel]]:
     out: list[type[BaseModel]] = []
     for info in model.model_fields.values():
-        nested, _ = _nested_model(info.annotation)
+        nested, _ = nested_model(info.annotation)
         if nested is not None and nested not in out:
             out.append(nested)
             out.extend(m for m in _all_models(nested) if m not in out)
@@ -308,7 +308,7 @@ def _model_lines(model: type[BaseModel], data: dict[str, Any], indent: str) -> l
     lines: list[str] = []
     for name, info in model.model_fields.items():
         key = info.alias or name
-        nested, is_list = _nested_model(info.annotation)
+        nested, is_list = nested_model(info.annotation)
         description = info.description or ""
         if nested is not None and not is_list and key in data and isinstance(data[key], dict):
             if not _mergeable(nested, data[key]) and key not in _required_paths(model):

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from orchestrator.chart import chart_files
+from orchestrator.chart import chart_files, nested_model
 from orchestrator.compile import MANIFEST_TARGETS, render
 from orchestrator.loader import load_spec
 from orchestrator.spec import JobSpec
@@ -86,22 +86,6 @@ def _type_name(annotation: Any) -> str:
     return "any" if annotation is Any else str(annotation)
 
 
-def _nested_model(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
-    """The model inside an annotation (and whether it is a list of them)."""
-    origin = typing.get_origin(annotation)
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation, False
-    if origin is list:
-        inner, _ = _nested_model(typing.get_args(annotation)[0])
-        return inner, True
-    if origin in (typing.Union, types.UnionType, typing.Annotated):
-        for arg in typing.get_args(annotation):
-            inner, is_list = _nested_model(arg)
-            if inner is not None:
-                return inner, is_list
-    return None, False
-
-
 def _default(info: FieldInfo) -> str:
     if info.is_required():
         return "**required**"
@@ -135,7 +119,7 @@ def _rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str, str]
             type_name = _type_name(annotation)
         description = (info.description or "").replace("\n", " ").replace("|", "\\|")
         rows.append((path, type_name, _default(info), description))
-        nested, is_list = _nested_model(annotation)
+        nested, is_list = nested_model(annotation)
         if nested is not None:
             rows.extend(_rows(nested, f"{path}[]" if is_list else path))
     return rows

@@ -12,25 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator.backends._local_rundir import read_jsonl
+
 __all__ = ["RunHistory", "read_jsonl"]
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Parse a JSON-lines file, skipping a torn last line (a writer killed mid-write)."""
-    if not path.exists():
-        return []
-    out: list[dict[str, Any]] = []
-    for line in path.read_text(errors="replace").splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict):
-            out.append(record)
-    return out
 
 
 @dataclass
