@@ -266,11 +266,61 @@ def bench_mttr(repeats: int) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------
-def bench_exporter() -> dict[str, Any]:
+def _worker_throughput(steps: int, metrics_enabled: bool) -> tuple[float, float]:
+    """(samples/s, median step seconds) of the real worker, 2 ranks under torchrun, metrics on or off."""
+    from orchestrator.drills.history import read_jsonl
+
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        spec = _spec_file(
+            tmp,
+            {
+                "spec.training.steps": steps,
+                "spec.checkpoint.every": {"steps": steps * 10},
+                "spec.checkpoint.saveFinal": False,
+                "spec.training.evalAtEnd": False,
+                "spec.metrics.logEvery": 1,
+                "spec.metrics.enabled": metrics_enabled,
+                "spec.metrics.port": 29650,
+            },
+        )
+        run(
+            [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--log-dir",
+             str(tmp / "logs"), "-m", "training", "--spec", str(spec)],
+            extra_env={"TORCHRIG_RUN_DIR": str(tmp / "run")},
+        )  # fmt: skip
+        records = read_jsonl(tmp / "run" / "metrics.jsonl")
+        step_s = stats([float(r["step_s"]) for r in records if int(r["step"]) >= 10])["median"]
+        return throughput_from_records(records, 64, skip_steps=10), step_s
+
+
+def bench_exporter(repeats: int, steps: int) -> dict[str, Any]:
+    """Exporter overhead: (a) the real worker with the Prometheus exporter on and off, alternated in one
+    run; (b) the cost of one `on_step` through every sink, as a share of the measured step time."""
     from training.metrics import bench as metrics_bench
 
-    result = metrics_bench.measure()
-    return dict(result)
+    on, off, step_times = [], [], []
+    for _ in range(repeats):
+        t_on, s_on = _worker_throughput(steps, True)
+        t_off, _ = _worker_throughput(steps, False)
+        on.append(t_on)
+        off.append(t_off)
+        step_times.append(s_on)
+    step_s = stats(step_times)["median"]
+    micro = metrics_bench.measure_on_step_overhead(step_s=step_s)
+    end_to_end = [1.0 - a / b for a, b in zip(on, off, strict=True)]
+    return {
+        "overhead_ratio": micro.overhead_ratio,
+        "on_step_us": micro.per_call_us,
+        "measured_step_s": step_s,
+        "end_to_end_ratio": stats(end_to_end)["median"],
+        "end_to_end_stats": stats(end_to_end),
+        "samples_per_s_with_exporter": stats(on)["median"],
+        "samples_per_s_without_exporter": stats(off)["median"],
+        "target": "< 0.005",
+        "note": "overhead_ratio = cost of on_step through all sinks / median step time of the same job; "
+        "end_to_end_ratio = 1 - throughput(on)/throughput(off), alternated runs (noise-limited here)",
+    }
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -404,7 +454,7 @@ def main() -> int:
         "overhead": lambda: bench_overhead(repeats, 60 if args.quick else 200),
         "checkpoint_stall": lambda: bench_checkpoint_stall([50] if args.quick else [50, 500], repeats),
         "mttr": lambda: bench_mttr(1 if args.quick else 3),
-        "exporter": bench_exporter,
+        "exporter": lambda: bench_exporter(repeats, 60 if args.quick else 200),
         "scaling": lambda: bench_scaling([2, 4] if args.quick else [2, 4, 8]),
         "gpu": bench_gpu,
     }

@@ -137,11 +137,31 @@ def params_sha256(state_dict: Mapping[str, Any]) -> str:
     return digest.hexdigest()
 
 
+def seed_step_rng(seed: int, device: torch.device) -> None:
+    """Seed the generators a step draws from (dropout etc.): the CPU default generator, and the current
+    CUDA device's on GPU.
+
+    Not `torch.manual_seed`: on a machine where CUDA is not initialised it queues a lazy seeding call
+    with a captured stack trace for every device backend, about 1 ms per call here (20% of a small
+    model's step) and a queue that grows every step.
+    """
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)  # CUDA is initialised by now: applied at once, nothing queued
+
+
 def _configure_determinism(deterministic: bool) -> None:
     if deterministic:
         # cuBLAS needs a fixed workspace for deterministic GEMMs; must be set before CUDA initialises.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
+        if "torch._inductor.config" in sys.modules:
+            torch.use_deterministic_algorithms(True)
+        else:
+            # `use_deterministic_algorithms` also imports torch._inductor only to set its config flag:
+            # 1.7 s at every worker start (every recovery). Inductor reads the same flag from this
+            # variable when (if ever) a task compiles something.
+            os.environ.setdefault("TORCHINDUCTOR_DETERMINISTIC", "1")
+            torch._C._set_deterministic_algorithms(True, warn_only=False)
         torch.backends.cudnn.benchmark = False
 
 
@@ -364,7 +384,7 @@ def _train(
         lr = lr_at(step - 1, env.world_size, cfg.optimizer.lr, cfg.steps, cfg.lr_schedule)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        torch.manual_seed(step_seed(cfg.seed, step, env.rank))
+        seed_step_rng(step_seed(cfg.seed, step, env.rank), par.device)
         data_wait = 0.0
         loss_sum = torch.zeros((), device=par.device)
         par.comm.take()

@@ -44,11 +44,17 @@ def load_bundled_digits() -> tuple[np.ndarray, np.ndarray]:
 def stratified_split(y: np.ndarray, held_out: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Train and held-out indices with every class split in the same proportion (fixed by `seed`)."""
     rng = np.random.default_rng(seed)
+    labels, counts = np.unique(y, return_counts=True)
+    # ceil(n * held_out) held out in total, as scikit-learn's train_test_split does, shared among the
+    # classes by largest remainder so each class keeps its proportion.
+    exact = counts * held_out
+    per_class = np.floor(exact).astype(int)
+    short = int(np.ceil(len(y) * held_out)) - int(per_class.sum())
+    per_class[np.argsort(-(exact - per_class), kind="stable")[:short]] += 1
     train: list[np.ndarray] = []
     test: list[np.ndarray] = []
-    for label in np.unique(y):
+    for label, n_test in zip(labels, per_class, strict=True):
         idx = rng.permutation(np.flatnonzero(y == label))
-        n_test = round(len(idx) * held_out)
         test.append(idx[:n_test])
         train.append(idx[n_test:])
     return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
