@@ -331,7 +331,7 @@ def bench_scaling(world_sizes: list[int]) -> dict[str, Any]:
     save_s, restore_s, mttr_s = [], [], []
     for w in world_sizes:
         with tempfile.TemporaryDirectory() as d:
-            report = _torchrig_kill_drill(40, 15, w, Path(d))
+            report = _torchrig_kill_drill(40, 35, w, Path(d))
             history = RunHistory.load(report.run_dir)
         mttr_s.append(float(report.mttr_seconds))
         commits = [float(e["save_s"]) for e in history.of("checkpoint_committed") if e.get("save_s") is not None]

@@ -33,7 +33,7 @@ def stats(values: Sequence[float]) -> dict[str, float]:
         "median": med,
         "min": vals[0],
         "max": vals[-1],
-        "spread_pct": 100.0 * (vals[-1] - vals[0]) / (2 * med) if med else 0.0,
+        "spread_pct": 100.0 * (vals[-1] - vals[0]) / (2 * abs(med)) if med else 0.0,
         "n": float(len(vals)),
     }
 
