@@ -97,6 +97,16 @@ def _state_of(megabytes: int) -> tuple[Any, Any]:
     return model, opt
 
 
+def _dd_write_mbps(directory: Path, megabytes: int) -> float:
+    """The disk's own write bandwidth: dd of the same size, flushed to the device (conv=fdatasync)."""
+    target = directory / "dd.bin"
+    t = time.perf_counter()
+    run(["dd", "if=/dev/zero", f"of={target}", "bs=1M", f"count={megabytes}", "conv=fdatasync", "status=none"])
+    seconds = time.perf_counter() - t
+    target.unlink()
+    return megabytes / seconds
+
+
 def bench_checkpoint_stall(sizes_mb: list[int], repeats: int) -> dict[str, Any]:
     """Time training is blocked per checkpoint: torchrig async (2 stores) vs torch.save, dcp.save, dcp.async_save,
     and a plain in-memory copy (the floor)."""
@@ -110,7 +120,10 @@ def bench_checkpoint_stall(sizes_mb: list[int], repeats: int) -> dict[str, Any]:
     for mb in sizes_mb:
         model, opt = _state_of(mb)
         flat = {"model": model.state_dict(), "optim": opt.state_dict()}
-        res: dict[str, list[float]] = {k: [] for k in ("torch_save", "dcp_save", "dcp_async", "memcpy", "torchrig")}
+        res: dict[str, list[float]] = {
+            k: []
+            for k in ("torch_save", "dcp_save", "dcp_async", "memcpy", "torchrig", "torchrig_write_MBps", "dd_MBps")
+        }
         with tempfile.TemporaryDirectory() as d:
             tmp = Path(d)
             for i in range(repeats):
@@ -150,7 +163,14 @@ def bench_checkpoint_stall(sizes_mb: list[int], repeats: int) -> dict[str, Any]:
                 t = time.perf_counter()
                 mgr.save(1, flat)
                 res["torchrig"].append(time.perf_counter() - t)
+                mgr.wait()
+                commit_s = time.perf_counter() - t
                 mgr.close()
+                written = sum(
+                    f.stat().st_size for st in ("a", "b") for f in (tmp / f"{st}{i}").rglob("*") if f.is_file()
+                )
+                res["torchrig_write_MBps"].append(written / 2**20 / commit_s)
+                res["dd_MBps"].append(_dd_write_mbps(tmp, mb))
                 for p in tmp.iterdir():
                     shutil.rmtree(p) if p.is_dir() else p.unlink()
         med = {k: stats(v)["median"] for k, v in res.items()}
@@ -162,6 +182,9 @@ def bench_checkpoint_stall(sizes_mb: list[int], repeats: int) -> dict[str, Any]:
             "memcpy_s": med["memcpy"],
             "ratio_vs_torch_save": med["torchrig"] / med["torch_save"],
             "ratio_vs_memcpy": med["torchrig"] / med["memcpy"],
+            "torchrig_write_MBps": med["torchrig_write_MBps"],
+            "dd_write_MBps": med["dd_MBps"],
+            "write_ratio_vs_dd": med["torchrig_write_MBps"] / med["dd_MBps"],
             "spread_pct": {k: round(stats(v)["spread_pct"], 1) for k, v in res.items()},
             "targets": {"ratio_vs_torch_save": "<= 0.10", "ratio_vs_memcpy": "<= 1.5"},
         }
@@ -376,6 +399,15 @@ def write_markdown(results: dict[str, Any]) -> Path:
                 f"{r['ratio_vs_memcpy']:.2f} |"
             )
         lines.append("")
+        if all("write_ratio_vs_dd" in r for r in cs.values()):
+            lines += [
+                "| state | torchrig write MB/s (2 stores, fsynced, hashed) | dd MB/s (conv=fdatasync) | ratio |",
+                "|---|---|---|---|",
+            ]
+            for size, r in cs.items():
+                mbps, dd, ratio = r["torchrig_write_MBps"], r["dd_write_MBps"], r["write_ratio_vs_dd"]
+                lines.append(f"| {size} | {mbps:.0f} | {dd:.0f} | {ratio:.2f} |")
+            lines.append("")
     mt = results.get("mttr") or {}
     if mt:
         fmt = lambda v: f"{v:.2f} s" if isinstance(v, (int, float)) else "n/a"  # noqa: E731

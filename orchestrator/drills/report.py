@@ -97,9 +97,19 @@ def plot_report(report: DrillReport, history: RunHistory, path: str | Path) -> N
 
     t0 = min([float(r["time"]) for r in history.metrics + history.events] or [0.0])
     fig, ax = plt.subplots(figsize=(9, 4.5), dpi=110)
-    xs = [float(m["time"]) - t0 for m in history.metrics if "samples_per_s" in m]
-    ys = [float(m["samples_per_s"]) for m in history.metrics if "samples_per_s" in m]
-    ax.plot(xs, ys, marker=".", color="tab:blue", label="samples/s (rank 0)")
+    # One line per restart generation: no line is drawn across an outage, which had no throughput.
+    points = [m for m in history.metrics if "samples_per_s" in m]
+    generations = sorted({int(m.get("generation", 0)) for m in points})
+    for i, gen in enumerate(generations):
+        seg = [m for m in points if int(m.get("generation", 0)) == gen]
+        ax.plot(
+            [float(m["time"]) - t0 for m in seg],
+            [float(m["samples_per_s"]) for m in seg],
+            marker=".",
+            color="tab:blue",
+            label="samples/s (rank 0)" if i == 0 else None,
+        )
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("seconds since start")
     ax.set_ylabel("samples/s", color="tab:blue")
     ax2 = ax.twinx()
@@ -116,11 +126,16 @@ def plot_report(report: DrillReport, history: RunHistory, path: str | Path) -> N
         )
         ax2.set_ylim(0, max(p[1] for p in ws_points) + 1)
     ax2.set_ylabel("world size", color="tab:green")
-    for e in report.events:
-        if e.get("event") == "fault_injected":
-            ax.axvline(float(e["time"]) - t0, color="tab:red", linestyle="--", label="fault")
-        if e.get("event") == "recovered":
-            ax.axvline(float(e["time"]) - t0, color="tab:olive", linestyle=":", label="first step after recovery")
+    faults = [float(e["time"]) - t0 for e in report.events if e.get("event") == "fault_injected"]
+    recoveries = [float(e["time"]) - t0 for e in report.events if e.get("event") == "recovered"]
+    for x in faults:
+        ax.axvline(x, color="tab:red", linestyle="--", label="fault" if x == faults[0] else None)
+    for x in recoveries:
+        ax.axvline(
+            x, color="tab:olive", linestyle=":", label="first step after recovery" if x == recoveries[0] else None
+        )
+    if faults and recoveries and recoveries[0] > faults[0]:
+        ax.axvspan(faults[0], recoveries[0], color="tab:red", alpha=0.08, label="recovering")
     handles, labels = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
     ax.legend(handles + h2, labels + l2, loc="lower right", fontsize=8)

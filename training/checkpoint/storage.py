@@ -120,6 +120,10 @@ class FsspecStorage:
         if self.scheme == "file":
             os.makedirs(os.path.dirname(full), exist_ok=True)
         self.fs.put_file(local_path, full)
+        if self.scheme == "file":
+            # The manifest commits the checkpoint, so the data must be durable before it is written: a
+            # power loss must not leave a committed manifest over shards still in the page cache.
+            _fsync_path(full)
 
     def get_file(self, rel: str, local_path: str) -> None:
         os.makedirs(os.path.dirname(local_path) or ".", exist_ok=True)
@@ -141,6 +145,7 @@ class FsspecStorage:
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, full)
+            _fsync_path(os.path.dirname(full))  # the rename itself must survive a power loss
         else:
             # A single PUT of an object is atomic in S3, GCS and Azure Blob.
             self.fs.pipe_file(full, data)
@@ -192,3 +197,12 @@ class FsspecStorage:
 def open_storage(uri: str, options: dict[str, Any] | None = None, name: str | None = None) -> FsspecStorage:
     """Open a store by URI (a bare path is a local directory)."""
     return FsspecStorage(uri, options, name)
+
+
+def _fsync_path(path: str) -> None:
+    """fsync a file or a directory (a directory's fsync makes the names in it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
