@@ -48,27 +48,14 @@ def bench_overhead(repeats: int, steps: int) -> dict[str, Any]:
     torchrig, bare = [], []
     batch, world = 32, 2
     for _ in range(repeats):
+        torchrig.append(_worker_throughput(steps, metrics_enabled=True)[0])
         with tempfile.TemporaryDirectory() as d:
             tmp = Path(d)
-            spec = _spec_file(
-                tmp,
-                {
-                    "spec.training.steps": steps,
-                    "spec.checkpoint.every": {"steps": steps * 10},
-                    "spec.checkpoint.saveFinal": False,
-                    "spec.training.evalAtEnd": False,
-                    "spec.metrics.logEvery": 1,
-                    "spec.metrics.port": 29600,
-                },
-            )
-            common = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
-            common += ["--log-dir", str(tmp / "logs")]
-            run([*common, "-m", "training", "--spec", str(spec)], extra_env={"TORCHRIG_RUN_DIR": str(tmp / "run")})
-            torchrig.append(
-                throughput_from_records(read_jsonl(tmp / "run" / "metrics.jsonl"), batch * world, skip_steps=10)
-            )
             out = tmp / "bare.jsonl"
-            run([*common, str(REPO / "bench" / "bare_ddp.py"), "--steps", str(steps), "--out", str(out)])
+            run(
+                [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), "--log-dir",
+                 str(tmp / "logs"), str(REPO / "bench" / "bare_ddp.py"), "--steps", str(steps), "--out", str(out)]
+            )  # fmt: skip
             bare.append(throughput_from_records(read_jsonl(out), batch * world, skip_steps=10))
     ratios = [t / b for t, b in zip(torchrig, bare, strict=True)]
     return {
