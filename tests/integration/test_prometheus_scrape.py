@@ -137,6 +137,9 @@ spec:
         "TORCHRIG_METRICS_BIND": "127.0.0.1",
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "OMP_NUM_THREADS": "1",
+        # Pace every rank (20 ms per step, ~8 s in all): a 400-step digits run otherwise finishes in about
+        # a second, before Prometheus (1 s interval) has the two scrapes `rate()` needs.
+        "TORCHRIG_FAULTS": json.dumps([{"kind": "slow", "rank": -1, "step": 1, "generation": -1, "seconds": 0.02}]),
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--log-dir", str(tmp_path / "torchrun-logs"), "-m", "training", "--spec", str(spec)]  # fmt: skip
