@@ -193,6 +193,8 @@ def _fill_from_run(report: DrillReport, summary: dict[str, Any], history: RunHis
     report.params_sha256 = summary.get("params_sha256")
     report.world_sizes = list(summary.get("world_sizes") or history.world_sizes())
     report.damage = ctx.damage
+    # Outside faults record the step the job had actually reached when they struck.
+    report.fault_step, report.fault_rank = ctx.fault_step, ctx.fault_rank
     # The fault time: the worker's own `fault` event (exact), else the drill's outside action.
     worker_faults = [e for e in history.of("fault") if e.get("kind") not in (None, "slow")]
     if worker_faults:
@@ -212,10 +214,6 @@ def _fill_from_run(report: DrillReport, summary: dict[str, Any], history: RunHis
         report.resumed_from_step = int(restores[0]["step"])
     elif any(e for e in history.of("start") if float(e["time"]) > t_fault):
         report.resumed_from_step = 0  # restarted with nothing to restore: started over
-    # kill-node: the step reached when the node died is the fault step
-    if report.fault_step is None or ctx.scenario == "kill-node":
-        steps = [int(m["step"]) for m in history.metrics if float(m["time"]) <= t_fault]
-        report.fault_step = max(steps, default=report.fault_step)
     if report.resumed_from_step is not None and report.fault_step is not None:
         report.lost_steps = max(0, report.fault_step - report.resumed_from_step)
     first_step = history.first_step_after(max([t_fault] + [float(r["time"]) for r in restores[:1]]))

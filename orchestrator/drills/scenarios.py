@@ -295,7 +295,8 @@ class CorruptCheckpoint(_StoreScenario):
         ctx.event("checkpoint_damaged", **damage.to_dict())
         pids = _worker_pids(run.run_dir, ctx.fault_rank)
         if pids:
-            ctx.event("fault_injected", kind="kill", rank=ctx.fault_rank)
+            ctx.fault_step = _latest_step(run.run_dir)  # the step actually reached, not the planned one
+            ctx.event("fault_injected", kind="kill", rank=ctx.fault_rank, step=ctx.fault_step)
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, 9)
@@ -335,7 +336,8 @@ class LoseStore(_StoreScenario):
             wait_for(lambda: any(s >= target for s in committed_steps(uri)), ctx.options.get("timeout_s", 300), run)
             aside = make_store_unreachable(uri[len("file://") :])
             ctx.damage = {"store_name": name, "uri": uri, "moved_aside_to": aside}
-        ctx.event("fault_injected", kind="lose-store", store=name)
+        ctx.fault_step = _latest_step(run.run_dir)
+        ctx.event("fault_injected", kind="lose-store", store=name, step=ctx.fault_step)
 
     def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> None:
         super().judge(report, history, ctx)
@@ -371,7 +373,8 @@ class KillNode(Scenario):
         target = ctx.fault_step
         wait_for(lambda: _latest_step(run.run_dir) >= target, ctx.options.get("timeout_s", 300), run)
         victim = ctx.rng.randrange(1, ctx.nodes) if ctx.nodes > 1 else 0
-        ctx.event("fault_injected", kind="kill-node", node=victim, step=_latest_step(run.run_dir))
+        ctx.fault_step = _latest_step(run.run_dir)
+        ctx.event("fault_injected", kind="kill-node", node=victim, step=ctx.fault_step)
         run.kill_node(victim)
         ctx.fault_rank = victim
         shrunk = wait_for(
@@ -434,7 +437,8 @@ class Partition(KillNode):
         pair = ctx.options["_netns"]
         timeout = ctx.options.get("timeout_s", 300)
         wait_for(lambda: _latest_step(run.run_dir) >= ctx.fault_step, timeout, run)
-        ctx.event("fault_injected", kind="partition", node=1, step=_latest_step(run.run_dir))
+        ctx.fault_step = _latest_step(run.run_dir)
+        ctx.event("fault_injected", kind="partition", node=1, step=ctx.fault_step)
         ctx.fault_rank = 1
         pair.cut(1)
         per_node = ctx.world_size // ctx.nodes

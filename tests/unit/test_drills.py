@@ -288,3 +288,27 @@ def test_report_json_and_plot(tmp_path: Path) -> None:
     png = tmp_path / "drill.png"
     plot_report(report, history, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_outside_faults_report_the_step_actually_reached(tmp_path: Path) -> None:
+    """A drill that kills from outside (corrupt-checkpoint) strikes later than planned: the report must use
+    the step the job had reached, or a correct resume from a later checkpoint looks like a failure."""
+    events = [
+        {"time": 1.0, "event": "start", "rank": 0, "world_size": 2, "pid": 11, "generation": 0},
+        {"time": 4.0, "event": "checkpoint_committed", "step": 15, "rank": 0},
+        {"time": 8.0, "event": "start", "rank": 0, "world_size": 2, "pid": 21, "generation": 1},
+        {"time": 9.0, "event": "restore", "step": 15, "store": "drill-b", "rank": 0, "generation": 1},
+        {"time": 9.5, "event": "first_step", "step": 16, "rank": 0, "generation": 1},
+    ]
+    _write_jsonl(tmp_path / "events.jsonl", events)
+    ctx = _ctx(scenario="corrupt-checkpoint", fault_step=12)  # planned
+    ctx.fault_step = 17  # reached when the drill struck (scenarios record it)
+    ctx.event("fault_injected", kind="kill", rank=1, step=17)
+    ctx.events[-1]["time"] = 5.0
+    report = DrillReport("corrupt-checkpoint", "local", 0)
+    history = RunHistory.load(tmp_path)
+    _fill_from_run(report, {"status": "succeeded"}, history, ctx)
+    report.events = ctx.events
+    assert report.fault_step == 17 and report.resumed_from_step == 15 and report.lost_steps == 2
+    KillWorker().judge(report, history, ctx)
+    assert all(c.passed for c in report.checks), report.checks
