@@ -5,10 +5,11 @@ Precedence is code, in one place (`load_spec`): `--set` overrides > the file > t
 
 from __future__ import annotations
 
+import difflib
+import functools
 import json
 import os
 import re
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -17,17 +18,84 @@ from pydantic import ValidationError
 from orchestrator.errors import SpecError
 from orchestrator.spec import JobSpec
 
-__all__ = ["apply_overrides", "format_validation_error", "load_spec", "parse_set", "read_yaml"]
+__all__ = [
+    "MAX_SPEC_BYTES",
+    "apply_overrides",
+    "format_validation_error",
+    "load_spec",
+    "parse_set",
+    "read_spec_text",
+    "read_yaml",
+]
+
+# What a job file may be. Real specs are a few KiB; the bounds keep a hostile or mistaken input (an
+# alias bomb, a generated file, a stream that never ends) to one error line in well under a second.
+MAX_SPEC_BYTES = 1 << 20
+MAX_YAML_DEPTH = 64  # nesting levels (the model itself is under 10 deep)
+MAX_YAML_NODES = 100_000  # nodes after expanding aliases (a spec has a few hundred)
 
 _PATH_PREFIX_RE = re.compile(r"^([A-Za-z][\w]*(\.[A-Za-z][\w]*)*): ")
 _PLAIN_KEY_RE = re.compile(r"^[\w.\-/]+$")
 _INDEX_RE = re.compile(r"^(?P<key>[^\[\]]+)(\[(?P<idx>\d+)\])?$")
 
 
+class _TooLarge(yaml.YAMLError):
+    """A bound of the loader was crossed (depth or expanded size)."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` with bounds: nesting depth while composing, and the size of each document
+    with its aliases expanded, checked before anything is constructed (a 700-byte "billion laughs"
+    composes into a few dozen nodes but expands to billions)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                mark = self.peek_event().start_mark
+                raise _TooLarge(f"line {mark.line + 1}: nesting deeper than {MAX_YAML_DEPTH} levels")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_document(self, node: Any) -> Any:
+        size = _expanded_size(node, {})
+        if size > MAX_YAML_NODES:
+            raise _TooLarge(f"more than {MAX_YAML_NODES} values once its aliases are expanded (an alias bomb?)")
+        return super().construct_document(node)
+
+
+def _expanded_size(node: Any, memo: dict[int, int]) -> int:
+    """Nodes in `node` with every alias expanded; shared nodes are counted once per use, computed once."""
+    key = id(node)
+    if key in memo:
+        return memo[key]
+    memo[key] = MAX_YAML_NODES + 1  # a recursive alias reaches itself: treat as unbounded
+    if isinstance(node, yaml.SequenceNode):
+        size = 1 + sum(_expanded_size(child, memo) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        size = 1 + sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
+    else:
+        size = 1
+    memo[key] = min(size, MAX_YAML_NODES + 1)
+    return memo[key]
+
+
 def read_yaml(text: str, source: str = "<string>") -> Any:
-    """Parse YAML text; syntax errors become a SpecError with line and column."""
+    """Parse YAML text; syntax errors become a SpecError with line and column.
+
+    Bounded: at most `MAX_YAML_DEPTH` levels deep and `MAX_YAML_NODES` values with aliases expanded.
+    """
     try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+        docs = [d for d in yaml.load_all(text, Loader=_BoundedLoader) if d is not None]
+    except _TooLarge as exc:
+        raise SpecError(f"YAML rejected: {exc}", source) from None
+    except RecursionError:
+        raise SpecError(f"YAML rejected: nesting deeper than {MAX_YAML_DEPTH} levels", source) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
@@ -118,6 +186,56 @@ def _loc_to_path(loc: tuple[Any, ...]) -> str:
     return out
 
 
+@functools.cache
+def _schema() -> dict[str, Any]:
+    return JobSpec.model_json_schema(by_alias=True)
+
+
+def _deref(node: dict[str, Any]) -> dict[str, Any]:
+    root = _schema()
+    while "$ref" in node:
+        node = root["$defs"][node["$ref"].rsplit("/", 1)[-1]]
+    return node
+
+
+def _keys_at(loc: tuple[Any, ...]) -> list[str]:
+    """The keys the model accepts in the mapping at `loc` (empty when it cannot tell)."""
+    candidates = [_deref(_schema())]
+    for part in loc:
+        nxt: list[dict[str, Any]] = []
+        for node in candidates:
+            for option in [node, *node.get("anyOf", []), *node.get("oneOf", []), *node.get("allOf", [])]:
+                option = _deref(option)
+                if isinstance(part, int) and "items" in option:
+                    nxt.append(_deref(option["items"]))
+                elif isinstance(part, str) and part in option.get("properties", {}):
+                    nxt.append(_deref(option["properties"][part]))
+                elif isinstance(part, str) and isinstance(option.get("additionalProperties"), dict):
+                    nxt.append(_deref(option["additionalProperties"]))
+        candidates = nxt
+    keys: set[str] = set()
+    for node in candidates:
+        for option in [node, *node.get("anyOf", []), *node.get("oneOf", [])]:
+            keys.update(_deref(option).get("properties", {}))
+    return sorted(keys)
+
+
+def _unknown_field_message(loc: tuple[Any, ...]) -> str:
+    msg = "unknown field"
+    if loc and isinstance(loc[-1], str):
+        valid = _keys_at(loc[:-1])
+        close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.6) or difflib.get_close_matches(
+            loc[-1].lower(), [k.lower() for k in valid], n=1, cutoff=0.6
+        )
+        if close:
+            match = next(k for k in valid if k.lower() == close[0].lower())
+            return f"{msg}; did you mean {match!r}?"
+        if valid:
+            shown = ", ".join(valid[:12]) + (", ..." if len(valid) > 12 else "")
+            return f"{msg}; valid keys here: {shown}"
+    return f"{msg} (check the spelling; keys are camelCase)"
+
+
 def format_validation_error(exc: ValidationError) -> list[str]:
     """One `path: message` line per error; cross-field messages that start with a field name extend the path."""
     lines: list[str] = []
@@ -135,7 +253,7 @@ def format_validation_error(exc: ValidationError) -> list[str]:
             path = sub if sub.startswith(("spec.", "metadata.")) or not path else f"{path}.{sub}"
             msg = msg[match.end() :]
         if err["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling; keys are camelCase)"
+            msg = _unknown_field_message(loc)
         elif err["type"] == "missing":
             msg = "required field is missing"
         lines.append(f"{path or '<document>'}: {' '.join(msg.split())}")
@@ -152,6 +270,40 @@ def validate_document(data: Any, source: str | None = None) -> JobSpec:
         raise SpecError(format_validation_error(exc), source) from None
 
 
+def _read_bounded(fd: int, source: str) -> bytes:
+    """Read `fd` to EOF (pipes deliver in pieces), failing once it passes `MAX_SPEC_BYTES`."""
+    chunks: list[bytes] = []
+    total = 0
+    while chunk := os.read(fd, 1 << 16):
+        total += len(chunk)
+        if total > MAX_SPEC_BYTES:
+            raise SpecError(f"larger than {MAX_SPEC_BYTES // 1024} KiB; a job file is a few KiB", source)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def read_spec_text(source: str) -> str:
+    """The text of a job file, or of standard input for `-`, read to the end and bounded in size.
+
+    Raises:
+        SpecError: missing, unreadable, not UTF-8, or larger than `MAX_SPEC_BYTES`.
+    """
+    try:
+        if source == "-":
+            raw = _read_bounded(0, "<stdin>")
+        else:
+            fd = os.open(source, os.O_RDONLY)
+            try:
+                raw = _read_bounded(fd, source)
+            finally:
+                os.close(fd)
+        return raw.decode()
+    except FileNotFoundError:
+        raise SpecError("no such file", source) from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+        raise SpecError(f"cannot read: {exc.__class__.__name__}", source) from None
+
+
 def load_spec(path: str | os.PathLike[str], overrides: list[str] | None = None) -> JobSpec:
     """Load a job file, apply `--set` overrides, and validate.
 
@@ -159,13 +311,7 @@ def load_spec(path: str | os.PathLike[str], overrides: list[str] | None = None) 
         SpecError: the file is missing, not YAML, or not a valid TrainingJob.
     """
     source = str(path)
-    try:
-        text = Path(path).read_text() if source != "-" else os.read(0, 1 << 24).decode()
-    except FileNotFoundError:
-        raise SpecError("no such file", source) from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
-        raise SpecError(f"cannot read: {exc.__class__.__name__}", source) from None
-    data = read_yaml(text, source)
+    data = read_yaml(read_spec_text(source), source)
     data = apply_overrides(data, list(overrides or []))
     return validate_document(data, source)
 

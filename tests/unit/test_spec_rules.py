@@ -9,7 +9,7 @@ import pytest
 
 from orchestrator.errors import SpecError
 from orchestrator.loader import apply_overrides, validate_document
-from orchestrator.naming import max_name_length
+from orchestrator.naming import MAX_NAME_LEN
 from orchestrator.spec import JobSpec
 
 BASE: dict[str, Any] = {
@@ -60,12 +60,14 @@ def test_fp16_needs_ddp() -> None:
     ]
 
 
-def test_name_must_fit_derived_pod_names() -> None:
-    limit = max_name_length(1)
-    assert problems(f"metadata.name={'a' * limit}") == []
-    assert problems(f"metadata.name={'a' * (limit + 1)}") == [
-        f"metadata.name: at most {limit} characters with spec.nodes.max=1, so that the pod names the "
-        f"operators derive stay within 63 (got {limit + 1})"
+@pytest.mark.parametrize("max_nodes", [1, 3, 100])
+def test_name_is_at_most_63_characters_whatever_the_node_count(max_nodes: int) -> None:
+    # The job model's only length rule; each Kubernetes target's own limit applies when compiling to it.
+    nodes = [f"spec.nodes.max={max_nodes}"]
+    assert MAX_NAME_LEN == 63
+    assert problems(f"metadata.name={'a' * 63}", *nodes) == []
+    assert problems(f"metadata.name={'a' * 64}", *nodes) == [
+        "metadata.name: must be a DNS-1035 label of at most 63 characters (got 64)"
     ]
 
 
@@ -138,8 +140,19 @@ def test_betas_range() -> None:
     ]
 
 
-def test_unknown_field_named() -> None:
-    assert problems("spec.trainig={}") == ["spec.trainig: unknown field (check the spelling; keys are camelCase)"]
+def test_unknown_field_named_with_a_suggestion() -> None:
+    assert problems("spec.trainig={}") == ["spec.trainig: unknown field; did you mean 'training'?"]
+    assert problems("spec.training.stratgy=ddp") == ["spec.training.stratgy: unknown field; did you mean 'strategy'?"]
+    assert "spec.checkpoint.stores[0].urii: unknown field; did you mean 'uri'?" in problems(
+        "spec.checkpoint.stores[0].urii=x"
+    )
+    assert problems("spec.nodes.Min=1") == ["spec.nodes.Min: unknown field; did you mean 'min'?"]
+
+
+def test_unknown_field_without_a_close_match_lists_the_valid_keys() -> None:
+    assert problems("spec.training.optimizer.zzzz=1") == [
+        "spec.training.optimizer.zzzz: unknown field; valid keys here: betas, lr, momentum, name, weightDecay"
+    ]
 
 
 def test_missing_field_named() -> None:
