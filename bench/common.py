@@ -1,8 +1,7 @@
-"""Shared bench plumbing: repeats, medians and spreads, subprocess launches, result files."""
+"""Shared bench plumbing: repeats, medians and spreads, subprocess launches, the digits job file."""
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
@@ -12,12 +11,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from training.contract import Env
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 PY = sys.executable
+DIGITS = REPO / "examples" / "digits-ddp.yaml"
 
 BENCH_ENV = {
-    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    Env.DISABLE_SHARED_RDZV_STORE: "1",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_AUTH_MODE": "disabled",
     "OMP_NUM_THREADS": "1",
@@ -73,10 +75,16 @@ def throughput_from_records(records: list[dict[str, Any]], global_batch: int, sk
     return steps * global_batch / seconds
 
 
-def write_results(results: dict[str, Any]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / "latest.json"
-    path.write_text(json.dumps(results, indent=2, sort_keys=False) + "\n")
+def digits_spec_file(directory: Path, overrides: list[str], name: str = "bench-digits") -> Path:
+    """The digits example renamed `name`, with `--set` overrides (the CLI's own `apply_overrides`), written
+    into `directory` where a run can read it."""
+    import yaml
+
+    from orchestrator.loader import apply_overrides, read_yaml
+
+    doc = apply_overrides(read_yaml(DIGITS.read_text(), str(DIGITS)), [f"metadata.name={name}", *overrides])
+    path = directory / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc))
     return path
 
 

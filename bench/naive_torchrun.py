@@ -16,12 +16,14 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from training.contract import Env, EventKind
 from training.task import load_task
 
 
-def _event(path: str, **fields: object) -> None:
+def _event(path: str, kind: EventKind, **fields: object) -> None:
+    # The events.jsonl line format (training.contract.events), so the bench reads it with read_events.
     with open(path, "a") as fh:
-        fh.write(json.dumps({"time": time.time(), **fields}) + "\n")
+        fh.write(json.dumps({"time": time.time(), "event": kind.value, **fields}) + "\n")
 
 
 def main() -> None:
@@ -34,7 +36,7 @@ def main() -> None:
     parser.add_argument("--events", required=True)
     args = parser.parse_args()
 
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt = int(os.environ.get(Env.RESTART_COUNT, "0"))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -49,12 +51,12 @@ def main() -> None:
         opt.load_state_dict(state["optim"])
         start = int(state["step"])
         if rank == 0:
-            _event(args.events, event="restore", step=start, attempt=attempt)
+            _event(args.events, EventKind.RESTORE, step=start, attempt=attempt)
     data = task.train_dataset()
     n = len(data)  # type: ignore[arg-type]
     for step in range(start + 1, args.steps + 1):
         if attempt == 0 and step == args.kill_step and rank == world - 1:
-            _event(args.events, event="fault", step=step, rank=rank)
+            _event(args.events, EventKind.FAULT, step=step, rank=rank)
             os.kill(os.getpid(), signal.SIGKILL)
         base = (step - 1) * world * args.batch_size + rank * args.batch_size
         batch = task.collate([data[(base + i) % n] for i in range(args.batch_size)])
@@ -63,7 +65,7 @@ def main() -> None:
         loss.backward()
         opt.step()
         if rank == 0 and step == start + 1 and attempt > 0:
-            _event(args.events, event="first_step", step=step, attempt=attempt)
+            _event(args.events, EventKind.FIRST_STEP, step=step, attempt=attempt)
         if rank == 0 and step % args.every == 0:
             path = os.path.join(args.ckpt_dir, f"step-{step:08d}.pt")
             torch.save({"model": model.module.state_dict(), "optim": opt.state_dict(), "step": step}, path + ".tmp")

@@ -2,8 +2,8 @@
 
 The chart's values are a TrainingJob document (`apiVersion`, `kind`, `metadata`, `spec`: the job file a
 user already has, so `helm install NAME helm/torchrig -f job.yaml` works) plus a few chart-only keys
-(`fixedSize`, `monitoring`, `checkpointPvc`). Everything the chart needs to know about the model is
-generated here, so the chart and the compilers cannot drift apart:
+(`fixedSize`, `allowPodLocalStores`, `monitoring`, `checkpointPvc`). Everything the chart needs to know
+about the model is generated here, so the chart and the compilers cannot drift apart:
 
 - `values.schema.json`: `JobSpec.model_json_schema(by_alias=True)` (what `torchrig schema` prints) plus the
   chart-only keys, in draft-07 form so that Helm 3 (gojsonschema) and Helm 4 read it alike;
@@ -20,10 +20,8 @@ generated here, so the chart and the compilers cannot drift apart:
 from __future__ import annotations
 
 import copy
-import enum
 import json
 import textwrap
-import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -32,6 +30,7 @@ import yaml
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
+from orchestrator.model_walk import draft7, is_quantity, mergeable, model_shape, nested_model, quantities
 from orchestrator.naming import DNS1035_RE, DNS1123_LABEL_RE
 from orchestrator.spec import JobSpec
 
@@ -68,6 +67,12 @@ CHART_KEYS: dict[str, tuple[Any, str, dict[str, Any]]] = {
         False,
         "Run an elastic job (`spec.nodes.min < max`) at `spec.nodes.max` nodes on a fixed-size shape, like "
         "`torchrig render --fixed-size`. Required for an elastic job with `spec.kubernetes.target: trainjob`.",
+        {"type": "boolean"},
+    ),
+    "allowPodLocalStores": (
+        False,
+        "Render a multi-node job whose checkpoint stores all live inside one pod (no `pvc`, no object store), "
+        "like `torchrig render --allow-pod-local-stores`; each pod then keeps only its own shards.",
         {"type": "boolean"},
     ),
     "monitoring": (
@@ -128,137 +133,6 @@ _CHART_KEY_DOCS: dict[str, str] = {
     "checkpointPvc.keep": "Annotate `helm.sh/resource-policy: keep` so `helm uninstall` keeps the claim.",
 }
 
-# Go's RE2 has no named groups; same language as orchestrator.spec._QUANTITY_RE.
-_QUANTITY_PATTERN = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?[0-9]+)?$"
-
-
-# -- the model's shape --------------------------------------------------------------------------------
-
-
-def nested_model(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
-    """The model inside an annotation and whether it is a list of them."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation, False
-    origin = typing.get_origin(annotation)
-    if origin is list:
-        inner, _ = nested_model(typing.get_args(annotation)[0])
-        return inner, True
-    if origin in (typing.Union, types.UnionType, typing.Annotated):
-        for arg in typing.get_args(annotation):
-            inner, is_list = nested_model(arg)
-            if inner is not None:
-                return inner, is_list
-    return None, False
-
-
-def _nullable(info: FieldInfo) -> bool:
-    annotation = info.annotation
-    return typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in typing.get_args(
-        annotation
-    )
-
-
-def _is_quantity(info: FieldInfo) -> bool:
-    # Quantity is Annotated[str, ..._check_quantity]; pydantic moves that metadata onto the FieldInfo.
-    return "_check_quantity" in " ".join(repr(m) for m in info.metadata) or "_check_quantity" in repr(info.annotation)
-
-
-def _dump_default(info: FieldInfo) -> Any:
-    value = info.get_default(call_default_factory=True)
-    if isinstance(value, BaseModel):
-        return value.model_dump(mode="json", by_alias=True, exclude_none=True)
-    if isinstance(value, list):
-        return [
-            v.model_dump(mode="json", by_alias=True, exclude_none=True) if isinstance(v, BaseModel) else v
-            for v in value
-        ]
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, tuple):
-        return list(value)
-    return value
-
-
-def model_shape(model: type[BaseModel] = JobSpec) -> dict[str, Any]:
-    """What the chart's templates must know to resolve values like pydantic does.
-
-    Returns:
-        `{"defaults": {key: default}, "models": {key: shape}, "lists": {key: shape}, "quantities": [key]}`:
-        the non-null defaults of optional, non-nullable fields (a missing key gets them: list items and
-        keys Helm's merge cannot default, such as `checkpoint.every`), the sub-model and list-of-model
-        fields, and the quantity fields (numbers in values become strings, as the model's validator does).
-        Nullable fields get no default here: Helm deletes a key set to null, and that must stay null.
-    """
-    shape: dict[str, Any] = {"defaults": {}, "models": {}, "lists": {}, "quantities": []}
-    for name, info in model.model_fields.items():
-        key = info.alias or name
-        nested, is_list = nested_model(info.annotation)
-        if nested is not None:
-            shape["lists" if is_list else "models"][key] = model_shape(nested)
-        if not info.is_required() and not _nullable(info):
-            shape["defaults"][key] = _dump_default(info)
-        if _is_quantity(info):
-            shape["quantities"].append(key)
-    return shape
-
-
-def _mergeable(model: type[BaseModel], default: Any) -> bool:
-    """Whether a sub-model's default equals what its own fields default to (so Helm's map merge is exact)."""
-    try:
-        fresh = model.model_validate({}).model_dump(mode="json", by_alias=True, exclude_none=True)
-    except ValueError:
-        return False
-    return bool(fresh == default)
-
-
-# -- values.schema.json -------------------------------------------------------------------------------
-
-
-def _draft7(node: Any) -> Any:
-    """pydantic's draft 2020-12 -> draft-07 (`$defs` -> `definitions`, `prefixItems` -> `items: [...]`)."""
-    if isinstance(node, list):
-        return [_draft7(n) for n in node]
-    if not isinstance(node, dict):
-        return node
-    out: dict[str, Any] = {}
-    for key, value in node.items():
-        if key == "$defs":
-            out["definitions"] = _draft7(value)
-        elif key == "$ref" and isinstance(value, str):
-            out["$ref"] = value.replace("#/$defs/", "#/definitions/")
-        elif key == "prefixItems":
-            out["items"] = _draft7(value)
-            out["additionalItems"] = False
-        else:
-            out[key] = _draft7(value)
-    return out
-
-
-def _quantities(schema: dict[str, Any], model: type[BaseModel]) -> None:
-    """Quantity fields: a string matching the Kubernetes quantity syntax, or a plain number (the model takes 2)."""
-    defs = schema["$defs"]
-    for sub in [model, *_all_models(model)]:
-        props = defs.get(sub.__name__, {}).get("properties", {}) if sub is not model else schema["properties"]
-        for name, info in sub.model_fields.items():
-            if not _is_quantity(info):
-                continue
-            prop = props[info.alias or name]
-            quantity = [{"type": "string", "pattern": _QUANTITY_PATTERN}, {"type": "number", "minimum": 0}]
-            if _nullable(info):
-                quantity.append({"type": "null"})
-            prop.pop("type", None)
-            prop["anyOf"] = quantity
-
-
-def _all_models(model: type[BaseModel]) -> list[type[BaseModel]]:
-    out: list[type[BaseModel]] = []
-    for info in model.model_fields.values():
-        nested, _ = nested_model(info.annotation)
-        if nested is not None and nested not in out:
-            out.append(nested)
-            out.extend(m for m in _all_models(nested) if m not in out)
-    return out
-
 
 def values_schema() -> dict[str, Any]:
     """The chart's values.schema.json: the TrainingJob schema plus the chart-only keys.
@@ -267,7 +141,7 @@ def values_schema() -> dict[str, Any]:
     gpus, ...); `torchrig validate` checks those.
     """
     schema = JobSpec.model_json_schema(by_alias=True, mode="validation")
-    _quantities(schema, JobSpec)
+    quantities(schema, JobSpec)
     meta = schema["$defs"]["Metadata"]["properties"]
     # The model checks these in field validators, which JSON Schema does not see; the regexes are the model's.
     meta["name"].update({"pattern": DNS1035_RE.pattern, "maxLength": 63})
@@ -277,7 +151,7 @@ def values_schema() -> dict[str, Any]:
     # A parent chart passes `global` to every subchart.
     schema["properties"]["global"] = {"type": "object", "description": "Values of a parent chart (unused)."}
     schema["title"] = "torchrig chart values: a TrainingJob document plus chart-only keys"
-    out = _draft7(schema)
+    out = draft7(schema)
     return {"$schema": "http://json-schema.org/draft-07/schema#", **out}
 
 
@@ -298,7 +172,7 @@ def _type_hint(info: FieldInfo) -> str:
     # helm-docs takes `# -- (type)` for keys whose default (null) says nothing about the type.
     args = [a for a in typing.get_args(info.annotation) if a is not type(None)]
     base = args[0] if args else info.annotation
-    if _is_quantity(info):
+    if is_quantity(info):
         return "(quantity) "
     hints: dict[Any, str] = {str: "(string) ", int: "(int) ", float: "(float) "}
     return hints.get(base, "")
@@ -311,7 +185,7 @@ def _model_lines(model: type[BaseModel], data: dict[str, Any], indent: str) -> l
         nested, is_list = nested_model(info.annotation)
         description = info.description or ""
         if nested is not None and not is_list and key in data and isinstance(data[key], dict):
-            if not _mergeable(nested, data[key]) and key not in _required_paths(model):
+            if not mergeable(nested, data[key]) and key not in _required_paths(model):
                 default = _flow(data[key])
                 lines += _comment(
                     f"{description} Default: `{default}`, applied by the templates (not set here: Helm merges maps, "

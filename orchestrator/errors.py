@@ -1,15 +1,33 @@
-"""Typed errors. The CLI maps each to an exit code and a one-line message; nothing parses stdout."""
+"""Typed errors. The CLI maps each to an exit code and a one-line message; nothing parses stdout.
+
+Exit codes of the `torchrig` CLI (docs/operations.md has the same table):
+
+| code | meaning |
+|---|---|
+| 0 | ok: the job succeeded (a drill: passed) |
+| 1 | the job failed (a drill: its verdict failed; `checkpoints verify`: a checkpoint is invalid) |
+| 2 | bad input: the spec, a flag, an unknown name, a malformed `TORCHRIG_*` variable |
+| 3 | the backend failed: the cluster or launcher refused, or did not answer within `TORCHRIG_API_TIMEOUT` |
+| 4 | the job could not recover within its restart budget (or found no checkpoint it required) |
+| 5 | the job trained to the end but no store committed its final checkpoint: its last steps are lost |
+| 130 | cancelled (Ctrl-C, `torchrig cancel`) |
+
+`torchrig status` reports the run's state instead: 0 succeeded, 1 failed, 10 pending or running,
+11 cancelled, 12 unknown (`RunState.exit_code`).
+"""
 
 from __future__ import annotations
 
 __all__ = [
     "EXIT_BACKEND",
+    "EXIT_CHECKPOINT_LOST",
     "EXIT_FAILED",
     "EXIT_OK",
     "EXIT_RECOVERY",
     "EXIT_USAGE",
     "BackendError",
     "CompileError",
+    "FinalCheckpointLost",
     "RecoveryFailed",
     "SpecError",
     "TorchrigError",
@@ -21,6 +39,7 @@ EXIT_FAILED = 1  # the job (or the drill's verdict) failed
 EXIT_USAGE = 2  # bad input: spec, flags, unknown names
 EXIT_BACKEND = 3  # the cluster or launcher could not do what was asked
 EXIT_RECOVERY = 4  # a job could not recover within its restart budget
+EXIT_CHECKPOINT_LOST = 5  # trained to the end, but no store committed the final checkpoint
 
 
 class TorchrigError(Exception):
@@ -67,3 +86,14 @@ class RecoveryFailed(TorchrigError):
     """The job exhausted its restarts or could not find a checkpoint it was required to resume from."""
 
     exit_code = EXIT_RECOVERY
+
+
+class FinalCheckpointLost(TorchrigError):
+    """Every step ran, but the final checkpoint (`checkpoint.saveFinal`) reached no store.
+
+    Not a clean success: the trained weights existed only in the workers' memory. A distinct code
+    (not `RecoveryFailed`'s) because nothing needs restarting: fix the store, then run the job again
+    (it resumes from the newest checkpoint that was committed).
+    """
+
+    exit_code = EXIT_CHECKPOINT_LOST

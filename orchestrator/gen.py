@@ -18,9 +18,10 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from orchestrator.chart import chart_files, nested_model
+from orchestrator.chart import chart_files
 from orchestrator.compile import MANIFEST_TARGETS, render
 from orchestrator.loader import load_spec
+from orchestrator.model_walk import nested_model
 from orchestrator.spec import JobSpec
 
 __all__ = ["REPO", "generate", "main", "spec_reference", "stale"]
@@ -151,10 +152,23 @@ def spec_reference() -> str:
         "- `spec.procsPerNode` = `spec.resources.gpus` when GPUs are used (one process per GPU).",
         "- `spec.training.strategy: hsdp` needs `spec.nodes.min` >= 2.",
         "- `spec.training.precision: fp16` needs `strategy: ddp`.",
-        "- `metadata.name` is short enough that every pod name an operator derives from it fits in 63",
-        "  characters (the limit depends on `spec.nodes.max`).",
-        "- `spec.checkpoint.stores[].pvc` needs an absolute `file:///...` uri; store names are unique.",
+        "- `metadata.name` is a DNS-1035 label of at most 63 characters, for every backend and target.",
+        "- `spec.checkpoint.stores[].pvc` needs a `file://` uri (a relative one is mounted under the run directory);"
+        " store names are unique.",
+        "- `spec.checkpoint.initFrom` needs `resume: auto` or `never` (`required` fails before it is used).",
         "- `spec.kubernetes.gang: kueue` needs `spec.kubernetes.queue` (the LocalQueue).",
+        "- `spec.kubernetes.automountServiceAccountToken` needs `spec.kubernetes.serviceAccount`.",
+        "",
+        "Rendering or submitting to a Kubernetes target (`pytorchjob`, `trainjob`, `rayjob`) also refuses",
+        "(orchestrator/compile/checks.py):",
+        "",
+        "- a job that can span more than one node (`spec.nodes.max` > 1) whose checkpoint stores are all",
+        "  pod-local (a `file://` store without `pvc`, such as the default `file://./checkpoints`, is the pod's",
+        "  own emptyDir): add a `pvc:` on a ReadWriteMany claim or an `s3://` store, or pass",
+        "  `--allow-pod-local-stores` for a warning;",
+        "- credentials in `spec.checkpoint.stores[].options` or `spec.checkpoint.initFrom.options` (`key`,",
+        "  `secret`, `token`, passwords, ...): name a Secret in `spec.checkpoint.stores[].secretRef` instead (its",
+        "  keys become the pods' environment through `envFrom`).",
         "",
         "## Targets",
         "",
@@ -165,6 +179,17 @@ def spec_reference() -> str:
         "| `rayjob` | yes (autoscaled worker group, Ray Train resizes) | runs `orchestrator.backends.ray_entry` |",
         "| `torchrun` | yes (`--nnodes min:max`) | one command per node, c10d rendezvous on `$HOST:29400` |",
         "| `raytrain` | yes (`num_workers=(min, max)`) | plan for the Ray backend |",
+        "",
+        "Rendering or submitting to a Kubernetes target also applies its operator's limit on `metadata.name`",
+        "(orchestrator/naming.py cites the operator source of each):",
+        "",
+        "| target | longest `metadata.name` | why |",
+        "|---|---|---|",
+        "| `pytorchjob` | 54 up to 10 nodes (63 - len(`-worker-<last index>`)) | a Service `<name>-worker-<i>` per "
+        "replica, a DNS-1035 label |",
+        "| `trainjob` | 48 up to 10 nodes (63 - len(`-node-0-<nodes-1>-xxxxx`)) | JobSet rejects longer pod names |",
+        "| `rayjob` | 47 | KubeRay's RayJob limit (its RayCluster `<name>-xxxxx` <= 53) |",
+        "| `torchrun`, `raytrain` | 63 | |",
         "",
     ]
     return "\n".join(lines)

@@ -56,7 +56,7 @@ class _BoundedLoader(yaml.SafeLoader):
         self._depth += 1
         try:
             if self._depth > MAX_YAML_DEPTH:
-                mark = self.peek_event().start_mark
+                mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]
                 raise _TooLarge(f"line {mark.line + 1}: nesting deeper than {MAX_YAML_DEPTH} levels")
             return super().compose_node(parent, index)
         finally:

@@ -1,40 +1,149 @@
-"""Names the operators derive from a job name, so the spec can reject names that would overflow.
+"""Job-name rules: the job model's, and each Kubernetes target's as its operator enforces it.
 
-Kubernetes object names used as pod hostnames and label values must stay within 63 characters
-(DNS-1123/1035 labels). Each target's operator builds pod names from the job name; the worst case
-of every target is listed here and checked by the job model, and tests check the compilers against it.
+The job model (`metadata.name`) asks only for a DNS-1035 label of at most 63 characters: the local and
+Ray-on-VM backends and the launch plans (`torchrun`, `raytrain`) take any such name. Each Kubernetes
+target's operator derives further names from the job name and rejects (or fails to create) objects
+whose derived names do not fit; `target_name_rule` gives that limit and `compile()` enforces it when
+rendering or submitting to that target, nowhere else. Each rule below cites the operator source it
+follows (read at the versions torchrig targets, see docs/operations.md and tests/schemas/crds/SOURCES.md).
+
+KubeRay (ray-project/kuberay, tag v1.7.0 = 59d663aeec13760646da3db9c1cf8cfe883e30b7; same on master
+feeaf72facab4881ba2b179248bb67315634e229; the constants exist since v1.4.0):
+- `ray-operator/controllers/ray/utils/constant.go`: `MaxRayClusterNameLength = 53` (63 - len("-serve-svc"))
+  and `MaxRayJobNameLength = MaxRayClusterNameLength - 6`, i.e. 47, "since we append 6 characters to the
+  RayJob name to create the cluster": `GenerateRayClusterName` (`utils/util.go`) is `<rayjob>-<rand 5>`.
+- `utils/validation.go` `ValidateRayJobMetadata`: a RayJob name longer than `MaxRayJobNameLength` or not a
+  DNS-1035 label is rejected ("RayJob name should be no more than 47 characters"), by the RayJob webhook
+  (`pkg/webhooks/v1/rayjob_webhook.go`) and by the controller (`rayjob_controller.go`, InvalidRayJobMetadata).
+- Pod names never overflow: `utils.PodName` cuts the prefix (`<cluster>` for the head,
+  `<cluster>-<group>` for workers) to 50 characters before appending `-head-`/`-worker-` and the
+  5 random characters of `generateName` (and `CheckName` likewise cuts other derived names to 50).
+  So the only KubeRay rule is the RayJob name limit, whatever the worker group name or node count.
+
+Training Operator v1 (kubeflow/trainer, formerly kubeflow/training-operator, tag v1.9.4 =
+4445c12aa62e4345b0c2c6ac9b215a70eca46ed7, branch release-1.9):
+- `pkg/controller.v1/common/util.go` `GenGeneralName(job, rtype, index)` = `<job>-<rtype lowercase>-<index>`
+  names every replica's pod (`common/pod.go`) and its headless Service (`common/service.go`
+  `CreateNewService`). Service names must be DNS-1035 labels of at most 63 characters (Kubernetes
+  `ValidateServiceName`), so the longest Service name, `<job>-master-0` or `<job>-worker-<last index>`,
+  must fit in 63: the Worker indices run to `nodes.max - 1` when elastic (Worker replicas only) and to
+  `nodes.max - 2` with a Master (fixed size). "master" and "worker" have the same length.
+- `pkg/webhooks/pytorch/pytorchjob_webhook.go` `validatePyTorchJob`: `NameIsDNS1035Label(metadata.name)`
+  (which includes the 63-character limit); no other name-length rule.
+
+Kubeflow Trainer v2 -> JobSet (kubeflow/trainer tag v2.3.0 = 658725bdae5c7e3a0854d93ac6ff492e109a22ab;
+kubernetes-sigs/jobset tag v0.12.0 = f22e565ac3cc3265c7c45ef67ecffdc689af5d77):
+- Trainer `pkg/apis/trainer/v1alpha1/trainjob_types.go`: CEL rules on TrainJob, `metadata.name` matches
+  the DNS-1035 regex and `size(self.metadata.name) <= 63`; its webhook (`pkg/webhooks/trainjob_webhook.go`)
+  adds no length rule. `pkg/runtime/framework/plugins/jobset/jobset.go` names the JobSet after the
+  TrainJob and `SyncParallelCount` sets the replicated job's completions to `numNodes`.
+- JobSet `pkg/webhooks/jobset_webhook.go` `ValidateCreate` (completion mode defaults to Indexed in
+  `Default`): rejects a JobSet whose longest pod name
+  `placement.GenPodName(js, rjob, maxJobIndex, maxPodIndex) + "-abcde"`, i.e.
+  `<jobset>-<replicatedJob>-<replicas-1>-<completions-1>-xxxxx` (`pkg/util/placement/placement.go`),
+  is not a DNS-1035 label of at most 63 ("JobSet name is too long, pod names generated for this JobSet
+  will exceed 63 characters"), and likewise the child Job name `<jobset>-<replicatedJob>-<replicas-1>`.
+  torchrig's runtime (and Trainer's own torch runtimes) has one replicated job `node`, replicas 1, so the
+  longest pod name is `<name>-node-0-<nodes.max - 1>-xxxxx`.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+
+__all__ = [
+    "DNS1035_RE",
+    "DNS1123_LABEL_RE",
+    "KUBERAY_MAX_RAYCLUSTER_NAME_LEN",
+    "KUBERAY_MAX_RAYJOB_NAME_LEN",
+    "MAX_NAME_LEN",
+    "RAY_WORKER_GROUP",
+    "TRAINJOB_REPLICATED_JOB",
+    "NameRule",
+    "target_name_limit",
+    "target_name_rule",
+]
 
 DNS1035_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 DNS1123_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-MAX_NAME_LEN = 63
+MAX_NAME_LEN = 63  # a DNS-1035 label: the job model's only length rule
 RANDOM_SUFFIX = "x" * 5  # operators append 5 random characters where they need unique names
 
 RAY_WORKER_GROUP = "worker"
 TRAINJOB_REPLICATED_JOB = "node"
 
-
-def pod_names(name: str, max_nodes: int) -> dict[str, list[str]]:
-    """The longest pod names each target's operator derives from `name` (random parts as x's)."""
-    last = max(max_nodes - 1, 0)
-    return {
-        # training-operator v1: <job>-master-0 and <job>-worker-<i>
-        "pytorchjob": [f"{name}-master-0", f"{name}-worker-{last}"],
-        # Trainer v2 -> JobSet: <jobset>-<replicatedJob>-<jobIndex>-<podIndex>-<random>
-        "trainjob": [f"{name}-{TRAINJOB_REPLICATED_JOB}-0-{last}-{RANDOM_SUFFIX}"],
-        # KubeRay: cluster <rayjob>-<random>; pods <cluster>-head-<random>, <cluster>-<group>-worker-<random>
-        "rayjob": [
-            f"{name}-{RANDOM_SUFFIX}-head-{RANDOM_SUFFIX}",
-            f"{name}-{RANDOM_SUFFIX}-{RAY_WORKER_GROUP}-worker-{RANDOM_SUFFIX}",
-        ],
-    }
+# KubeRay utils/constant.go: MaxRayClusterNameLength and MaxRayJobNameLength (= 53 - 6).
+KUBERAY_MAX_RAYCLUSTER_NAME_LEN = 53
+KUBERAY_MAX_RAYJOB_NAME_LEN = KUBERAY_MAX_RAYCLUSTER_NAME_LEN - len("-" + RANDOM_SUFFIX)
 
 
-def max_name_length(max_nodes: int) -> int:
-    """The longest job name for which every derived pod name fits in 63 characters."""
-    overhead = max(len(p) for names in pod_names("", max_nodes).values() for p in names)
-    return MAX_NAME_LEN - overhead
+@dataclass(frozen=True)
+class NameRule:
+    """One target's limit on `metadata.name` and the operator rule behind it."""
+
+    target: str
+    limit: int
+    kind: str  # what the operator calls the job, e.g. "KubeRay RayJob"
+    why: str  # the operator rule, with the job name as <name>
+    max_nodes: int | None = None  # set where the limit depends on spec.nodes.max
+
+    def problem(self, name: str) -> str | None:
+        """The one-line `metadata.name: ...` message when `name` is too long for this target, else None."""
+        if len(name) <= self.limit:
+            return None
+        nodes = f" with spec.nodes.max={self.max_nodes}" if self.max_nodes is not None else ""
+        return (
+            f"metadata.name: {name!r} is {len(name)} characters; {self.kind} names (target {self.target}) "
+            f"are limited to {self.limit}{nodes} ({self.why})"
+        )
+
+
+def _fit(*suffixes: str) -> int:
+    return MAX_NAME_LEN - max(len(s) for s in suffixes)
+
+
+def target_name_rule(target: str, max_nodes: int, *, elastic: bool = False) -> NameRule | None:
+    """The name rule of a Kubernetes target's operator, or None for a target without one.
+
+    Args:
+        target: `pytorchjob`, `trainjob`, `rayjob` (others: None, the job model's rule is all).
+        max_nodes: `spec.nodes.max`.
+        elastic: the job is rendered elastic (`nodes.min < nodes.max` and not `--fixed-size`).
+    """
+    if target == "rayjob":
+        return NameRule(
+            target,
+            KUBERAY_MAX_RAYJOB_NAME_LEN,
+            "KubeRay RayJob",
+            f"KubeRay rejects longer RayJob names: it names the RayCluster '<name>-{RANDOM_SUFFIX}' and limits "
+            f"RayCluster names to {KUBERAY_MAX_RAYCLUSTER_NAME_LEN}",
+        )
+    if target == "pytorchjob":
+        # Worker indices 0..max-1 when elastic (no Master); Master 0 plus Workers 0..max-2 otherwise.
+        last = max_nodes - 1 if elastic else max(max_nodes - 2, 0)
+        longest = f"-worker-{last}" if elastic or max_nodes > 1 else "-master-0"
+        return NameRule(
+            target,
+            _fit(longest, "-master-0"),
+            "PyTorchJob",
+            f"the training operator names a Service per replica, up to '<name>{longest}', and a Service "
+            f"name is a DNS-1035 label of at most {MAX_NAME_LEN} characters",
+            max_nodes,
+        )
+    if target == "trainjob":
+        pod = f"-{TRAINJOB_REPLICATED_JOB}-0-{max_nodes - 1}-{RANDOM_SUFFIX}"
+        return NameRule(
+            target,
+            _fit(pod),
+            "TrainJob",
+            f"JobSet rejects pod names over {MAX_NAME_LEN} characters and names the pods up to '<name>{pod}'",
+            max_nodes,
+        )
+    return None
+
+
+def target_name_limit(target: str, max_nodes: int, *, elastic: bool = False) -> int:
+    """The longest `metadata.name` the target's operator accepts (63 for targets without a rule)."""
+    rule = target_name_rule(target, max_nodes, elastic=elastic)
+    return MAX_NAME_LEN if rule is None else rule.limit

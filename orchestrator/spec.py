@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field, field_validator, model_validator
 
-from orchestrator.naming import DNS1035_RE, DNS1123_LABEL_RE, max_name_length
+from orchestrator.naming import DNS1035_RE, DNS1123_LABEL_RE, MAX_NAME_LEN
 from training.config import (
     CheckpointConfig,
     MetricsConfig,
@@ -111,8 +111,10 @@ class Metadata(Model):
 
     name: str = Field(
         description=(
-            "Job name: a DNS-1035 label (lowercase letters, digits, '-'; starts with a letter), short "
-            "enough that every pod name the operators derive from it fits in 63 characters."
+            "Job name: a DNS-1035 label (lowercase letters, digits, '-'; starts with a letter) of at most "
+            "63 characters. The Kubernetes targets allow less, checked when rendering or submitting to "
+            "them: rayjob 47; pytorchjob 54 and trainjob 48 up to 10 nodes, one less per extra digit of "
+            "the node count."
         ),
         examples=["digits-ddp"],
     )
@@ -128,6 +130,8 @@ class Metadata(Model):
                 "must be a DNS-1035 label: lowercase letters, digits and '-', starting with a letter "
                 "and ending with a letter or digit"
             )
+        if len(value) > MAX_NAME_LEN:
+            raise ValueError(f"must be a DNS-1035 label of at most {MAX_NAME_LEN} characters (got {len(value)})")
         return value
 
     @field_validator("namespace")
@@ -166,6 +170,14 @@ class ResourcesConfig(Model):
         description="Size of the memory-backed /dev/shm (DataLoader workers and NCCL need more than the default 64Mi).",
     )
     gpu_resource: str = Field(default="nvidia.com/gpu", description="Extended resource name of a GPU.")
+    ephemeral_storage: Quantity | None = Field(
+        default="10Gi",
+        description=(
+            "Local disk per node requested for the pod's writable emptyDirs (run directory and logs, /tmp, "
+            "caches, pod-local checkpoint stores). Requested, not limited: the kubelet evicts a pod over its "
+            "limit. null: no request."
+        ),
+    )
 
     @field_validator("gpus", mode="before")
     @classmethod
@@ -183,6 +195,13 @@ class KubernetesConfig(Model):
         description="What `torchrig submit` creates: a Kubeflow PyTorchJob (v1, elastic) or a Trainer v2 TrainJob.",
     )
     service_account: str | None = Field(default=None, description="ServiceAccount of the pods.")
+    automount_service_account_token: bool = Field(
+        default=False,
+        description=(
+            "Mount the ServiceAccount's API token in the pods; only for a task that calls the Kubernetes API, "
+            "and then with a dedicated `serviceAccount`. Off: the pods hold no credentials to the API."
+        ),
+    )
     queue: str | None = Field(
         default=None, description="Queue: the Volcano queue with `gang: volcano`, else the Kueue LocalQueue."
     )
@@ -209,7 +228,17 @@ class KubernetesConfig(Model):
     )
     runtime_ref: str | None = Field(
         default=None,
-        description="TrainJob: name of an existing ClusterTrainingRuntime (default: emit `torchrig-<name>`).",
+        description=(
+            "TrainJob: name of an existing runtime of kind `runtimeKind` (default: emit a namespaced "
+            "TrainingRuntime `torchrig-<name>`, used by this job only)."
+        ),
+    )
+    runtime_kind: Literal["ClusterTrainingRuntime", "TrainingRuntime"] = Field(
+        default="ClusterTrainingRuntime",
+        description=(
+            "TrainJob with `runtimeRef`: its kind, a cluster-wide ClusterTrainingRuntime (Trainer's own, such "
+            "as `torch-distributed`) or a TrainingRuntime in the job's namespace."
+        ),
     )
 
 
@@ -221,8 +250,22 @@ class RayConfig(Model):
         description="Ray dashboard address (`http://HOST:8265`) to submit to; null starts a local Ray.",
     )
     runtime_env: dict[str, Any] = Field(default_factory=dict, description="Extra Ray runtime environment.")
-    image: str | None = Field(default=None, description="RayJob image (default: `spec.image`); needs `ray[train]`.")
-    ray_version: str = Field(default="2.60.0", description="Ray version of the RayJob image.")
+    image: str | None = Field(
+        default=None,
+        description=(
+            "RayJob image (default: `spec.image`); needs torchrig with its `ray` extra (the images in "
+            "images/ have it) at `rayVersion`."
+        ),
+    )
+    ray_version: str = Field(
+        default="2.60.0",
+        description=(
+            "Ray version of the RayJob image. The RayJob turns on Ray's token authentication (KubeRay "
+            "`authOptions: {mode: token}`, KubeRay >= 1.5.1), which needs Ray >= 2.52: the rayjob target "
+            "refuses an older version (or one that does not parse) rather than rendering a cluster whose "
+            "Jobs API runs anyone's code."
+        ),
+    )
     head_cpu: Quantity = Field(default="2", description="RayJob head CPU.")
     head_memory: Quantity = Field(default="8Gi", description="RayJob head memory.")
 
@@ -257,6 +300,11 @@ class JobSpecBody(Model):
             )
         if self.kubernetes.gang == "kueue" and not self.kubernetes.queue:
             raise ValueError("kubernetes.queue: required with gang kueue (the name of the Kueue LocalQueue)")
+        if self.kubernetes.automount_service_account_token and not self.kubernetes.service_account:
+            raise ValueError(
+                "kubernetes.automountServiceAccountToken: needs spec.kubernetes.serviceAccount, a dedicated "
+                "account with only the RBAC the task needs (the namespace's default account is never mounted)"
+            )
         return self
 
     @property
@@ -276,16 +324,6 @@ class JobSpec(Model):
     metadata: Metadata = Field(description="Name, namespace, labels.")
     spec: JobSpecBody = Field(description="The job.")
 
-    @model_validator(mode="after")
-    def _name_fits_derived_names(self) -> JobSpec:
-        limit = max_name_length(self.spec.nodes.max)
-        if len(self.metadata.name) > limit:
-            raise ValueError(
-                f"metadata.name: at most {limit} characters with spec.nodes.max={self.spec.nodes.max}, "
-                f"so that the pod names the operators derive stay within 63 (got {len(self.metadata.name)})"
-            )
-        return self
-
     @property
     def name(self) -> str:
         return self.metadata.name
@@ -301,8 +339,27 @@ class JobSpec(Model):
             out.append("spec.training.lrSchedule.baseWorldSize: has no effect while scaleWithWorldSize is none")
         if s.kubernetes.gang == "none" and s.kubernetes.queue and s.kubernetes.target == "trainjob":
             out.append("spec.kubernetes.queue: TrainJob uses it as the Kueue queue label only")
+        if s.kubernetes.runtime_kind != "ClusterTrainingRuntime" and not s.kubernetes.runtime_ref:
+            out.append("spec.kubernetes.runtimeKind: has no effect without runtimeRef")
+        out += _shared_credential_warnings(s)
         if s.training.precision is Precision.fp16 and s.resources.gpus == 0:
             out.append("spec.training.precision: fp16 on CPU runs slowly and is emulated; prefer bf16 or fp32")
         if s.training.lr_schedule.decay == "constant" and s.training.lr_schedule.min_lr_ratio != 0.0:
             out.append("spec.training.lrSchedule.minLrRatio: has no effect with decay constant")
         return out
+
+
+def _shared_credential_warnings(body: JobSpecBody) -> list[str]:
+    """Two stores of one scheme with different Secrets: their keys become the same variables (AWS_*)."""
+    out: list[str] = []
+    first: dict[str, tuple[int, str]] = {}
+    for i, store in enumerate(body.checkpoint.stores):
+        if not store.secret_ref:
+            continue
+        seen = first.setdefault(store.scheme, (i, store.secret_ref))
+        if seen[1] != store.secret_ref:
+            out.append(
+                f"spec.checkpoint.stores[{i}].secretRef: stores[{seen[0]}] is also {store.scheme}:// with another "
+                "Secret; both become the pods' environment, so a key both hold takes one value"
+            )
+    return out

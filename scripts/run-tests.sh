@@ -2,7 +2,7 @@
 # The whole suite as CI runs it. pytest's exit 5 (no tests collected) fails like any other error.
 set -euo pipefail
 venv=${1:-.venv}; shift || true
-export RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+export RAY_USAGE_STATS_ENABLED=0 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 export PATH="$PWD/$venv/bin:$PATH"
 echo "== lint"
 "$venv/bin/ruff" check .

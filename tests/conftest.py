@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
-# Ray: no auth token file, no usage stats; torchrun: no shared rendezvous store (hangs on restart).
+# Ray: no usage stats, and no ~/.ray/auth_token from a stray `ray.init()` (torchrig's embedded Ray turns
+# token authentication on with a token of its own whatever this says); torchrun: no shared rendezvous
+# store (hangs on restart).
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")

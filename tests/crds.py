@@ -2,8 +2,8 @@
 
 No API server can run here, so manifests are checked the way the API server and the operators would:
 
-- custom resources against their CRD's `openAPIV3Schema` (from `<repo>/../shared/schemas/crds`, or
-  `$TORCHRIG_CRD_DIR`), made strict like the API server's strict field validation (unknown fields fail:
+- custom resources against their CRD's `openAPIV3Schema` (vendored in `tests/schemas/crds/`, with their
+  sources in SOURCES.md there), made strict like the API server's strict field validation (unknown fields fail:
   `additionalProperties: false` on objects with `properties` and no `x-kubernetes-preserve-unknown-fields`),
   after applying the schema's defaults (some fields are required-with-default, e.g. RayJob
   `workerGroupSpecs[].minReplicas`);
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -49,11 +48,8 @@ _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
 
 def crd_dir() -> Path:
-    return Path(os.environ.get("TORCHRIG_CRD_DIR", REPO.parent / "shared" / "schemas" / "crds"))
-
-
-def crds_available() -> bool:
-    return all((crd_dir() / f).exists() for f in CRD_FILES.values())
+    """The vendored CRDs; a missing file is a test failure, never a skip (a clone elsewhere must test too)."""
+    return REPO / "tests" / "schemas" / "crds"
 
 
 def _strict(schema: Any) -> Any:

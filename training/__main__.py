@@ -2,8 +2,10 @@
 
 The spec comes from `--spec` or `TORCHRIG_SPEC`; the run directory from `--run-dir`,
 `TORCHRIG_RUN_DIR`, or `runs/<job name>` under the working directory (the same for every rank, so
-relative checkpoint stores and `events.jsonl` are shared). Exit codes: 0 success, 1 training failed,
-2 bad spec or task (one line on stderr, no traceback), 70 watchdog (see `training.watchdog`).
+relative checkpoint stores and `events.jsonl` are shared). Exit codes (`training.contract.ExitCode`,
+Kubeflow's convention: 1-127 permanent, 128+ retryable): 0 success; 2 bad spec or task (one line on
+stderr, no traceback); 200 training failed (an exception: retryable, a survivor of a lost peer raises
+one too); 201 the step watchdog ended a hung rank (see `training.watchdog`).
 """
 
 from __future__ import annotations
@@ -14,25 +16,25 @@ import os
 import sys
 import traceback
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
+from training.contract import Env, ExitCode
+
+EXIT_OK = int(ExitCode.OK)
+EXIT_FAILED = int(ExitCode.TRAINING_FAILED)
+EXIT_USAGE = int(ExitCode.TASK_INVALID)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, load the spec and run this worker. Returns the process exit code."""
     parser = argparse.ArgumentParser(prog="python -m training", description="Run one torchrig training worker.")
-    parser.add_argument("--spec", default=os.environ.get("TORCHRIG_SPEC"), help="resolved job file (TORCHRIG_SPEC)")
-    parser.add_argument(
-        "--run-dir", default=os.environ.get("TORCHRIG_RUN_DIR"), help="run directory (TORCHRIG_RUN_DIR)"
-    )
+    parser.add_argument("--spec", default=os.environ.get(Env.SPEC), help=f"resolved job file ({Env.SPEC})")
+    parser.add_argument("--run-dir", default=os.environ.get(Env.RUN_DIR), help=f"run directory ({Env.RUN_DIR})")
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=os.environ.get("TORCHRIG_LOG_LEVEL", "INFO").upper(),
-        format="%(asctime)s %(levelname)s [rank " + os.environ.get("RANK", "0") + "] %(name)s: %(message)s",
+        level=os.environ.get(Env.LOG_LEVEL, "INFO").upper(),
+        format="%(asctime)s %(levelname)s [rank " + os.environ.get(Env.RANK, "0") + "] %(name)s: %(message)s",
     )
     if not args.spec:
-        print("torchrig: error: no job file: pass --spec PATH or set TORCHRIG_SPEC", file=sys.stderr)
+        print(f"torchrig: error: no job file: pass --spec PATH or set {Env.SPEC}", file=sys.stderr)
         return EXIT_USAGE
 
     from training.config import load_worker_spec
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _record_for_torchelastic(exc: BaseException) -> None:
-    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+    if not os.environ.get(Env.ERROR_FILE):
         return
     try:
         from torch.distributed.elastic.multiprocessing.errors import get_error_handler

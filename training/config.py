@@ -1,9 +1,10 @@
 """The runtime's view of a job: the sections of a TrainingJob that a worker acts on.
 
 These models are the single source of truth for `spec.task`, `spec.training`, `spec.restarts`,
-`spec.checkpoint` and `spec.metrics`. The control plane's `orchestrator.spec.JobSpec` composes them
-with its own sections (nodes, resources, kubernetes, ray), so the worker and the orchestrator can
-never disagree on what a field means, while `training` stays importable without the orchestrator.
+`spec.checkpoint` (in `training.checkpoint_config`, re-exported here) and `spec.metrics`. The control
+plane's `orchestrator.spec.JobSpec` composes them with its own sections (nodes, resources, kubernetes,
+ray), so the worker and the orchestrator can never disagree on what a field means, while `training`
+stays importable without the orchestrator.
 
 This module imports neither torch nor the orchestrator: it is cheap to import everywhere.
 """
@@ -15,19 +16,34 @@ import re
 from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlparse
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
+
+from training.checkpoint_config import (
+    SUPPORTED_STORE_SCHEMES,
+    CheckpointConfig,
+    CheckpointEvery,
+    IfBusy,
+    InitFromConfig,
+    InitMode,
+    NodeLocalConfig,
+    ResumePolicy,
+    StoreConfig,
+)
+from training.config_base import Model
 
 __all__ = [
     "SUPPORTED_STORE_SCHEMES",
     "CheckpointConfig",
     "CheckpointEvery",
     "IfBusy",
+    "InitFromConfig",
+    "InitMode",
     "LrScheduleConfig",
     "MetricsConfig",
+    "Model",
     "NodeLocalConfig",
     "OptimizerConfig",
     "Precision",
@@ -41,26 +57,7 @@ __all__ = [
     "load_worker_spec",
 ]
 
-# Object stores go through fsspec; `file` is a local or shared (NFS, PVC) filesystem.
-SUPPORTED_STORE_SCHEMES = ("file", "s3", "gs", "gcs", "az", "abfs", "memory")
-
 _ENTRYPOINT_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-
-
-class Model(BaseModel):
-    """Base for every spec model: unknown keys rejected, camelCase in YAML, snake_case in Python."""
-
-    model_config = ConfigDict(
-        extra="forbid",
-        alias_generator=to_camel,
-        populate_by_name=True,
-        validate_default=True,
-        use_attribute_docstrings=False,
-    )
-
-    def to_yaml_dict(self) -> dict[str, Any]:
-        """The model as the YAML a user would write: camelCase keys, no unset optional noise."""
-        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
 class Precision(str, Enum):
@@ -195,151 +192,10 @@ class RestartsConfig(Model):
         gt=0,
         description=(
             "Watchdog: a rank that completes no step for this long exits, so the launcher restarts the "
-            "group from the last checkpoint (hang detection). Covers restore and the first step too."
+            "group from the last checkpoint (hang detection). Covers start-up and the first step too; "
+            "checkpoint I/O has its own limit, `checkpoint.ioTimeoutSeconds`."
         ),
     )
-
-
-class StoreConfig(Model):
-    """One checkpoint store. Every checkpoint is written to every store."""
-
-    uri: str = Field(
-        description=(
-            "Where checkpoints go: `file:///abs/path`, `file://./relative` (relative to the run "
-            "directory), a bare path, or an fsspec URL such as `s3://bucket/prefix`."
-        ),
-        examples=["file://./ckpt", "s3://bucket/prefix"],
-    )
-    name: str | None = Field(
-        default=None, description="Short name for logs and metrics (default: derived from the URI)."
-    )
-    pvc: str | None = Field(
-        default=None,
-        description="Kubernetes only: PersistentVolumeClaim mounted at the path of this `file://` store.",
-    )
-    options: dict[str, Any] = Field(
-        default_factory=dict,
-        description="fsspec storage options, e.g. `{endpoint_url: ...}` for an S3-compatible endpoint.",
-    )
-
-    @field_validator("uri")
-    @classmethod
-    def _supported_scheme(cls, value: str) -> str:
-        scheme = urlparse(value).scheme if "://" in value else "file"
-        if scheme not in SUPPORTED_STORE_SCHEMES:
-            raise ValueError(f"unsupported scheme {scheme!r}; use one of: {', '.join(SUPPORTED_STORE_SCHEMES)}")
-        if scheme == "file" and value.startswith("file://") and not value[len("file://") :]:
-            raise ValueError("file:// URI needs a path")
-        return value
-
-    @model_validator(mode="after")
-    def _pvc_only_for_files(self) -> StoreConfig:
-        if self.pvc is not None and (self.scheme != "file" or not self.path.startswith("/")):
-            raise ValueError("pvc: needs an absolute `file:///...` uri (the mount path)")
-        return self
-
-    @property
-    def scheme(self) -> str:
-        return urlparse(self.uri).scheme if "://" in self.uri else "file"
-
-    @property
-    def path(self) -> str:
-        """The path part; for `file://./x` this is `./x`, relative to the run directory."""
-        if "://" not in self.uri:
-            return self.uri
-        return self.uri.split("://", 1)[1]
-
-    @property
-    def display_name(self) -> str:
-        if self.name:
-            return self.name
-        return re.sub(r"[^A-Za-z0-9_.-]+", "_", self.uri.split("://")[-1]).strip("_.") or self.scheme
-
-    def resolved_uri(self, run_dir: str | os.PathLike[str] | None) -> str:
-        """The URI with a relative file path resolved against the run directory."""
-        if self.scheme != "file":
-            return self.uri
-        path = self.path
-        if not path.startswith("/"):
-            base = Path(run_dir) if run_dir is not None else Path.cwd()
-            path = str((base / path).resolve())
-        return "file://" + path
-
-
-class CheckpointEvery(Model):
-    """When to checkpoint: by steps, by wall time, or both (whichever comes first)."""
-
-    steps: int | None = Field(default=None, ge=1, description="Save every this many optimizer steps.")
-    seconds: float | None = Field(default=None, gt=0, description="Save when this long has passed since the last save.")
-
-    @model_validator(mode="after")
-    def _one_trigger(self) -> CheckpointEvery:
-        if self.steps is None and self.seconds is None:
-            raise ValueError("set steps, seconds, or both")
-        return self
-
-
-class IfBusy(str, Enum):
-    wait = "wait"
-    skip = "skip"
-
-
-class ResumePolicy(str, Enum):
-    auto = "auto"
-    required = "required"
-    never = "never"
-
-
-class NodeLocalConfig(Model):
-    """A fast per-node copy of the newest checkpoint, replicated to a peer node (Gemini, SOSP'23)."""
-
-    enabled: bool = Field(default=False, description="Keep the newest checkpoint in node-local storage too.")
-    path: str = Field(default="/dev/shm/torchrig", description="Node-local directory (tmpfs or local disk).")
-    replicate_to_peer: bool = Field(
-        default=True, description="Also hold a copy of the next node's shards, so losing one node loses no copy."
-    )
-
-
-class CheckpointConfig(Model):
-    """Redundant, verified checkpoints. A restart is only as good as the checkpoint it finds."""
-
-    every: CheckpointEvery = Field(default_factory=lambda: CheckpointEvery(steps=100), description="When to save.")
-    keep: int = Field(default=3, ge=1, description="Committed checkpoints kept per store (the newest ones).")
-    async_: bool = Field(
-        default=True,
-        alias="async",
-        description=(
-            "Training blocks only while the state is staged in memory; writing and upload run in the background."
-        ),
-    )
-    if_busy: IfBusy = Field(
-        default=IfBusy.wait,
-        description="When a save is due while the previous one is still in flight: `wait` for it, or `skip` this one.",
-    )
-    resume: ResumePolicy = Field(
-        default=ResumePolicy.auto,
-        description=(
-            "`auto`: restore the newest valid checkpoint, start fresh if none; `required`: fail if "
-            "none is valid; `never`: always start fresh (existing checkpoints are kept)."
-        ),
-    )
-    stores: list[StoreConfig] = Field(
-        default_factory=lambda: [StoreConfig(uri="file://./checkpoints")],
-        min_length=1,
-        description="Every checkpoint goes to every store; restore falls back from store to store.",
-    )
-    node_local: NodeLocalConfig = Field(default_factory=NodeLocalConfig, description="Fast local recovery copy.")
-    save_final: bool = Field(default=True, description="Save a checkpoint at the last step.")
-
-    @model_validator(mode="after")
-    def _unique_store_names(self) -> CheckpointConfig:
-        seen: dict[str, str] = {}
-        for store in self.stores:
-            key = store.display_name
-            if key in seen:
-                raise ValueError(f"stores: two stores share the name {key!r}; give them distinct `name`s")
-            seen[key] = store.uri
-        return self
 
 
 class MetricsConfig(Model):
@@ -355,10 +211,27 @@ class MetricsConfig(Model):
     )
     log_every: int = Field(default=10, ge=1, description="Steps between JSON-lines records and log lines.")
     gpu: bool = Field(default=True, description="Export per-device GPU metrics through NVML when available.")
+    straggler_threshold: float = Field(
+        default=1.3,
+        gt=1.0,
+        description=(
+            "A rank whose compute time per step (outside collectives, or before its first gradient "
+            "collective) exceeds this multiple of the median rank's over a logEvery window is the straggler "
+            "(torchrig_straggler_rank, a `straggler` event, the TorchrigStraggler alert)."
+        ),
+    )
+
+
+class _Resources(BaseModel):
+    """Of `spec.resources`, the worker reads the GPU count only (`training.preflight` checks CUDA)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    gpus: int = 0
 
 
 class _SpecBody(BaseModel):
-    """The worker ignores the control-plane sections (nodes, resources, kubernetes, ray)."""
+    """The worker ignores the control-plane sections (nodes, kubernetes, ray) and most of resources."""
 
     model_config = ConfigDict(extra="ignore", alias_generator=to_camel, populate_by_name=True)
 
@@ -367,6 +240,7 @@ class _SpecBody(BaseModel):
     restarts: RestartsConfig = Field(default_factory=RestartsConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    resources: _Resources = Field(default_factory=_Resources)
 
 
 class _Metadata(BaseModel):

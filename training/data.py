@@ -10,16 +10,21 @@ with exactly the batches it would have seen, and after a resize no sample of the
 skipped. And because micro-step m reads one contiguous block of W*B indices, a run at world size W
 sees the same samples per micro-step as a single process with batch W*B (the equivalence tests rely
 on it).
+
+`BatchIndices` hands this rank's micro-batches to a `DataLoader`, and `to_device` moves what its
+collate function made to the training device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import torch
 
-__all__ = ["GlobalOrder", "StepPlan", "micro_batches"]
+__all__ = ["BatchIndices", "GlobalOrder", "StepPlan", "micro_batches", "to_device"]
 
 
 class GlobalOrder:
@@ -94,3 +99,24 @@ def micro_batches(order: GlobalOrder, plan: StepPlan, rank: int, cursor: int) ->
         for start, count in plan.rank_slices(cursor, rank):
             yield order.indices(start, count)
         cursor += plan.global_batch
+
+
+class BatchIndices:
+    """`micro_batches` as a DataLoader batch sampler (a DataLoader needs an iterable, not an iterator)."""
+
+    def __init__(self, order: GlobalOrder, plan: StepPlan, rank: int, cursor: int) -> None:
+        self.order, self.plan, self.rank, self.cursor = order, plan, rank, cursor
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return micro_batches(self.order, self.plan, self.rank, self.cursor)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """A collated batch with every tensor in it (nested in mappings, lists, tuples) on `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch

@@ -7,7 +7,10 @@
 - `kill`: SIGKILL of this process (a hard crash: no cleanup, no exception handler runs);
 - `exit`: `os._exit(1)` (a crash with a non-zero exit code);
 - `hang`: the main thread sleeps forever (the watchdog must catch it);
-- `slow`: every step from `step` on takes `seconds` longer (a straggler);
+- `slow`: every step from `step` on takes `seconds` longer (a straggler that sleeps between steps);
+- `slow_backward`: from `step` on, the backward pass of every step takes `seconds` longer: the delay
+  is a hook on the loss inside autograd, so it comes before any of this rank's gradients (and DDP's
+  first bucket) is ready; the other ranks wait for it inside the gradient all-reduce;
 - `kill_during_checkpoint`: SIGKILL right after the first save at or after `step` is staged, while its
   upload is still in flight.
 
@@ -23,14 +26,20 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import TYPE_CHECKING, Literal, cast
 
+from training.contract import Env
+from training.contract.events import Fault as FaultEvent
 from training.metrics.base import MetricsSink
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["FAULT_EXIT_CODE", "Fault", "FaultInjector", "parse_faults"]
 
-FaultKind = Literal["kill", "hang", "slow", "exit", "kill_during_checkpoint"]
-_KINDS = ("kill", "hang", "slow", "exit", "kill_during_checkpoint")
+FaultKind = Literal["kill", "hang", "slow", "slow_backward", "exit", "kill_during_checkpoint"]
+_KINDS = ("kill", "hang", "slow", "slow_backward", "exit", "kill_during_checkpoint")
+_TIMED = ("slow", "slow_backward")  # kinds that need seconds > 0
 FAULT_EXIT_CODE = 1
 
 
@@ -56,19 +65,19 @@ def parse_faults(text: str | None) -> list[Fault]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"TORCHRIG_FAULTS: not JSON: {exc}") from None
+        raise ValueError(f"{Env.FAULTS}: not JSON: {exc}") from None
     if not isinstance(data, list):
-        raise ValueError("TORCHRIG_FAULTS: must be a JSON list of faults")
+        raise ValueError(f"{Env.FAULTS}: must be a JSON list of faults")
     faults = []
     for i, item in enumerate(data):
         if not isinstance(item, dict):
-            raise ValueError(f"TORCHRIG_FAULTS[{i}]: must be an object")
+            raise ValueError(f"{Env.FAULTS}[{i}]: must be an object")
         kind = item.get("kind")
         if kind not in _KINDS:
-            raise ValueError(f"TORCHRIG_FAULTS[{i}].kind: {kind!r} is not one of {', '.join(_KINDS)}")
+            raise ValueError(f"{Env.FAULTS}[{i}].kind: {kind!r} is not one of {', '.join(_KINDS)}")
         unknown = set(item) - {"kind", "rank", "step", "generation", "seconds"}
         if unknown:
-            raise ValueError(f"TORCHRIG_FAULTS[{i}]: unknown keys {sorted(unknown)}")
+            raise ValueError(f"{Env.FAULTS}[{i}]: unknown keys {sorted(unknown)}")
         try:
             fault = Fault(
                 kind=cast(FaultKind, kind),
@@ -78,9 +87,9 @@ def parse_faults(text: str | None) -> list[Fault]:
                 seconds=float(item.get("seconds", 0.0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"TORCHRIG_FAULTS[{i}]: bad or missing field: {exc}") from None
-        if fault.kind == "slow" and fault.seconds <= 0:
-            raise ValueError(f"TORCHRIG_FAULTS[{i}].seconds: a slow fault needs seconds > 0")
+            raise ValueError(f"{Env.FAULTS}[{i}]: bad or missing field: {exc}") from None
+        if fault.kind in _TIMED and fault.seconds <= 0:
+            raise ValueError(f"{Env.FAULTS}[{i}].seconds: a {fault.kind} fault needs seconds > 0")
         faults.append(fault)
     return faults
 
@@ -93,13 +102,14 @@ class FaultInjector:
         self.faults = [f for f in faults if f.rank in (rank, -1) and f.generation in (generation, -1)]
         self.events = events
         self._fired: set[Fault] = set()
+        self._backward_step = 0  # the last step whose backward was slowed (once per step)
 
     @classmethod
     def from_env(
         cls, *, rank: int, generation: int, events: MetricsSink, env: Mapping[str, str] | None = None
     ) -> FaultInjector:
         env = os.environ if env is None else env
-        return cls(parse_faults(env.get("TORCHRIG_FAULTS")), rank=rank, generation=generation, events=events)
+        return cls(parse_faults(env.get(Env.FAULTS)), rank=rank, generation=generation, events=events)
 
     def step_delay(self, step: int) -> float:
         """Extra seconds a `slow` fault adds to `step` (events are written once, when it starts)."""
@@ -108,9 +118,32 @@ class FaultInjector:
             if fault.kind == "slow" and step >= fault.step:
                 if fault not in self._fired:
                     self._fired.add(fault)
-                    self.events.on_event("fault", kind="slow", step=step, seconds=fault.seconds)
+                    self.events.emit(FaultEvent(fault="slow", step=step, seconds=fault.seconds))
                 delay += fault.seconds
         return delay
+
+    def before_backward(self, loss: torch.Tensor, step: int) -> None:
+        """Slow the backward pass about to run from `loss` (`slow_backward` faults, once per step).
+
+        A hook on `loss` runs first thing in autograd's backward, before any parameter gradient, so the
+        delay is inside this rank's backward pass and ahead of its gradient collectives.
+        """
+        if self._backward_step == step or not loss.requires_grad:
+            return
+        delay = 0.0
+        for fault in self.faults:
+            if fault.kind == "slow_backward" and step >= fault.step:
+                if fault not in self._fired:
+                    self._fired.add(fault)
+                    self.events.emit(FaultEvent(fault="slow_backward", step=step, seconds=fault.seconds))
+                delay += fault.seconds
+        if delay:
+            self._backward_step = step
+
+            def sleep(grad: torch.Tensor) -> None:
+                time.sleep(delay)
+
+            loss.register_hook(sleep)  # type: ignore[no-untyped-call]
 
     def after_step(self, step: int) -> None:
         """Called once step `step` has completed (before any checkpoint of it)."""
@@ -126,7 +159,7 @@ class FaultInjector:
 
     def _fire(self, fault: Fault, step: int) -> None:
         self._fired.add(fault)
-        self.events.on_event("fault", kind=fault.kind, step=step, pid=os.getpid())
+        self.events.emit(FaultEvent(fault=fault.kind, step=step, pid=os.getpid()))
         print(f"torchrig: drill fault {fault.kind} at step {step} (rank {fault.rank})", file=sys.stderr, flush=True)
         if fault.kind in ("kill", "kill_during_checkpoint"):
             os.kill(os.getpid(), signal.SIGKILL)

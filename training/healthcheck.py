@@ -1,8 +1,9 @@
 """Container health check: `python -m training.healthcheck` exits 0 while this pod's worker is healthy.
 
 Healthy means the local rank 0 exporter answers on `metrics.port` and its last-step timestamp is more
-recent than `restarts.stepTimeoutSeconds`. The exporter starts that timestamp at process start, so a
-worker stuck in rendezvous or restore turns unhealthy on the same clock as the step watchdog; Docker's
+recent than the longer of `restarts.stepTimeoutSeconds` and `checkpoint.ioTimeoutSeconds` (a restore or
+the final save completes no step for up to the latter). The exporter starts that timestamp at process
+start, so a worker stuck in rendezvous or restore turns unhealthy no earlier than the watchdog; Docker's
 `--start-period` covers the time before the exporter is up. Standard library only: adds nothing to the image.
 """
 
@@ -13,6 +14,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+
+from training.contract import Env
 
 LAST_STEP_METRIC = "torchrig_last_step_timestamp_seconds"
 
@@ -48,9 +51,9 @@ def check(url: str, max_age_s: float, now: float | None = None) -> tuple[bool, s
 
 
 def main() -> int:
-    port = int(os.environ.get("TORCHRIG_METRICS_PORT", "9400"))
-    max_age = float(os.environ.get("TORCHRIG_HEALTH_MAX_STEP_AGE_S", "0")) or None
-    spec_path = os.environ.get("TORCHRIG_SPEC")
+    port = int(os.environ.get(Env.METRICS_PORT, "9400"))
+    max_age = float(os.environ.get(Env.HEALTH_MAX_STEP_AGE_S, "0")) or None
+    spec_path = os.environ.get(Env.SPEC)
     if spec_path and os.path.exists(spec_path):
         from training.config import load_worker_spec
 
@@ -60,7 +63,8 @@ def main() -> int:
             spec = None
         if spec is not None:
             port = spec.metrics.port
-            max_age = max_age or spec.restarts.step_timeout_seconds
+            # A restore or the final save completes no step for up to `checkpoint.ioTimeoutSeconds`.
+            max_age = max_age or max(spec.restarts.step_timeout_seconds, spec.checkpoint.io_timeout_seconds)
     healthy, reason = check(f"http://127.0.0.1:{port}/metrics", max_age or 600.0)
     print(("healthy: " if healthy else "unhealthy: ") + reason)
     return 0 if healthy else 1

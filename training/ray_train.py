@@ -1,56 +1,75 @@
 """The function Ray Train's `TorchTrainer` runs on every worker: the torchrig worker, under Ray.
 
 Ray Train has already created the default process group when `train_loop_per_worker` starts; this
-module only translates `ray.train.get_context()` into a `training.env.DistEnv` and calls
+module only translates `ray.train.get_context()` into a `training.contract.WorkerIdentity` and calls
 `training.worker.run_worker`, which reuses that group. The torchrig checkpoint manager stays the
 source of truth: every restarted worker group restores the newest committed torchrig checkpoint
 itself, and the `ray.train.report` at the end carries the last committed step and store URIs as
 metrics only. No Ray Checkpoint is reported, so Ray never holds a second copy of the state.
+
+The driver's run directory need not be rank 0's (a RayJob's head and workers each have their own), so
+rank 0 also hands its result and the events the summary needs (`training.contract.WorkerReport`) to
+the run's ledger actor, which the driver reads after `fit()`. Not through `ray.train.report`: Ray
+Train v2 keeps only the metrics reported with a checkpoint (`Result.metrics` is the latest
+checkpoint's, None without one), and `Result.return_value` exists only in Ray releases newer than the
+oldest torchrig supports (ray-project/ray#62021).
 
 `ray` is imported inside functions only: `training` must stay importable without Ray.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
+import sys
 from typing import Any
 
-__all__ = ["create_generation_counter", "last_committed_checkpoint", "train_loop_per_worker"]
+from training.contract import Env, EventKind, Result, RunFiles, WorkerIdentity, WorkerReport, read_events
+
+__all__ = ["LEDGER_CALL_TIMEOUT_S", "create_run_ledger", "last_committed_checkpoint", "train_loop_per_worker"]
+
+LEDGER_CALL_TIMEOUT_S = 60.0  # a call on the ledger actor (a few bytes in memory): past this, Ray is broken
 
 
-def create_generation_counter() -> Any:
-    """A Ray actor counting worker-group starts: Ray Train has no public restart count.
+def create_run_ledger() -> Any:
+    """A Ray actor that outlives the run's worker groups: their start count and rank 0's last report.
 
     Created by the driver (so it lives as long as the run, on any node), passed to the workers in
-    `train_loop_config["generation_counter"]`; rank 0 of each new group takes the next number and
-    broadcasts it, so drill faults aimed at generation 0 fire once and a restarted group is generation 1.
+    `train_loop_config["run_ledger"]`. Rank 0 of each new group takes the next generation number and
+    broadcasts it (Ray Train has no public restart count), so drill faults aimed at generation 0 fire
+    once and a restarted group is generation 1; when its worker ends, rank 0 leaves its
+    `WorkerReport` there (`put_report`) and the driver reads the last one (`get_report`).
     """
     import ray
 
-    class GenerationCounter:
+    class RunLedger:
         def __init__(self) -> None:
-            self.value = -1
+            self.generation = -1
+            self.report: dict[str, Any] | None = None
 
-        def next(self) -> int:
-            self.value += 1
-            return self.value
+        def next_generation(self) -> int:
+            self.generation += 1
+            return self.generation
 
-    actor: Any = ray.remote(num_cpus=0)(GenerationCounter)
+        def put_report(self, report: dict[str, Any]) -> None:
+            self.report = report
+
+        def get_report(self) -> dict[str, Any] | None:
+            return self.report
+
+    actor: Any = ray.remote(num_cpus=0)(RunLedger)
     return actor.remote()
 
 
-def _agree_generation(counter: Any, rank: int) -> int:
+def _agree_generation(ledger: Any, rank: int) -> int:
     """Rank 0 draws the generation; every rank receives it over the group Ray Train created."""
     import torch
     import torch.distributed as dist
 
     value = 0
-    if rank == 0 and counter is not None:
+    if rank == 0 and ledger is not None:
         import ray
 
-        value = int(ray.get(counter.next.remote()))
+        value = int(ray.get(ledger.next_generation.remote(), timeout=LEDGER_CALL_TIMEOUT_S))
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return value
     device = torch.device("cpu")
@@ -65,23 +84,24 @@ def _agree_generation(counter: Any, rank: int) -> int:
 
 def last_committed_checkpoint(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """`{checkpoint_step, checkpoint_stores}` of the newest `checkpoint_committed` event (empty if none)."""
-    path = Path(run_dir) / "events.jsonl"
     best: dict[str, Any] = {}
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return best
-    for line in lines:
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue  # a torn last line from a killed writer
-        if not isinstance(event, dict) or event.get("event") != "checkpoint_committed":
+    for event in read_events(RunFiles(run_dir).events):  # a torn last line from a killed writer is skipped
+        if event.kind is not EventKind.CHECKPOINT_COMMITTED or event.step is None:
             continue
-        step = event.get("step")
-        if isinstance(step, int) and step >= int(best.get("checkpoint_step", -1)):
-            best = {"checkpoint_step": step, "checkpoint_stores": list(event.get("stores_ok") or [])}
+        if event.step >= int(best.get("checkpoint_step", -1)):
+            best = {"checkpoint_step": event.step, "checkpoint_stores": list(event.get("stores_ok") or [])}
     return best
+
+
+def _hand_over(ledger: Any, run_dir: str, result: dict[str, Any] | None) -> None:
+    """Rank 0: leave its `WorkerReport` with the ledger for the driver (best effort: never fails the run)."""
+    import ray
+
+    try:
+        report = WorkerReport.collect(run_dir, result=Result.from_dict(result) if result is not None else None)
+        ray.get(ledger.put_report.remote(report.to_dict()), timeout=LEDGER_CALL_TIMEOUT_S)
+    except Exception as exc:  # the driver then summarizes from its own run directory only
+        print(f"torchrig: rank 0 could not hand its result to the driver: {exc!r}", file=sys.stderr)
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -89,23 +109,23 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     Args:
         config: `spec_yaml` (the resolved job file's text), `run_dir` (absolute; shared by the ranks of
-            one node), `generation_counter` (optional actor from `create_generation_counter`), and
-            `store_uris` (`{name: resolved uri}` of the checkpoint stores, reported as metrics).
+            one node), `run_ledger` (optional actor from `create_run_ledger`), and `store_uris`
+            (`{name: resolved uri}` of the checkpoint stores, reported as metrics).
     """
     import ray.train
 
     from training.config import load_worker_spec
-    from training.env import DistEnv
     from training.worker import run_worker
 
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
     world_size = ctx.get_world_size()
     local_world_size = ctx.get_local_world_size()
-    generation = _agree_generation(config.get("generation_counter"), rank)
+    ledger = config.get("run_ledger")
+    generation = _agree_generation(ledger, rank)
     run_dir = str(config["run_dir"])
-    os.environ["TORCHRIG_RUN_DIR"] = run_dir
-    dist_env = DistEnv(
+    os.environ[Env.RUN_DIR] = run_dir
+    identity = WorkerIdentity(
         rank=rank,
         world_size=world_size,
         local_rank=ctx.get_local_rank(),
@@ -115,10 +135,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         generation=generation,
     )
     spec = load_worker_spec(str(config["spec_yaml"]))
-    result = run_worker(spec, run_dir=run_dir, dist=dist_env)
-    metrics: dict[str, Any] = {
-        key: value for key, value in result.items() if isinstance(value, (int, float, str)) and key != "eval"
-    }
+    result: dict[str, Any] | None = None
+    try:
+        result = run_worker(spec, run_dir=run_dir, identity=identity)
+    finally:
+        if rank == 0 and ledger is not None:  # also when training raised: the restores and commits so far
+            _hand_over(ledger, run_dir, result)
+    metrics: dict[str, Any] = {key: value for key, value in result.items() if isinstance(value, (int, float, str))}
     metrics.update({f"eval_{k}": v for k, v in (result.get("eval") or {}).items()})
     metrics["generation"] = generation
     checkpoint = last_committed_checkpoint(run_dir)

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed import GradBucket  # type: ignore[attr-defined]
 
 from training.config import LrScheduleConfig, OptimizerConfig, Precision, Strategy, TrainingConfig
-from training.env import DistEnv
+from training.contract import WorkerIdentity
 
 __all__ = ["CommTimer", "Parallel", "build_optimizer", "clip_grad_norm", "lr_at", "parallelize"]
 
@@ -33,11 +33,29 @@ class CommTimer:
 
     Collectives overlap with compute and with each other (DDP buckets); the union counts each second
     of communication once. Callbacks may run on the backend's threads, hence the lock.
+
+    It also keeps when the step's first *gradient* collective was issued (DDP's first bucket,
+    FSDP's first reduce-scatter; not FSDP's all-gathers): the time before it is this rank's own
+    forward and backward up to its first ready gradients, which no other rank's speed changes (the
+    straggler signal that DDP's overlap cannot blur, `training.metrics.straggler`).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._intervals: list[tuple[float, float]] = []
+        self._first_gradient: float | None = None
+
+    def gradient_issued(self, start: float) -> None:
+        """A gradient collective was issued at `start` (`time.perf_counter()`)."""
+        with self._lock:
+            if self._first_gradient is None or start < self._first_gradient:
+                self._first_gradient = start
+
+    def take_first_gradient(self) -> float | None:
+        """When the first gradient collective since the last call was issued (and forget it)."""
+        with self._lock:
+            first, self._first_gradient = self._first_gradient, None
+        return first
 
     def record(self, start: float, end: float) -> None:
         with self._lock:
@@ -121,6 +139,7 @@ def _timed_allreduce_hook(timer: CommTimer) -> Callable[[Any, GradBucket], torch
 
     def hook(process_group: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         start = time.perf_counter()
+        timer.gradient_issued(start)
         fut = default_hooks.allreduce_hook(process_group, bucket)
 
         def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
@@ -188,6 +207,7 @@ def _timed_fsdp_comms(model: nn.Module, timer: CommTimer) -> None:
             async_op: bool = False,
         ) -> dist.Work | None:
             start = time.perf_counter()
+            timer.gradient_issued(start)
             work: dist.Work | None = dist.reduce_scatter_tensor(
                 output_tensor, input_tensor, op=op, group=group, async_op=async_op
             )
@@ -204,7 +224,7 @@ def _timed_fsdp_comms(model: nn.Module, timer: CommTimer) -> None:
 
 
 def parallelize(
-    model: nn.Module, blocks: Sequence[nn.Module], cfg: TrainingConfig, dist_env: DistEnv, device: torch.device
+    model: nn.Module, blocks: Sequence[nn.Module], cfg: TrainingConfig, identity: WorkerIdentity, device: torch.device
 ) -> Parallel:
     """Apply activation checkpointing, then the strategy and its mixed precision, to `model` (in place).
 
@@ -212,7 +232,7 @@ def parallelize(
         model: The task's model, on the CPU in float32, identically initialised on every rank.
         blocks: The task's repeated blocks (FSDP units, activation-checkpointing units).
         cfg: `spec.training`.
-        dist_env: This rank's coordinates (HSDP mesh shape: num_nodes x local_world_size).
+        identity: This rank's coordinates (HSDP mesh shape: num_nodes x local_world_size).
         device: Where to train.
     """
     model.to(device)
@@ -230,7 +250,7 @@ def parallelize(
     if cfg.strategy is Strategy.ddp:
         if cfg.precision is Precision.fp16:
             par.scaler = torch.amp.GradScaler(device.type)
-        if dist_env.world_size > 1:
+        if identity.world_size > 1:
             ddp = nn.parallel.DistributedDataParallel(
                 model, device_ids=[device.index] if device.type == "cuda" else None
             )
@@ -243,10 +263,10 @@ def parallelize(
 
     if cfg.strategy is Strategy.hsdp:
         mesh = init_device_mesh(
-            device.type, (dist_env.num_nodes, dist_env.local_world_size), mesh_dim_names=("replicate", "shard")
+            device.type, (identity.num_nodes, identity.local_world_size), mesh_dim_names=("replicate", "shard")
         )
     else:
-        mesh = init_device_mesh(device.type, (dist_env.world_size,), mesh_dim_names=("shard",))
+        mesh = init_device_mesh(device.type, (identity.world_size,), mesh_dim_names=("shard",))
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if cfg.precision is Precision.bf16

@@ -2,8 +2,9 @@
 
 Elastic starts every worker in its own session, so a killed agent leaves its workers alive and
 `killpg(agent)` does not reach them. Every process of a local run therefore carries two marker
-variables in its environment (inherited by workers and their children); finding "all processes of
-node i" is a scan of `/proc/*/environ` for those markers, which also works after the agent is gone.
+variables in its environment (`Env.RUN_TOKEN`, `Env.LOCAL_NODE`; inherited by workers and their
+children); finding "all processes of node i" is a scan of `/proc/*/environ` for those markers, which
+also works after the agent is gone.
 """
 
 from __future__ import annotations
@@ -11,22 +12,39 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+from training.contract import Env
+
 __all__ = [
-    "NODE_ENV",
-    "RUN_TOKEN_ENV",
     "alive",
     "find_marked",
     "kill_pids",
     "process_start_ticks",
+    "spawn",
     "terminate_then_kill",
 ]
 
-RUN_TOKEN_ENV = "TORCHRIG_RUN_TOKEN"  # unique per run: every agent, worker and child carries it
-NODE_ENV = "TORCHRIG_LOCAL_NODE"  # index of the emulated node (agent) the process belongs to
+
+def spawn(
+    cmd: Sequence[str], *, log: Path, env: Mapping[str, str], cwd: str | os.PathLike[str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start `cmd` in a session of its own (a Ctrl-C at the terminal reaches only the supervisor),
+    stdin closed, stdout and stderr appended to `log`, with `env` over this process's environment."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab") as out:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            list(cmd),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **env},
+            cwd=cwd,
+        )
 
 
 def process_start_ticks(pid: int) -> int | None:
@@ -95,9 +113,9 @@ def find_marked(token: str, node: int | None = None, exclude: Iterable[int] = ()
         if pid in skip:
             continue
         env = _environ(pid)
-        if env.get(RUN_TOKEN_ENV.encode()) != want_token:
+        if env.get(Env.RUN_TOKEN.encode()) != want_token:
             continue
-        if want_node is not None and env.get(NODE_ENV.encode()) != want_node:
+        if want_node is not None and env.get(Env.LOCAL_NODE.encode()) != want_node:
             continue
         if not _is_zombie(pid):
             found.append(pid)

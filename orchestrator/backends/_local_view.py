@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from orchestrator.backends._local_rundir import JsonlTail, RunFiles
+from orchestrator.summary_text import format_metrics, format_value
+from training.contract import EventKind, JsonlTail, RunFiles
 
 __all__ = ["LiveProgress", "PlainView", "QuietView", "RichView", "RunView", "create_view"]
 
@@ -29,6 +30,7 @@ class LiveProgress:
     last_checkpoint_step: int | None = None
     last_checkpoint_time: float | None = None
     faults: int = 0
+    eval: dict[str, Any] = field(default_factory=dict)
     _metrics: JsonlTail = field(init=False)
     _events: JsonlTail = field(init=False)
 
@@ -53,14 +55,16 @@ class LiveProgress:
             gen = ev.get("generation")
             if isinstance(gen, int):
                 self.restarts = max(self.restarts, gen)
-            if kind == "start" and isinstance(ev.get("world_size"), int):
+            if kind == EventKind.START and isinstance(ev.get("world_size"), int):
                 self.world_size = ev["world_size"]
-            elif kind == "checkpoint_committed" and isinstance(ev.get("step"), int):
+            elif kind == EventKind.CHECKPOINT_COMMITTED and isinstance(ev.get("step"), int):
                 if self.last_checkpoint_step is None or ev["step"] >= self.last_checkpoint_step:
                     self.last_checkpoint_step = ev["step"]
                     self.last_checkpoint_time = _float(ev.get("time"), time.time())
-            elif kind == "fault":
+            elif kind == EventKind.FAULT:
                 self.faults += 1
+            elif kind == EventKind.EVAL and isinstance(ev.get("metrics"), dict):
+                self.eval = dict(ev["metrics"])
         return changed
 
     def checkpoint_text(self) -> str:
@@ -73,7 +77,8 @@ class LiveProgress:
         """One plain progress line."""
         parts = [f"step {self.step}/{self.total_steps}"]
         if self.loss is not None:
-            parts.append(f"loss {self.loss:.4f}")
+            parts.append(f"train loss {format_value(self.loss)}")
+        parts += format_metrics(self.eval, "eval")
         if self.samples_per_s is not None:
             parts.append(f"{self.samples_per_s:.0f} samples/s")
         if self.world_size is not None:
@@ -165,7 +170,10 @@ class RichView(RunView):
         table = Table.grid(padding=(0, 2))
         table.add_column(style="dim")
         table.add_column()
-        table.add_row("loss", "-" if p.loss is None else f"{p.loss:.4f}")
+        table.add_row("train loss", format_value(p.loss))
+        for item in format_metrics(p.eval, "eval"):
+            name, _, value = item.rpartition(" ")
+            table.add_row(name, value)
         table.add_row("samples/s", "-" if p.samples_per_s is None else f"{p.samples_per_s:.0f}")
         table.add_row("world size", "-" if p.world_size is None else str(p.world_size))
         table.add_row("restarts", str(p.restarts))

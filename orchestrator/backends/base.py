@@ -11,12 +11,27 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from pathlib import Path
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from orchestrator.errors import UnsupportedFeature
 from orchestrator.spec import JobSpec
+from training.contract import Summary
 
-__all__ = ["Backend", "Capabilities", "DryRun", "RunHandle", "RunState", "RunStatus", "SubmitOptions"]
+__all__ = [
+    "Backend",
+    "Capabilities",
+    "DryRun",
+    "KubernetesOptions",
+    "LocalOptions",
+    "NodePlacement",
+    "RayOptions",
+    "RunHandle",
+    "RunState",
+    "RunStatus",
+    "SubmitOptions",
+    "SupervisedRun",
+]
 
 
 class RunState(str, enum.Enum):
@@ -46,6 +61,54 @@ class RunState(str, enum.Enum):
         }[self]
 
 
+@runtime_checkable
+class SupervisedRun(Protocol):
+    """A run this process supervises (`Backend.launch`): the drills, the benchmarks and `torchrig run`
+    drive every backend's runs through this surface alone.
+
+    `poll` never blocks; `wait` blocks until the run ends (cancelling it when `timeout_s` passes) and
+    returns its summary (also written to `run_dir/summary.json`).
+    """
+
+    @property
+    def run_dir(self) -> Path:
+        """The run directory (`training.contract.RunFiles` layout)."""
+        ...
+
+    def poll(self) -> RunState:
+        """RUNNING (or PENDING) while the run goes on; a terminal state once it has ended."""
+        ...
+
+    def wait(self, timeout_s: float | None = None) -> Summary:
+        """Supervise until the run ends; returns (and writes) its summary."""
+        ...
+
+    def kill_node(self, node: int) -> list[int]:
+        """Kill emulated node `node` like a machine dying (its agent and workers); returns the pids.
+
+        Raises:
+            UnsupportedFeature: the backend cannot kill a node of a supervised run.
+        """
+        ...
+
+    def add_node(self) -> int:
+        """Start a replacement node that joins the running job; returns its index.
+
+        Raises:
+            UnsupportedFeature: the backend cannot add a node to a supervised run.
+        """
+        ...
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop the run: SIGTERM, then SIGKILL what is left after `grace_s`."""
+        ...
+
+    def request_cancel(self) -> None:
+        """Ask a running `wait` to cancel the run (signal-safe: returns at once; a second call skips
+        the grace period). What a Ctrl-C or SIGTERM handler calls."""
+        ...
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a backend can do; specs asking for more fail before anything is submitted."""
@@ -54,23 +117,57 @@ class Capabilities:
     multi_node: bool = True
     gpus: bool = True
     max_nodes: int | None = None
+    supervised: bool = False  # `launch` returns a SupervisedRun (drills, benchmarks, `torchrig run`)
+
+
+@dataclass(frozen=True)
+class NodePlacement:
+    """Where one emulated node of a local run runs (the partition drill puts each in its own network
+    namespace)."""
+
+    prefix: tuple[str, ...] = ()  # command prefix, e.g. ("ip", "netns", "exec", "ns0")
+    addr: str = "127.0.0.1"  # the address other nodes reach this node's agent at
+    ifname: str | None = None  # the interface gloo binds to (GLOO_SOCKET_IFNAME)
+
+
+@dataclass
+class LocalOptions:
+    """Options only the local backend reads."""
+
+    nodes: int | None = None  # number of emulated nodes (agents); default spec.nodes.min
+    worker: str | None = None  # module (`-m`) or `.py` file each agent runs; default `training`
+    placements: list[NodePlacement] = field(default_factory=list)  # per node; a replacement takes the last
+
+
+@dataclass
+class RayOptions:
+    """Options only the Ray backend reads."""
+
+    address: str | None = None  # Jobs API address (http://HEAD:8265); None runs an embedded local Ray
+
+
+@dataclass
+class KubernetesOptions:
+    """Options only the Kubernetes backend reads."""
+
+    context: str | None = None  # kubeconfig context
+    namespace: str | None = None  # default: spec.kubernetes.namespace
 
 
 @dataclass
 class SubmitOptions:
-    """Per-invocation options (CLI flags), separate from the spec."""
+    """Per-invocation options (CLI flags), separate from the spec: common ones, then one typed section
+    per backend (a backend reads only its own)."""
 
     run_dir: str | None = None
-    nodes: int | None = None  # local: number of emulated nodes (agents)
-    address: str | None = None  # ray: Jobs API address
-    context: str | None = None  # kubernetes: kubeconfig context
-    namespace: str | None = None
     dry_run: bool = False
     fixed_size: bool = False
     monitoring: bool = False
     quiet: bool = False
     env: dict[str, str] = field(default_factory=dict)  # extra worker env (drills inject faults here)
-    extra: dict[str, Any] = field(default_factory=dict)
+    local: LocalOptions = field(default_factory=LocalOptions)
+    ray: RayOptions = field(default_factory=RayOptions)
+    kubernetes: KubernetesOptions = field(default_factory=KubernetesOptions)
 
 
 @dataclass
@@ -144,6 +241,20 @@ class Backend(ABC):
     def submit(self, spec: JobSpec, options: SubmitOptions | None = None) -> RunHandle:
         return self.schedule(self.dry_run(spec, options))
 
+    def launch(self, spec: JobSpec, options: SubmitOptions | None = None) -> SupervisedRun:
+        """Check, plan and start a run that this process supervises (`launch_dry_run(dry_run(...))`).
+
+        Raises:
+            UnsupportedFeature: the backend cannot supervise runs from here (see `capabilities.supervised`).
+        """
+        return self.launch_dry_run(self.dry_run(spec, options))
+
+    def launch_dry_run(self, dryrun: DryRun) -> SupervisedRun:
+        """Start exactly what `dryrun` describes, supervised from this process."""
+        if not self.capabilities.supervised:
+            raise UnsupportedFeature(f"backend {self.name!r} cannot supervise a run from this process")
+        return self._launch(dryrun)
+
     def status(self, run_id: str) -> RunStatus:
         return self._status(run_id)
 
@@ -162,6 +273,10 @@ class Backend(ABC):
 
     @abstractmethod
     def _dry_run(self, spec: JobSpec, options: SubmitOptions) -> Any: ...
+
+    def _launch(self, dryrun: DryRun) -> SupervisedRun:
+        """Start a supervised run (backends with `capabilities.supervised`)."""
+        raise UnsupportedFeature(f"backend {self.name!r} cannot supervise a run from this process")
 
     @abstractmethod
     def _schedule(self, dryrun: DryRun) -> RunHandle: ...

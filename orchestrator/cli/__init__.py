@@ -18,7 +18,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "render": ("orchestrator.cli.spec_cmds:render", "Print the manifests or command a target would get."),
     "schema": ("orchestrator.cli.spec_cmds:schema", "Print the JSON Schema of job files."),
     "run": ("orchestrator.cli.run_cmds:run", "Run a job (local elastic launcher or Ray) and watch it."),
-    "submit": ("orchestrator.cli.run_cmds:submit", "Submit a job to a cluster (Kubernetes, Ray Jobs API)."),
+    "submit": ("orchestrator.cli.run_cmds:submit", "Submit a job and return at once (Kubernetes, Ray, local)."),
     "status": ("orchestrator.cli.run_cmds:status", "Show a run's state; the exit code says it too."),
     "logs": ("orchestrator.cli.run_cmds:logs", "Print (or follow) a run's worker logs."),
     "cancel": ("orchestrator.cli.run_cmds:cancel", "Stop a run; its last checkpoint is kept."),
@@ -76,7 +76,8 @@ def _unavailable(name: str, help_: str) -> click.Command:
         "  torchrig render examples/digits-ddp.yaml --target pytorchjob | kubectl apply -f -\n\n"
         "  torchrig run examples/digits-ddp.yaml --set spec.training.steps=50\n\n"
         "  torchrig drill kill-worker examples/digits-ddp.yaml --report drill.json\n\n"
-        "Exit codes: 0 ok, 1 job or verdict failed, 2 bad input, 3 backend error, 4 recovery failed."
+        "Exit codes: 0 ok, 1 job or verdict failed, 2 bad input, 3 backend error, 4 recovery failed, "
+        "5 final checkpoint committed to no store, 130 cancelled (docs/operations.md)."
     ),
 )
 @click.version_option(__version__, prog_name="torchrig")

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import click
 
-from orchestrator.errors import EXIT_USAGE, TorchrigError
+from orchestrator.errors import TorchrigError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -56,8 +56,3 @@ output_option = click.option(
 
 def emit_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
-
-
-def usage_error(message: str) -> None:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(EXIT_USAGE)

@@ -1,10 +1,13 @@
-"""`torchrig checkpoints list|verify|inspect`: what the stores hold, whether it verifies, what is inside."""
+"""`torchrig checkpoints list|verify|inspect`: what the stores hold, whether it verifies, what is inside.
+
+Nothing a store holds is executed: manifests are JSON checked against the writer's layout, DCP metadata is
+unpickled with an allow-list (`training.checkpoint.dcp_metadata`). With `TORCHRIG_CHECKPOINT_KEY` in the
+environment, manifests are authenticated and `verify` fails on an unsigned or wrongly signed one.
+"""
 
 from __future__ import annotations
 
-import os
 import pickle
-import tempfile
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +20,7 @@ from orchestrator.errors import BackendError, SpecError, TorchrigError
 
 if TYPE_CHECKING:
     from training.checkpoint.manifest import CheckpointListing, Manifest
-    from training.checkpoint.storage import FsspecStorage
+    from training.checkpoint.storage import CheckpointStorage
 
 __all__ = ["checkpoints"]
 
@@ -39,11 +42,11 @@ def _parse_options(pairs: tuple[str, ...]) -> dict[str, Any]:
     return options
 
 
-def _open(uris: tuple[str, ...], options: dict[str, Any]) -> list[FsspecStorage]:
+def _open(uris: tuple[str, ...], options: dict[str, Any]) -> list[CheckpointStorage]:
     from training.checkpoint.storage import open_storage
     from training.config import StoreConfig
 
-    stores = []
+    stores: list[CheckpointStorage] = []
     for uri in uris:
         try:
             StoreConfig(uri=uri)
@@ -57,11 +60,21 @@ def _open(uris: tuple[str, ...], options: dict[str, Any]) -> list[FsspecStorage]
     return stores
 
 
-def _listing(store: FsspecStorage) -> list[CheckpointListing]:
+def _key() -> bytes | None:
+    """The manifest signing key from the environment (never from argv: it would show in `ps`)."""
+    from training.checkpoint.signing import signing_key_from_env
+
+    try:
+        return signing_key_from_env()
+    except ValueError as exc:
+        raise SpecError(str(exc)) from None
+
+
+def _listing(store: CheckpointStorage, key: bytes | None = None) -> list[CheckpointListing]:
     from training.checkpoint.manifest import list_checkpoints
 
     try:
-        return list_checkpoints(store)
+        return list_checkpoints(store, key=key)
     except Exception as exc:
         raise BackendError(f"{store.uri}: cannot list the store: {type(exc).__name__}: {exc}") from None
 
@@ -83,6 +96,7 @@ def _row(c: CheckpointListing) -> dict[str, Any]:
     return {
         "step": c.step,
         "committed": c.committed,
+        "job": m.job if m else None,
         "generation": m.generation if m else None,
         "world_size": m.world_size if m else None,
         "files": len(m.files) if m else None,
@@ -131,7 +145,8 @@ def list_cmd(uris: tuple[str, ...], pairs: tuple[str, ...], output: str) -> None
     With several stores, one table shows which store holds which step.
     """
     stores = _open(uris, _parse_options(pairs))
-    per_store = {s.uri: {c.step: c for c in _listing(s)} for s in stores}
+    key = _key()
+    per_store = {s.uri: {c.step: c for c in _listing(s, key)} for s in stores}
     if output == "json":
         emit_json(
             {uri: [_row(c) for c in sorted(rows.values(), key=lambda c: -c.step)] for uri, rows in per_store.items()}
@@ -141,7 +156,7 @@ def list_cmd(uris: tuple[str, ...], pairs: tuple[str, ...], output: str) -> None
 
     steps = sorted({step for rows in per_store.values() for step in rows}, reverse=True)
     table = Table(title="checkpoints" if len(stores) == 1 else "checkpoints across stores")
-    for col in ("step", "gen", "world", "size", "time (UTC)"):
+    for col in ("step", "job", "gen", "world", "size", "time (UTC)"):
         table.add_column(col, justify="right" if col != "time (UTC)" else "left", no_wrap=True)
     for store in stores:
         table.add_column(store.uri if len(stores) > 1 else "state", overflow="fold")
@@ -154,10 +169,13 @@ def list_cmd(uris: tuple[str, ...], pairs: tuple[str, ...], output: str) -> None
                 cells.append("[dim]-[/dim]")
             elif c.committed:
                 cells.append("[green]committed[/green]")
+            elif c.untrusted:
+                cells.append("[red]untrusted[/red]")
             else:
                 cells.append("[yellow]uncommitted[/yellow]" if not c.error else "[red]bad manifest[/red]")
         table.add_row(
             str(step),
+            ref.job if ref else "?",
             str(ref.generation) if ref else "?",
             str(ref.world_size) if ref else "?",
             _human(ref.total_bytes) if ref else "?",
@@ -181,19 +199,25 @@ def verify_cmd(uris: tuple[str, ...], step: int | None, pairs: tuple[str, ...], 
     """Re-hash every file of the committed checkpoints against their manifests.
 
     Exits 1 when the newest committed checkpoint of a store (or `--step`) does not verify, or a store
-    holds no committed checkpoint; the failing files are listed.
+    holds no committed checkpoint; the failing files are listed. With `TORCHRIG_CHECKPOINT_KEY` set,
+    an unsigned or wrongly signed manifest is UNTRUSTED, which fails like a corrupt checkpoint.
     """
     from training.checkpoint.manifest import verify_store
 
     stores = _open(uris, _parse_options(pairs))
+    key = _key()
     results: dict[str, list[dict[str, Any]]] = {}
     failures: list[str] = []
     for store in stores:
-        listing = [c for c in _listing(store) if step is None or c.step == step]
+        listing = [c for c in _listing(store, key) if step is None or c.step == step]
         rows: list[dict[str, Any]] = []
         for c in listing:
+            if c.untrusted:
+                rows.append({"step": c.step, "status": "UNTRUSTED", "bad": {}, "error": c.error})
+                continue
             if c.manifest is None:
-                rows.append({"step": c.step, "status": "uncommitted" if not c.error else "bad manifest", "bad": {}})
+                row: dict[str, Any] = {"step": c.step, "status": "uncommitted" if not c.error else "bad manifest"}
+                rows.append({**row, "bad": {}, **({"error": c.error} if c.error else {})})
                 continue
             try:
                 report = verify_store(store, c.manifest)
@@ -201,15 +225,16 @@ def verify_cmd(uris: tuple[str, ...], step: int | None, pairs: tuple[str, ...], 
                 raise BackendError(f"{store.uri}: cannot read step {c.step}: {exc}") from None
             rows.append({"step": c.step, "status": "ok" if report.ok else "CORRUPT", "bad": report.bad})
         results[store.uri] = rows
-        committed = [r for r in rows if r["status"] in ("ok", "CORRUPT")]
+        committed = [r for r in rows if r["status"] in ("ok", "CORRUPT", "UNTRUSTED")]
         if step is not None and not rows:
             failures.append(f"{store.uri}: no step {step}")
         elif step is not None and rows[0]["status"] != "ok":
-            failures.append(f"{store.uri}: step {step} is {rows[0]['status']}")
+            failures.append(f"{store.uri}: step {step} is {rows[0]['status']}" + _why(rows[0]))
         elif not committed:
             failures.append(f"{store.uri}: no committed checkpoint")
         elif committed[0]["status"] != "ok":
-            failures.append(f"{store.uri}: newest committed step {committed[0]['step']} does not verify")
+            newest = committed[0]
+            failures.append(f"{store.uri}: newest committed step {newest['step']} does not verify" + _why(newest))
     if output == "json":
         emit_json({"ok": not failures, "stores": results, "failures": failures})
     else:
@@ -222,8 +247,8 @@ def verify_cmd(uris: tuple[str, ...], step: int | None, pairs: tuple[str, ...], 
             table.add_column("status")
             table.add_column("failing files")
             for r in rows:
-                color = {"ok": "green", "CORRUPT": "red"}.get(r["status"], "yellow")
-                bad = "\n".join(f"{k}: {v}" for k, v in sorted(r["bad"].items()))
+                color = {"ok": "green", "CORRUPT": "red", "UNTRUSTED": "red"}.get(r["status"], "yellow")
+                bad = "\n".join([f"{k}: {v}" for k, v in sorted(r["bad"].items())] + [r.get("error") or ""]).strip()
                 table.add_row(str(r["step"]), f"[{color}]{r['status']}[/{color}]", bad)
             console.print(table)
     if failures:
@@ -241,9 +266,12 @@ def verify_cmd(uris: tuple[str, ...], step: int | None, pairs: tuple[str, ...], 
 @output_option
 @handle_errors
 def inspect_cmd(uri: str, step: int | None, max_keys: int, pairs: tuple[str, ...], output: str) -> None:
-    """Show one checkpoint: its manifest and the tensors and values in its DCP metadata."""
+    """Show one checkpoint: its manifest and the tensors and values in its DCP metadata.
+
+    The metadata is read with an allow-list unpickler: a crafted file cannot run code here.
+    """
     (store,) = _open((uri,), _parse_options(pairs))
-    listing = [c for c in _listing(store) if c.manifest is not None and (step is None or c.step == step)]
+    listing = [c for c in _listing(store, _key()) if c.manifest is not None and (step is None or c.step == step)]
     if not listing:
         what = f"step {step}" if step is not None else "committed checkpoint"
         raise CheckpointInvalidError(f"{uri}: no {what}")
@@ -279,23 +307,26 @@ def inspect_cmd(uri: str, step: int | None, max_keys: int, pairs: tuple[str, ...
         console.print(f"... {len(keys) - max_keys} more keys (--max-keys)")
 
 
-def _state_keys(store: FsspecStorage, manifest: Manifest) -> list[dict[str, Any]]:
-    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+def _why(row: dict[str, Any]) -> str:
+    return f" ({row['error']})" if row.get("error") else ""
 
-    from training.checkpoint.manifest import step_dir
 
-    rel = f"{step_dir(manifest.step)}/{manifest.dcp_dir}/.metadata"
-    with tempfile.TemporaryDirectory() as tmp:
-        local = os.path.join(tmp, ".metadata")
-        try:
-            store.get_file(rel, local)
-        except Exception as exc:
-            raise BackendError(f"{store.uri}: cannot read {rel}: {exc}") from None
-        with open(local, "rb") as fh:
-            # DCP's own format: its .metadata is a pickle written by FileSystemWriter.finish.
-            metadata = pickle.load(fh)
-    if not isinstance(metadata, Metadata):
-        raise CheckpointInvalidError(f"{store.uri}: {rel} is not DCP metadata")
+def _state_keys(store: CheckpointStorage, manifest: Manifest) -> list[dict[str, Any]]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from training.checkpoint.dcp_metadata import load_metadata
+    from training.checkpoint.manifest import DCP_METADATA, step_dir
+
+    rel = f"{step_dir(manifest.step)}/{manifest.dcp_dir}/{DCP_METADATA}"
+    try:
+        data = store.read_bytes(rel)
+    except Exception as exc:
+        raise BackendError(f"{store.uri}: cannot read {rel}: {exc}") from None
+    try:
+        # DCP's own format is a pickle (FileSystemWriter.finish): only its metadata classes are allowed.
+        metadata = load_metadata(data)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointInvalidError(f"{store.uri}: {rel}: {exc}") from None
     out: list[dict[str, Any]] = []
     for key, meta in sorted(metadata.state_dict_metadata.items()):
         if isinstance(meta, TensorStorageMetadata):

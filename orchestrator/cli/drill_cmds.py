@@ -87,6 +87,7 @@ def drill(
     output: str,
 ) -> None:
     from orchestrator.drills import DrillOptions, run_drill
+    from orchestrator.drills.damage import CorruptionKind
     from orchestrator.drills.history import RunHistory
     from orchestrator.drills.report import plot_report
     from orchestrator.drills.scenarios import get_scenario
@@ -98,9 +99,6 @@ def drill(
         report = _kubernetes_drill(scenario, spec, seed, rank, timeout_s)
         _finish(report, report_path, output)
         return
-    extra: dict[str, object] = {"hang_timeout_s": hang_timeout, "repeat": repeat}
-    if corruption:
-        extra["corruption"] = corruption
     options = DrillOptions(
         backend=backend,
         seed=seed,
@@ -110,7 +108,9 @@ def drill(
         reference=not no_reference,
         drill_dir=drill_dir,
         timeout_s=timeout_s,
-        extra=extra,
+        corruption=CorruptionKind(corruption) if corruption else None,
+        hang_timeout_s=hang_timeout,
+        repeat=repeat,
     )
     if output == "text":
         click.echo(f"drill {scenario}: running {spec.name} on {backend} with the fault, then a reference ...", err=True)

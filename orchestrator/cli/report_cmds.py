@@ -2,16 +2,37 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 from typing import Any
 
 import click
 
+from orchestrator.backends.base import RunState
 from orchestrator.cli._common import emit_json, handle_errors, output_option
 from orchestrator.errors import SpecError
+from orchestrator.summary_text import format_value, is_count_key
 
-__all__ = ["build_report", "report", "write_plot"]
+__all__ = ["build_report", "loss_figures", "report", "write_plot"]
+
+
+def loss_figures(metrics: list[dict[str, Any]], final_loss: Any) -> tuple[float | None, float | None]:
+    """First and lowest training loss of a run.
+
+    metrics.jsonl holds rank 0's loss once per `logEvery` steps; the final loss (result.json: the mean
+    over ranks of the last step) is a loss the run reached too, so the minimum includes it and can never
+    be above it.
+    """
+    losses = [float(m["loss"]) for m in metrics if _is_number(m.get("loss"))]
+    first = losses[0] if losses else None
+    if _is_number(final_loss) and math.isfinite(final_loss):
+        losses.append(float(final_loss))
+    return first, (min(losses) if losses else None)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def build_report(run_dir: Path) -> dict[str, Any]:
@@ -20,76 +41,69 @@ def build_report(run_dir: Path) -> dict[str, Any]:
     Raises:
         SpecError: RUN_DIR holds no run (no summary.json, metrics.jsonl or events.jsonl).
     """
-    from orchestrator.backends._local_rundir import RunFiles, read_json, read_jsonl, world_sizes_from_events
+    from orchestrator.rundir import world_sizes_from_events
+    from training.contract import EventKind, RunFiles, read_events, read_json, read_jsonl
 
     files = RunFiles(run_dir)
     summary = read_json(files.summary)
     metrics = read_jsonl(files.metrics)
-    events = read_jsonl(files.events)
+    events = read_events(files.events)
     if summary is None and not metrics and not events:
         raise SpecError(f"RUN_DIR: {run_dir} holds no summary.json, metrics.jsonl or events.jsonl")
-    rate = [float(m["samples_per_s"]) for m in metrics if isinstance(m.get("samples_per_s"), (int, float))]
-    losses = [float(m["loss"]) for m in metrics if isinstance(m.get("loss"), (int, float))]
-    commits = [e for e in events if e.get("event") == "checkpoint_committed" and e.get("rank", 0) == 0]
-    blocked = [float(e["blocked_s"]) for e in commits if isinstance(e.get("blocked_s"), (int, float))]
+    rate = [float(m["samples_per_s"]) for m in metrics if _is_number(m.get("samples_per_s"))]
+    final_loss = (summary or {}).get("final_loss")
+    if final_loss is None:
+        finished = [e for e in events if e.kind is EventKind.FINISHED and e.rank == 0]
+        final_loss = finished[-1].get("final_loss") if finished else None
+    first_loss, min_loss = loss_figures(metrics, final_loss)
+    commits = [e for e in events if e.kind is EventKind.CHECKPOINT_COMMITTED and e.rank == 0]
+    blocked = [float(e.get("blocked_s")) for e in commits if _is_number(e.get("blocked_s"))]
     derived = {
         "records": len(metrics),
-        "first_loss": losses[0] if losses else None,
-        "min_loss": min(losses) if losses else None,
+        "first_loss": first_loss,
+        "min_loss": min_loss,
         "samples_per_s_median": statistics.median(rate) if rate else None,
         "checkpoints_committed": len(commits),
         "checkpoint_blocked_s_max": max(blocked) if blocked else None,
-        "store_failures": sum(1 for e in events if e.get("event") == "store_failure"),
-        "faults": sum(1 for e in events if e.get("event") == "fault"),
-        "watchdog": sum(1 for e in events if e.get("event") == "watchdog"),
+        "store_failures": sum(1 for e in events if e.kind is EventKind.STORE_FAILURE),
+        "faults": sum(1 for e in events if e.kind is EventKind.FAULT),
+        "watchdog": sum(1 for e in events if e.kind is EventKind.WATCHDOG),
         "world_sizes": world_sizes_from_events(events),
     }
     return {"run_dir": str(run_dir), "summary": summary or {}, "derived": derived}
 
 
 def write_plot(run_dir: Path, out: Path) -> None:
-    """Loss, samples/s and world size over time (seconds since the first record) as a PNG."""
-    import matplotlib
+    """The run plot (`orchestrator.plot`): loss, samples/s and world size against step and wall time,
+    with faults, restarts, restores, outages and checkpoint commits.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from orchestrator.backends._local_rundir import RunFiles, read_jsonl
+    Raises:
+        SpecError: the run has no timed metrics or events to plot.
+    """
+    from orchestrator.plot import plot_run
+    from training.contract import RunFiles, read_jsonl
 
     files = RunFiles(run_dir)
-    metrics = [m for m in read_jsonl(files.metrics) if isinstance(m.get("time"), (int, float))]
-    starts = sorted(
-        (e for e in read_jsonl(files.events) if e.get("event") == "start" and isinstance(e.get("time"), (int, float))),
-        key=lambda e: float(e["time"]),
-    )
-    times = [float(m["time"]) for m in metrics] + [float(e["time"]) for e in starts]
-    if not times:
+    if not read_jsonl(files.metrics) and not read_jsonl(files.events):
         raise SpecError(f"RUN_DIR: {run_dir} has no timed metrics or events to plot")
-    t0 = min(times)
-    fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
-    xs = [float(m["time"]) - t0 for m in metrics]
-    axes[0].plot(xs, [m.get("loss") for m in metrics], marker=".")
-    axes[0].set_ylabel("loss")
-    axes[1].plot(xs, [m.get("samples_per_s") for m in metrics], marker=".")
-    axes[1].set_ylabel("samples/s")
-    if starts:
-        axes[2].step([float(e["time"]) - t0 for e in starts], [e.get("world_size") for e in starts], where="post")
-    axes[2].set_ylabel("world size")
-    axes[2].set_xlabel("seconds since start")
-    fig.suptitle(str(run_dir))
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    plot_run(run_dir, out)
 
 
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
+def _fmt(value: Any, key: str = "") -> str:
     if isinstance(value, list):
         return ", ".join(_fmt(v) for v in value) or "-"
     if isinstance(value, dict):
-        return ", ".join(f"{k}={_fmt(v)}" for k, v in sorted(value.items())) or "-"
-    return "-" if value is None else str(value)
+        return ", ".join(f"{k}={_fmt(v, k)}" for k, v in sorted(value.items())) or "-"
+    if isinstance(value, float) and not (value.is_integer() and is_count_key(key)):
+        return f"{value:.4g}"
+    return format_value(value, key)
+
+
+def _status_text(summary: dict[str, Any]) -> str:
+    status, steps = summary.get("status"), summary.get("steps")
+    if status in (RunState.FAILED.value, RunState.CANCELLED.value) and not (isinstance(steps, int) and steps > 0):
+        return f"{status} before the first step"
+    return _fmt(status)
 
 
 @click.command()
@@ -100,7 +114,8 @@ def _fmt(value: Any) -> str:
     "plot",
     type=click.Path(dir_okay=False),
     default=None,
-    help="Write a PNG of loss, samples/s and world size over time.",
+    help="Write a PNG of loss, samples/s and world size against step and wall time, with faults, "
+    "restarts, restores, outages and checkpoint commits marked.",
 )
 @handle_errors
 def report(run_dir: str, output: str, plot: str | None) -> None:
@@ -121,12 +136,15 @@ def report(run_dir: str, output: str, plot: str | None) -> None:
     table = Table(title=f"run {path}", show_header=False)
     table.add_column(style="bold")
     table.add_column()
-    rows = [
-        ("status", summary.get("status")),
-        ("steps", f"{_fmt(summary.get('steps'))} / {_fmt(summary.get('total_steps'))}"),
-        ("final loss", summary.get("final_loss")),
-        ("first / min loss", f"{_fmt(derived['first_loss'])} / {_fmt(derived['min_loss'])}"),
-        ("eval", summary.get("eval")),
+    rows: list[tuple[str, Any]] = [
+        ("status", _status_text(summary)),
+        ("steps", f"{_fmt(summary.get('steps') or 0)} / {_fmt(summary.get('total_steps'))}"),
+        ("train loss (final)", summary.get("final_loss")),
+        ("train loss (first / min)", f"{_fmt(derived['first_loss'])} / {_fmt(derived['min_loss'])}"),
+    ]
+    eval_metrics = summary.get("eval") or {}
+    rows += [(f"eval {k}", _fmt(eval_metrics[k], k)) for k in sorted(eval_metrics, key=lambda k: (k != "loss", k))]
+    rows += [
         (
             "samples/s (result / median)",
             f"{_fmt(summary.get('samples_per_s'))} / {_fmt(derived['samples_per_s_median'])}",

@@ -1,7 +1,9 @@
 """Run lifecycle commands: `run`, `submit`, `status`, `logs`, `cancel`, `list`.
 
-Every command goes through `orchestrator.backends.get_backend(name)`; the local backend adds a
-foreground supervisor with a live view (`run`) and a detached one (`submit --backend local`).
+Every command goes through `orchestrator.backends.get_backend(name)`. `run` launches the job and, on a
+backend that supervises its runs from here (local, embedded Ray), watches it with a live view
+(`Backend.launch` -> `SupervisedRun.wait`); elsewhere it submits and polls the status. `submit`
+returns at once on every backend (`Backend.submit`).
 A RUN reference is `backend://id` (`local://runs/x/20261122-230000`, `ray://...`) or a plain path
 (a local run directory).
 """
@@ -17,9 +19,19 @@ from typing import Any
 
 import click
 
-from orchestrator.backends.base import RunState, RunStatus, SubmitOptions
+from orchestrator.backends.base import (
+    DryRun,
+    KubernetesOptions,
+    LocalOptions,
+    RayOptions,
+    RunState,
+    RunStatus,
+    SubmitOptions,
+    SupervisedRun,
+)
 from orchestrator.cli._common import emit_json, handle_errors, output_option, set_option
-from orchestrator.errors import RecoveryFailed, SpecError
+from orchestrator.errors import FinalCheckpointLost, RecoveryFailed, SpecError, UnsupportedFeature
+from orchestrator.summary_text import final_line
 
 __all__ = ["cancel", "list_runs", "logs", "run", "status", "submit"]
 
@@ -48,20 +60,6 @@ def _status_dict(st: RunStatus) -> dict[str, Any]:
     return {"run": str(st.handle), "state": st.state.value, "message": st.message, "details": st.details}
 
 
-def _final_line(summary: dict[str, Any]) -> str:
-    parts = [f"{summary['status']}:", f"{summary.get('steps')}/{summary.get('total_steps')} steps"]
-    if isinstance(summary.get("final_loss"), (int, float)):
-        parts.append(f"loss {summary['final_loss']:.4f}")
-    for key, value in sorted((summary.get("eval") or {}).items()):
-        parts.append(f"{key} {value:.4f}" if isinstance(value, float) else f"{key} {value}")
-    if isinstance(summary.get("samples_per_s"), (int, float)):
-        parts.append(f"{summary['samples_per_s']:.0f} samples/s")
-    parts.append(f"{summary.get('wall_s', 0):.1f} s")
-    parts.append(f"restarts {summary.get('restarts', 0)}")
-    parts.append(f"world sizes {summary.get('world_sizes')}")
-    return " ".join(parts) + f"\nsummary: {summary.get('run_dir')}/summary.json"
-
-
 def _install_cancel(handler: Callable[[], None]) -> dict[int, Any]:
     previous: dict[int, Any] = {}
 
@@ -73,47 +71,50 @@ def _install_cancel(handler: Callable[[], None]) -> dict[int, Any]:
     return previous
 
 
-def _run_local(spec: Any, options: SubmitOptions, output: str) -> None:
-    from orchestrator.backends import get_backend
-    from orchestrator.backends._local_view import LiveProgress, create_view
-    from orchestrator.backends.local import LocalBackend
+def _print_dry_run(dryrun: DryRun, output: str) -> None:
+    from orchestrator.backends.local_plan import LocalPlan
 
-    backend = get_backend("local")
-    assert isinstance(backend, LocalBackend)
-    dryrun = backend.dry_run(spec, options)
-    if options.dry_run:
-        if output == "json":
-            emit_json(dryrun.request.to_dict())
-        else:
-            click.echo(str(dryrun.request), nl=False)
-        return
-    run = backend.start(dryrun)
+    if output == "json" and isinstance(dryrun.request, LocalPlan):
+        emit_json(dryrun.request.to_dict())
+    else:
+        click.echo(str(dryrun), nl=False)
+
+
+def _supervise(run: SupervisedRun, spec: Any, output: str, quiet: bool) -> None:
+    """`torchrig run` of a supervised backend (local, embedded Ray): watch the run, print its summary."""
+    from orchestrator.backends._local_view import LiveProgress, create_view
+    from orchestrator.backends.local_run import LocalRun
+    from orchestrator.backends.ray_run import RayLocalRun
+
+    endpoints = run.endpoints if isinstance(run, LocalRun) else []
     previous = _install_cancel(run.request_cancel)
     try:
-        talk = output == "text" and not options.quiet
+        talk = output == "text" and not quiet
         if talk:
             click.echo(f"run dir:     {run.run_dir}")
-            click.echo(f"metrics:     {', '.join(run.endpoints) or 'disabled (spec.metrics.enabled)'}")
+            if isinstance(run, LocalRun):
+                click.echo(f"metrics:     {', '.join(endpoints) or 'disabled (spec.metrics.enabled)'}")
             stores = [s.resolved_uri(run.run_dir) for s in spec.spec.checkpoint.stores]
             click.echo(f"checkpoints: {', '.join(stores)}")
-            click.echo(f"logs:        torchrig logs {run.run_dir} [--rank R] [--follow]")
-        progress = LiveProgress(run.run_dir, spec.spec.training.steps)
-        view = create_view(progress, run.endpoints, quiet=not talk)
-        summary = run.wait(view)
+            if isinstance(run, LocalRun):
+                click.echo(f"logs:        torchrig logs {run.run_dir} [--rank R] [--follow]")
+        view = create_view(LiveProgress(run.run_dir, spec.spec.training.steps), endpoints, quiet=not talk)
+        summary = run.wait(view=view) if isinstance(run, (LocalRun, RayLocalRun)) else run.wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if output == "json":
-        emit_json(summary)
+        emit_json(summary.to_dict())
     else:
-        click.echo(_final_line(summary))
-    if summary["status"] == "cancelled":
-        last = run.last_checkpoint()
+        click.echo(final_line(summary))
+    if summary.status == RunState.CANCELLED.value:
+        last = summary.last_checkpoint()
         where = f"{last['uri']} (step {last['last_committed_step']})" if last else "none committed"
         click.echo(f"cancelled; last committed checkpoint: {where}", err=True)
         sys.exit(EXIT_CANCELLED)
-    if summary["status"] == "failed":
-        raise RecoveryFailed(str(summary.get("reason", "the job failed")))
+    if summary.status == RunState.FAILED.value:
+        failure = FinalCheckpointLost if summary.final_checkpoint_lost() else RecoveryFailed
+        raise failure(summary.reason or "the job failed")
 
 
 def _watch_remote(backend_name: str, handle_ref: str, output: str, quiet: bool) -> None:
@@ -173,22 +174,27 @@ def run(
 
     Locally, ranks run under torch.distributed.elastic with spec.restarts.max restarts; --nodes N starts
     N agents on one rendezvous to emulate N nodes. Exit codes: 0 succeeded, 4 restarts exhausted,
-    130 cancelled.
+    5 final checkpoint committed to no store, 130 cancelled.
     """
-    spec = _load(job, overrides)
-    options = SubmitOptions(
-        run_dir=run_dir, nodes=nodes, dry_run=dry_run, quiet=quiet, extra={"worker": worker} if worker else {}
-    )
-    if backend_name == "local":
-        _run_local(spec, options, output)
-        return
     from orchestrator.backends import get_backend
 
+    spec = _load(job, overrides)
+    options = SubmitOptions(
+        run_dir=run_dir, dry_run=dry_run, quiet=quiet, local=LocalOptions(nodes=nodes, worker=worker)
+    )
     backend = get_backend(backend_name)
     dryrun = backend.dry_run(spec, options)
     if dry_run:
-        click.echo(str(dryrun), nl=False)
+        _print_dry_run(dryrun, output)
         return
+    if backend.capabilities.supervised:
+        try:
+            run = backend.launch_dry_run(dryrun)
+        except UnsupportedFeature:
+            pass  # this request is supervised elsewhere (a Ray cluster behind the Jobs API): watch it
+        else:
+            _supervise(run, spec, output, quiet)
+            return
     handle = backend.schedule(dryrun)
     if output == "text" and not quiet:
         click.echo(f"submitted {handle}")
@@ -229,26 +235,18 @@ def submit(
     spec = _load(job, overrides)
     options = SubmitOptions(
         run_dir=run_dir,
-        nodes=nodes,
-        address=address,
-        context=context,
-        namespace=namespace,
         fixed_size=fixed_size,
         dry_run=dry_run,
-        extra={"worker": worker} if worker else {},
+        local=LocalOptions(nodes=nodes, worker=worker),
+        ray=RayOptions(address=address),
+        kubernetes=KubernetesOptions(context=context, namespace=namespace),
     )
     backend = get_backend(backend_name)
     dryrun = backend.dry_run(spec, options)
     if dry_run:
         click.echo(str(dryrun), nl=False)
         return
-    if backend_name == "local":
-        from orchestrator.backends.local import LocalBackend
-
-        assert isinstance(backend, LocalBackend)
-        handle = backend.submit_detached(dryrun)
-    else:
-        handle = backend.schedule(dryrun)
+    handle = backend.schedule(dryrun)  # returns at once on every backend
     if output == "json":
         emit_json({"run": str(handle), "backend": handle.backend, "id": handle.run_id})
     else:
@@ -259,19 +257,23 @@ def submit(
 @click.argument("run_ref", metavar="RUN")
 @backend_option
 @output_option
+@click.option("--stacks", is_flag=True, help="Local runs: every live rank dumps its Python stacks into RUN/stacks/.")
 @handle_errors
-def status(run_ref: str, backend_name: str | None, output: str) -> None:
+def status(run_ref: str, backend_name: str | None, output: str, stacks: bool) -> None:
     """Show RUN's state. Exit code: 0 succeeded, 1 failed, 10 running/pending, 11 cancelled, 12 unknown."""
     from orchestrator.backends import get_backend
+    from orchestrator.cli.stacks_cmd import report_stacks
 
     name, run_id = _split_ref(run_ref, backend_name)
     st = get_backend(name).status(run_id)
+    if stacks:
+        st.details["stacks"] = report_stacks(name, run_id, echo=output == "text")
     if output == "json":
         emit_json(_status_dict(st))
     else:
         click.echo(f"{st.handle}: {st.state.value}" + (f" ({st.message})" if st.message else ""))
         for key, value in st.details.items():
-            if key not in ("checkpoints", "eval") and not isinstance(value, (dict, list)):
+            if not isinstance(value, (dict, list)):  # checkpoints, eval, ...: see -o json
                 click.echo(f"  {key}: {value}")
     sys.exit(st.state.exit_code)
 

@@ -8,15 +8,26 @@ import json
 import click
 
 from orchestrator.cli._common import emit_json, handle_errors, output_option, set_option
-from orchestrator.compile import TARGETS
+from orchestrator.compile import TARGETS, check_target
 from orchestrator.compile import render as render_target
-from orchestrator.errors import EXIT_USAGE, SpecError
+from orchestrator.errors import EXIT_USAGE, CompileError, SpecError
 from orchestrator.loader import load_spec
 from orchestrator.spec import JobSpec
 
 __all__ = ["render", "schema", "validate"]
 
 _JOB_ARG = click.argument("job", metavar="JOB.yaml", type=click.Path(dir_okay=False, allow_dash=True))
+_FIXED_SIZE = click.option(
+    "--fixed-size",
+    is_flag=True,
+    help="Run an elastic job (nodes.min < nodes.max) at nodes.max nodes on a fixed-size shape.",
+)
+_ALLOW_POD_LOCAL = click.option(
+    "--allow-pod-local-stores",
+    is_flag=True,
+    help="Kubernetes targets: accept a multi-node job whose checkpoint stores all live inside one pod "
+    "(a warning instead of an error; each pod then keeps only its own shards).",
+)
 
 
 @click.command(
@@ -24,27 +35,51 @@ _JOB_ARG = click.argument("job", metavar="JOB.yaml", type=click.Path(dir_okay=Fa
         "Examples:\n\n"
         "  torchrig validate examples/digits-ddp.yaml\n\n"
         "  torchrig validate job.yaml --set spec.nodes.max=4 -o json\n\n"
+        "  torchrig validate job.yaml --target pytorchjob\n\n"
         "Problems are printed one per line as `error: FILE: PATH: MESSAGE` (exit code 2); options "
         "that are set but have no effect as `warning: PATH: MESSAGE` (exit code 0)."
     )
 )
 @_JOB_ARG
+@click.option(
+    "--target",
+    "-t",
+    type=click.Choice(TARGETS),
+    default=None,
+    help="Also apply what this target refuses (a Kubernetes operator's name limit, pod-local checkpoint "
+    "stores on a multi-node job, inline credentials), as `render` would.",
+)
+@_FIXED_SIZE
+@_ALLOW_POD_LOCAL
 @set_option
 @output_option
 @handle_errors
-def validate(job: str, overrides: tuple[str, ...], output: str) -> None:
-    """Check JOB.yaml (after --set overrides) against the job model.
+def validate(
+    job: str,
+    target: str | None,
+    fixed_size: bool,
+    allow_pod_local_stores: bool,
+    overrides: tuple[str, ...],
+    output: str,
+) -> None:
+    """Check JOB.yaml (after --set overrides) against the job model, and with --target against that target.
 
     Prints `ok` when the job is valid. Nothing is submitted and no cluster is needed.
     """
     try:
         spec = load_spec(job, list(overrides))
-    except SpecError as exc:
+        target_warnings = (
+            check_target(spec, target, fixed_size=fixed_size, allow_pod_local_stores=allow_pod_local_stores)
+            if target
+            else []
+        )
+    except (SpecError, CompileError) as exc:
         if output != "json":
             raise
-        emit_json({"ok": False, "file": job, "problems": exc.problems})
+        problems = exc.problems if isinstance(exc, SpecError) else [str(exc)]
+        emit_json({"ok": False, "file": job, "problems": problems})
         raise SystemExit(EXIT_USAGE) from None
-    warnings = spec.warnings()
+    warnings = spec.warnings() + target_warnings
     if output == "json":
         emit_json({"ok": True, "file": job, "name": spec.name, "warnings": warnings})
         return
@@ -57,7 +92,7 @@ def validate(job: str, overrides: tuple[str, ...], output: str) -> None:
     epilog=(
         "Targets:\n\n"
         "  pytorchjob  Kubeflow Training Operator v1 PyTorchJob (elastic when nodes.min < nodes.max)\n\n"
-        "  trainjob    Kubeflow Trainer v2 TrainJob + ClusterTrainingRuntime (fixed size; Trainer >= 2.2)\n\n"
+        "  trainjob    Kubeflow Trainer v2 TrainJob + its TrainingRuntime (fixed size; Trainer >= 2.2)\n\n"
         "  rayjob      KubeRay RayJob running the job with Ray Train\n\n"
         "  torchrun    the torchrun command line for bare metal or Slurm (one per node)\n\n"
         "  raytrain    the Ray Train plan (ScalingConfig, RunConfig, FailureConfig, CheckpointConfig)\n\n"
@@ -77,24 +112,34 @@ def validate(job: str, overrides: tuple[str, ...], output: str) -> None:
     help="What to render.",
 )
 @click.option("--monitoring", is_flag=True, help="Also render a PodMonitor and a PrometheusRule (prometheus-operator).")
-@click.option(
-    "--fixed-size",
-    is_flag=True,
-    help="Run an elastic job (nodes.min < nodes.max) at nodes.max nodes on a fixed-size shape.",
-)
+@_FIXED_SIZE
+@_ALLOW_POD_LOCAL
 @set_option
 @handle_errors
-def render(job: str, target: str, monitoring: bool, fixed_size: bool, overrides: tuple[str, ...]) -> None:
+def render(
+    job: str,
+    target: str,
+    monitoring: bool,
+    fixed_size: bool,
+    allow_pod_local_stores: bool,
+    overrides: tuple[str, ...],
+) -> None:
     """Print what TARGET would get for JOB.yaml: manifests as multi-document YAML ready for
     `kubectl apply -f -`, or a launch plan.
 
-    A target that cannot express part of the job fails with exit code 2 and names the field and the
-    alternative (e.g. an elastic job on trainjob).
+    A target that cannot express part of the job, or would run it unsafely, fails with exit code 2 and
+    names the field and the alternative (e.g. an elastic job on trainjob, a multi-node job whose
+    checkpoint stores all live inside one pod). Warnings go to stderr.
     """
     if monitoring and target not in ("pytorchjob", "trainjob", "rayjob"):
         raise SpecError(f"--monitoring: applies to Kubernetes targets only, not {target!r}")
     spec = load_spec(job, list(overrides))
-    click.echo(render_target(spec, target, monitoring=monitoring, fixed_size=fixed_size), nl=False)
+    for line in check_target(spec, target, fixed_size=fixed_size, allow_pod_local_stores=allow_pod_local_stores):
+        click.echo(f"warning: {line}", err=True)
+    text = render_target(
+        spec, target, monitoring=monitoring, fixed_size=fixed_size, allow_pod_local_stores=allow_pod_local_stores
+    )
+    click.echo(text, nl=False)
 
 
 @click.command(

@@ -2,8 +2,9 @@
 
 Manifest targets (`pytorchjob`, `trainjob`, `rayjob`) compile to a list of Kubernetes objects (plain
 dicts, in apply order); launch-plan targets compile to typed plans (`torchrun` -> `TorchrunCommand`,
-`raytrain` -> `RayTrainPlan`). A target that cannot express part of a spec raises
-`UnsupportedFeature` naming the field and the alternative, before anything is rendered.
+`raytrain` -> `RayTrainPlan`). A target that cannot express part of a spec, or would run it unsafely
+(`orchestrator.compile.checks`), raises `UnsupportedFeature` naming the field and the alternative, before
+anything is rendered.
 
     >>> from orchestrator.compile import compile
     >>> objs = compile(spec, "pytorchjob", monitoring=True)
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 import yaml
 
+from orchestrator.compile.checks import check_name, check_target
 from orchestrator.errors import SpecError
 from orchestrator.spec import JobSpec
 
@@ -27,6 +29,8 @@ __all__ = [
     "MANIFEST_TARGETS",
     "PLAN_TARGETS",
     "TARGETS",
+    "check_name",
+    "check_target",
     "compile",
     "compile_plan",
     "render",
@@ -54,7 +58,14 @@ def _unknown(target: str, valid: list[str]) -> SpecError:
     return SpecError(f"--target: unknown target {target!r}; valid targets: {', '.join(valid)}")
 
 
-def compile(spec: JobSpec, target: str, *, monitoring: bool = False, fixed_size: bool = False) -> list[dict[str, Any]]:
+def compile(
+    spec: JobSpec,
+    target: str,
+    *,
+    monitoring: bool = False,
+    fixed_size: bool = False,
+    allow_pod_local_stores: bool = False,
+) -> list[dict[str, Any]]:
     """Compile a spec to the Kubernetes objects of a manifest target.
 
     Args:
@@ -62,18 +73,23 @@ def compile(spec: JobSpec, target: str, *, monitoring: bool = False, fixed_size:
         target: `pytorchjob`, `trainjob` or `rayjob`.
         monitoring: also emit a PodMonitor and a PrometheusRule (prometheus-operator).
         fixed_size: run an elastic spec at `nodes.max` nodes on a fixed-size shape.
+        allow_pod_local_stores: compile a multi-node job whose checkpoint stores are all pod-local
+            (`check_target` returns the warning to print).
 
     Returns:
         Plain dicts, in the order `kubectl apply` should create them.
 
     Raises:
         SpecError: unknown target (the message lists the valid ones).
-        UnsupportedFeature: the target cannot express part of the spec.
+        UnsupportedFeature: the target cannot express part of the spec, its operator would reject
+            `metadata.name`, or `check_target` refuses it (pod-local stores, inline credentials,
+            a RayJob `rayVersion` older than Ray's token authentication).
     """
     if target not in MANIFEST_TARGETS:
         if target in PLAN_TARGETS:
             raise SpecError(f"--target: {target!r} is a launch plan, not manifests; use compile_plan()")
         raise _unknown(target, list(MANIFEST_TARGETS))
+    check_target(spec, target, fixed_size=fixed_size, allow_pod_local_stores=allow_pod_local_stores)
     objects: list[dict[str, Any]] = _load(MANIFEST_TARGETS[target])(spec, fixed_size=fixed_size)
     if monitoring:
         from orchestrator.compile.monitoring import compile_monitoring
@@ -100,10 +116,19 @@ def compile_plan(spec: JobSpec, target: str, *, fixed_size: bool = False) -> Tor
     return plan
 
 
-def render(spec: JobSpec, target: str, *, monitoring: bool = False, fixed_size: bool = False) -> str:
+def render(
+    spec: JobSpec,
+    target: str,
+    *,
+    monitoring: bool = False,
+    fixed_size: bool = False,
+    allow_pod_local_stores: bool = False,
+) -> str:
     """What `torchrig render` prints: multi-document YAML, or the torchrun script, or the Ray plan."""
     if target in MANIFEST_TARGETS:
-        objs = compile(spec, target, monitoring=monitoring, fixed_size=fixed_size)
+        objs = compile(
+            spec, target, monitoring=monitoring, fixed_size=fixed_size, allow_pod_local_stores=allow_pod_local_stores
+        )
         return yaml.safe_dump_all(objs, sort_keys=False, width=120)
     if target == "torchrun":
         return compile_plan(spec, "torchrun", fixed_size=fixed_size).script

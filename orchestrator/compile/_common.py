@@ -1,7 +1,8 @@
-"""Pieces every Kubernetes target shares: names, labels, the spec ConfigMap, the worker pod.
+"""Pieces every Kubernetes target shares: names, labels, the spec ConfigMap, the worker's environment.
 
-Everything here is a pure function of the `JobSpec`; the target modules assemble these pieces into
-their operator's resource. Paths and names that other components rely on are constants here.
+Everything here is a pure function of the `JobSpec`; the target modules assemble these pieces (and the
+hardened pod of `_pod`) into their operator's resource. Paths and names that other components rely on
+are constants here.
 """
 
 from __future__ import annotations
@@ -11,24 +12,23 @@ from typing import Any
 
 from orchestrator.loader import dump_spec
 from orchestrator.spec import JobSpec
+from training.contract import Env
 
 __all__ = [
     "RUN_DIR",
+    "SHM_PATH",
     "SPEC_DIR",
     "SPEC_FILE",
     "SPEC_KEY",
     "WORKER_MODULE",
     "configmap_name",
-    "container_security_context",
     "labels",
     "metrics_ports",
     "object_meta",
     "pod_annotations",
     "pod_labels",
-    "pod_security_context",
     "resources",
     "spec_configmap",
-    "volumes_and_mounts",
     "worker_env",
 ]
 
@@ -37,8 +37,6 @@ SPEC_KEY = "job.yaml"
 SPEC_FILE = f"{SPEC_DIR}/{SPEC_KEY}"
 RUN_DIR = "/var/run/torchrig"
 WORKER_MODULE = "training"
-# The user every torchrig image runs as; a fixed id lets `fsGroup` make PVCs writable.
-RUN_AS_USER = 1000
 SHM_PATH = "/dev/shm"
 PART_OF = "torchrig"
 
@@ -117,82 +115,31 @@ def metrics_ports(spec: JobSpec) -> list[dict[str, Any]]:
 
 
 def resources(spec: JobSpec) -> dict[str, Any]:
-    """Requests = limits (Guaranteed QoS: a training pod should not be the first one evicted)."""
+    """Requests = limits for CPU, memory and GPUs (Guaranteed QoS: a training pod should not be the first
+    one evicted); ephemeral storage is requested only, since the kubelet evicts a pod over its limit."""
     res = spec.spec.resources
     requests: dict[str, Any] = {"cpu": res.cpu, "memory": res.memory}
     limits: dict[str, Any] = dict(requests)
     if res.gpus > 0:
         limits[res.gpu_resource] = res.gpus
         requests[res.gpu_resource] = res.gpus
+    if res.ephemeral_storage is not None:
+        requests["ephemeral-storage"] = res.ephemeral_storage
     return {"requests": requests, "limits": limits}
-
-
-def pod_security_context() -> dict[str, Any]:
-    return {
-        "runAsNonRoot": True,
-        "runAsUser": RUN_AS_USER,
-        "runAsGroup": RUN_AS_USER,
-        "fsGroup": RUN_AS_USER,
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
-
-
-def container_security_context() -> dict[str, Any]:
-    """The `restricted` Pod Security Standard, container part."""
-    return {
-        "allowPrivilegeEscalation": False,
-        "runAsNonRoot": True,
-        "runAsUser": RUN_AS_USER,
-        "capabilities": {"drop": ["ALL"]},
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
 
 
 def worker_env(spec: JobSpec) -> list[dict[str, Any]]:
     """Environment of the worker container (architecture.md: backend -> worker contract)."""
     env: dict[str, str] = {
-        "TORCHRIG_SPEC": SPEC_FILE,
-        "TORCHRIG_RUN_DIR": RUN_DIR,
+        Env.SPEC: SPEC_FILE,
+        Env.RUN_DIR: RUN_DIR,
         # The agent's shared rendezvous TCPStore leaves stale keys behind after a restart and the new
         # worker group can hang in init_process_group (ENVIRONMENT.md); a store per group avoids it.
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        Env.DISABLE_SHARED_RDZV_STORE: "1",
         "PYTHONUNBUFFERED": "1",
     }
     env.update(spec.spec.kubernetes.env)
     return [{"name": k, "value": v} for k, v in env.items()]
-
-
-def volumes_and_mounts(spec: JobSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Volumes of the pod and mounts of the worker container: spec, run dir, /dev/shm, PVC stores."""
-    s = spec.spec
-    volumes: list[dict[str, Any]] = [
-        {
-            "name": "torchrig-spec",
-            "configMap": {"name": configmap_name(spec), "items": [{"key": SPEC_KEY, "path": SPEC_KEY}]},
-        },
-        {"name": "torchrig-run", "emptyDir": {}},
-    ]
-    mounts: list[dict[str, Any]] = [
-        {"name": "torchrig-spec", "mountPath": SPEC_DIR, "readOnly": True},
-        {"name": "torchrig-run", "mountPath": RUN_DIR},
-    ]
-    if s.resources.shared_memory is not None:
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": s.resources.shared_memory}})
-        mounts.append({"name": "dshm", "mountPath": SHM_PATH})
-    node_local = s.checkpoint.node_local
-    on_shm = s.resources.shared_memory is not None and (
-        node_local.path == SHM_PATH or node_local.path.startswith(SHM_PATH + "/")
-    )
-    if node_local.enabled and not on_shm:
-        volumes.append({"name": "torchrig-node-local", "emptyDir": {}})
-        mounts.append({"name": "torchrig-node-local", "mountPath": node_local.path})
-    for i, store in enumerate(s.checkpoint.stores):
-        if store.pvc is None:
-            continue
-        name = f"store-{i}"
-        volumes.append({"name": name, "persistentVolumeClaim": {"claimName": store.pvc}})
-        mounts.append({"name": name, "mountPath": store.path})
-    return volumes, mounts
 
 
 def pod_placement(spec: JobSpec) -> dict[str, Any]:

@@ -8,6 +8,13 @@ Two shapes, following the operator (release-1.9) and its validating webhook:
 - fixed size: Master (exactly 1 replica, webhook rule) + Worker (nodes - 1, omitted when 0). The
   operator injects `MASTER_ADDR`, `MASTER_PORT`, `WORLD_SIZE` and `RANK` (the pod's node index, master
   0) only when a Master exists, so the command passes them to torchrun through `$(VAR)` expansion.
+
+Every replica has `restartPolicy: ExitCode` (the operator runs the pods with `restartPolicy: Never` and
+reads the `pytorch` container's exit code, `pkg/controller.v1/common/pod.go` `ReconcilePods`): 128 and
+above (a signal: a lost node, an OOM kill, the liveness probe) recreates the pod; 1-127 fails the job at
+once. So the preflight's 2 and 3 end the job with their message instead of restarting it, and torchrun's
+own 1, its worker group failed with `restarts.max` group restarts spent, ends it too: torchrun owns the
+restart budget here. `runPolicy.backoffLimit` still bounds the recreated pods.
 """
 
 from __future__ import annotations
@@ -15,7 +22,9 @@ from __future__ import annotations
 from typing import Any
 
 from orchestrator.compile import _common as c
+from orchestrator.compile import _pod as p
 from orchestrator.spec import JobSpec
+from training.contract import Env
 
 __all__ = ["API_VERSION", "CONTAINER_NAME", "KIND", "RDZV_PORT", "compile_pytorchjob", "worker_command"]
 
@@ -26,22 +35,24 @@ CONTAINER_NAME = "pytorch"
 # The operator reads the rendezvous/master port from the container port with this name.
 PORT_NAME = "pytorchjob-port"
 RDZV_PORT = 23456
+# training-operator: 1-127 fail the job, 128+ recreate the pod (training.contract.ExitCode).
+RESTART_POLICY = "ExitCode"
 
 
 def worker_command(spec: JobSpec, *, elastic: bool) -> list[str]:
-    """The container command: torchrun on each node, the rest from operator-injected env."""
+    """The container command: the preflight, then torchrun on each node, the rest from operator-injected env."""
     s = spec.spec
-    cmd = ["torchrun", "--nproc-per-node", str(s.procs_per_node)]
+    cmd = [*p.launcher(), "torchrun", "--nproc-per-node", str(s.procs_per_node)]
     if not elastic:
         cmd += [
             "--nnodes",
             str(s.nodes.max),
             "--node-rank",
-            "$(RANK)",
+            f"$({Env.RANK})",
             "--master-addr",
-            "$(MASTER_ADDR)",
+            f"$({Env.MASTER_ADDR})",
             "--master-port",
-            "$(MASTER_PORT)",
+            f"$({Env.MASTER_PORT})",
             "--max-restarts",
             str(s.restarts.max),
         ]
@@ -50,7 +61,7 @@ def worker_command(spec: JobSpec, *, elastic: bool) -> list[str]:
 
 def _pod_template(spec: JobSpec, *, elastic: bool) -> dict[str, Any]:
     s = spec.spec
-    volumes, mounts = c.volumes_and_mounts(spec)
+    volumes, mounts = p.volumes_and_mounts(spec)
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": s.image,
@@ -60,12 +71,17 @@ def _pod_template(spec: JobSpec, *, elastic: bool) -> dict[str, Any]:
         "ports": [{"name": PORT_NAME, "containerPort": RDZV_PORT, "protocol": "TCP"}, *c.metrics_ports(spec)],
         "resources": c.resources(spec),
         "volumeMounts": mounts,
-        "securityContext": c.container_security_context(),
+        "securityContext": p.container_security_context(),
+        **p.probes(spec),
     }
+    env_from = p.env_from(spec)
+    if env_from:
+        container["envFrom"] = env_from
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "volumes": volumes,
-        "securityContext": c.pod_security_context(),
+        "securityContext": p.pod_security_context(),
+        **p.automount(needs_api=s.kubernetes.automount_service_account_token),
         **c.pod_placement(spec),
     }
     if s.kubernetes.gang == "volcano":
@@ -105,13 +121,13 @@ def compile_pytorchjob(spec: JobSpec, *, fixed_size: bool = False) -> list[dict[
     template = _pod_template(spec, elastic=elastic)
     replica_specs: dict[str, Any] = {}
     if elastic:
-        replica_specs["Worker"] = {"replicas": s.nodes.max, "restartPolicy": "OnFailure", "template": template}
+        replica_specs["Worker"] = {"replicas": s.nodes.max, "restartPolicy": RESTART_POLICY, "template": template}
     else:
-        replica_specs["Master"] = {"replicas": 1, "restartPolicy": "OnFailure", "template": template}
+        replica_specs["Master"] = {"replicas": 1, "restartPolicy": RESTART_POLICY, "template": template}
         if s.nodes.max > 1:
             replica_specs["Worker"] = {
                 "replicas": s.nodes.max - 1,
-                "restartPolicy": "OnFailure",
+                "restartPolicy": RESTART_POLICY,
                 "template": template,
             }
     meta = c.object_meta(spec, "training")

@@ -1,7 +1,10 @@
 """The `torchrun` command line for bare metal or Slurm: run it once per node.
 
 Rendezvous is c10d on `$HOST:29400` (the first node, say `$(scontrol show hostnames | head -1)` under
-Slurm), so any node can restart and the group re-forms between `nodes.min` and `nodes.max` nodes.
+Slurm), so any node can restart and the group re-forms between `nodes.min` and `nodes.max` nodes. The
+line starts with the preflight (`python -m training.launch ... --`, `training.preflight`): on a node
+where the task does not import, a store cannot be written or CUDA is missing it exits 2 or 3 at once
+(permanent: a Slurm `--requeue` or a retry loop should stop there) instead of spending torchrun's restarts.
 """
 
 from __future__ import annotations
@@ -10,7 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.compile import _common as c
+from orchestrator.compile import _pod as p
 from orchestrator.spec import JobSpec
+from training.contract import Env
 
 __all__ = ["RDZV_PORT", "TorchrunCommand", "compile_torchrun"]
 
@@ -19,15 +24,22 @@ RDZV_PORT = 29400
 
 @dataclass(frozen=True)
 class TorchrunCommand:
-    """A launch plan: argv (`args`), the environment to export, and the same as shell text."""
+    """A launch plan: torchrun's argv (`args`) behind the preflight (`launcher`), the environment to
+    export, and the same as shell text."""
 
     args: tuple[str, ...]
     env: dict[str, str] = field(default_factory=dict)
+    launcher: tuple[str, ...] = ()
+
+    @property
+    def argv(self) -> tuple[str, ...]:
+        """What runs on each node: the preflight, which execs torchrun."""
+        return (*self.launcher, *self.args)
 
     @property
     def command(self) -> str:
         """The command as one shell line; `$HOST` stays expandable."""
-        return c.shell_join(list(self.args))
+        return c.shell_join(list(self.argv))
 
     @property
     def script(self) -> str:
@@ -36,7 +48,12 @@ class TorchrunCommand:
         return "\n".join([*exports, self.command]) + "\n"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"args": list(self.args), "env": dict(self.env), "command": self.command}
+        return {
+            "args": list(self.args),
+            "launcher": list(self.launcher),
+            "env": dict(self.env),
+            "command": self.command,
+        }
 
 
 def compile_torchrun(
@@ -74,5 +91,5 @@ def compile_torchrun(
         str(s.restarts.max),
         *c.worker_program(spec_path),
     ]
-    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TORCHRIG_SPEC": spec_path}
-    return TorchrunCommand(args=tuple(args), env=env)
+    env = {Env.DISABLE_SHARED_RDZV_STORE: "1", Env.SPEC: spec_path}
+    return TorchrunCommand(args=tuple(args), env=env, launcher=tuple(p.launcher(spec_path)))

@@ -1,12 +1,23 @@
 """Kubeflow Trainer v2 (`trainer.kubeflow.org/v1alpha1` TrainJob), for Trainer >= v2.2.
 
-Emits the spec ConfigMap, a ClusterTrainingRuntime `torchrig-<name>` (unless `kubernetes.runtimeRef`
-names an existing runtime) and the TrainJob. The runtime follows Trainer's own `torch-distributed`: a
-JobSet with one replicatedJob named `node` labelled `trainer.kubeflow.org/trainjob-ancestor-step:
-trainer` and a container named `node`, into which the torch plugin injects `PET_NNODES`,
-`PET_NPROC_PER_NODE`, `PET_NODE_RANK`, `PET_MASTER_ADDR` and `PET_MASTER_PORT` (torchrun's defaults).
-What the job adds to any runtime (volumes, placement, env) goes into `runtimePatches`, so a
-user-supplied runtime gets it too. Trainer v2.2 removed elastic training: elastic specs are refused.
+Emits the spec ConfigMap, a namespaced TrainingRuntime `torchrig-<name>` (unless `kubernetes.runtimeRef`
+names an existing runtime, a ClusterTrainingRuntime unless `runtimeKind` says otherwise) and the
+TrainJob. A namespaced runtime of the job's own name is used by this job only: nothing another namespace
+runs depends on it, and replacing it for a resubmit touches no other job. The runtime follows Trainer's
+own `torch-distributed`: a JobSet with one replicatedJob named `node` labelled
+`trainer.kubeflow.org/trainjob-ancestor-step: trainer` and a container named `node`, into which the torch
+plugin injects `PET_NNODES`, `PET_NPROC_PER_NODE`, `PET_NODE_RANK`, `PET_MASTER_ADDR` and
+`PET_MASTER_PORT` (torchrun's defaults). What the job adds to any runtime (volumes, placement, env) goes
+into `runtimePatches`, so a user-supplied runtime gets it too. Trainer v2.2 removed elastic training:
+elastic specs are refused.
+
+Failures (Kubeflow's exit-code convention, `training.contract.ExitCode`): the runtime's pods run with
+`restartPolicy: Never` and `backoffLimit: 0`, so a failed pod fails its Job and the JobSet restarts the
+whole group from the last checkpoint (`failurePolicy.maxRestarts` = `restarts.max`; one replaced pod
+could not rejoin the others' static rendezvous). A permanent exit code (the preflight's 2 and 3, 126,
+127) fails the Job through its `podFailurePolicy` (reason `PodFailurePolicy`), and the JobSet's rule
+`FailJobSet` on that reason ends the job without spending a restart. torchrun here runs with no restart
+of its own, so its exit 1 (the group failed) is one failure to restart, not a permanent one.
 """
 
 from __future__ import annotations
@@ -14,20 +25,40 @@ from __future__ import annotations
 from typing import Any
 
 from orchestrator.compile import _common as c
+from orchestrator.compile import _pod as p
 from orchestrator.errors import UnsupportedFeature
 from orchestrator.naming import TRAINJOB_REPLICATED_JOB
 from orchestrator.spec import JobSpec
+from training.contract import PERMANENT
 
-__all__ = ["API_VERSION", "CONTAINER_NAME", "PATCH_MANAGER", "check_trainjob", "compile_trainjob", "runtime_name"]
+__all__ = [
+    "API_VERSION",
+    "CONTAINER_NAME",
+    "PATCH_MANAGER",
+    "RUNTIME_KIND",
+    "check_trainjob",
+    "compile_trainjob",
+    "runtime_kind",
+    "runtime_name",
+]
 
 API_VERSION = "trainer.kubeflow.org/v1alpha1"
 CONTAINER_NAME = "node"
 ANCESTOR_LABEL = "trainer.kubeflow.org/trainjob-ancestor-step"
 PATCH_MANAGER = "torchrig.io/torchrig"
+RUNTIME_KIND = "TrainingRuntime"  # of the runtime torchrig emits: namespaced, this job's own
+# Batch's Job failure reason when a podFailurePolicy rule with action FailJob matched.
+PERMANENT_FAILURE_REASON = "PodFailurePolicy"
 
 
 def runtime_name(spec: JobSpec) -> str:
     return spec.spec.kubernetes.runtime_ref or f"torchrig-{spec.name}"
+
+
+def runtime_kind(spec: JobSpec) -> str:
+    """The kind the TrainJob's `runtimeRef` names: the user's `runtimeKind`, else torchrig's own runtime."""
+    k = spec.spec.kubernetes
+    return k.runtime_kind if k.runtime_ref else RUNTIME_KIND
 
 
 def check_trainjob(spec: JobSpec, *, fixed_size: bool = False) -> None:
@@ -44,11 +75,30 @@ def check_trainjob(spec: JobSpec, *, fixed_size: bool = False) -> None:
             "spec.kubernetes.gang: with runtimeRef the runtime's podGroupPolicy decides gang scheduling; "
             "set gang: none (and configure the runtime) or drop runtimeRef"
         )
+    if s.kubernetes.runtime_ref and p.env_from(spec):
+        raise UnsupportedFeature(
+            "spec.checkpoint.stores[].secretRef: a TrainJob's runtimePatches cannot add envFrom to a user "
+            "runtime (runtimeRef); drop runtimeRef, or give the runtime's container the Secret yourself"
+        )
 
 
 def worker_command(spec: JobSpec) -> list[str]:
     # Nodes, node rank and master address come from the PET_* variables the torch plugin injects.
-    return ["torchrun", "--nproc-per-node", str(spec.spec.procs_per_node), *c.worker_program()]
+    return [*p.launcher(), "torchrun", "--nproc-per-node", str(spec.spec.procs_per_node), *c.worker_program()]
+
+
+def _failure_policies() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The Job's `podFailurePolicy` and the JobSet's `failurePolicy` rules: permanent codes end the job."""
+    pod_failure = {
+        "rules": [
+            {
+                "action": "FailJob",
+                "onExitCodes": {"containerName": CONTAINER_NAME, "operator": "In", "values": list(PERMANENT)},
+            }
+        ]
+    }
+    rule = {"name": "PermanentExitCode", "action": "FailJobSet", "onJobFailureReasons": [PERMANENT_FAILURE_REASON]}
+    return pod_failure, rule
 
 
 def _runtime(spec: JobSpec) -> dict[str, Any]:
@@ -60,16 +110,27 @@ def _runtime(spec: JobSpec) -> dict[str, Any]:
         "command": worker_command(spec),
         "ports": c.metrics_ports(spec),
         "resources": c.resources(spec),
-        "securityContext": c.container_security_context(),
+        "securityContext": p.container_security_context(),
+        **p.probes(spec),
     }
     if not container["ports"]:
         del container["ports"]
-    pod_spec: dict[str, Any] = {"containers": [container]}
+    env_from = p.env_from(spec)
+    if env_from:
+        container["envFrom"] = env_from
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        # podFailurePolicy needs Never; the JobSet, not the kubelet, restarts the group.
+        "restartPolicy": "Never",
+        **p.automount(needs_api=s.kubernetes.automount_service_account_token),
+    }
     if s.kubernetes.priority_class:
         pod_spec["priorityClassName"] = s.kubernetes.priority_class
+    pod_failure, rule = _failure_policies()
     jobset_spec: dict[str, Any] = {
-        # JobSet restarts the whole group from the last checkpoint, at most restarts.max times.
-        "failurePolicy": {"maxRestarts": s.restarts.max},
+        # JobSet restarts the whole group from the last checkpoint, at most restarts.max times, except
+        # on a permanent exit code.
+        "failurePolicy": {"maxRestarts": s.restarts.max, "rules": [rule]},
         "replicatedJobs": [
             {
                 "name": TRAINJOB_REPLICATED_JOB,
@@ -77,10 +138,12 @@ def _runtime(spec: JobSpec) -> dict[str, Any]:
                 "template": {
                     "metadata": {"labels": {ANCESTOR_LABEL: "trainer"}},
                     "spec": {
+                        "backoffLimit": 0,
+                        "podFailurePolicy": pod_failure,
                         "template": {
                             "metadata": {"labels": c.pod_labels(spec), "annotations": c.pod_annotations(spec)},
                             "spec": pod_spec,
-                        }
+                        },
                     },
                 },
             }
@@ -94,23 +157,23 @@ def _runtime(spec: JobSpec) -> dict[str, Any]:
         runtime_spec["podGroupPolicy"] = {"volcano": {}}
     return {
         "apiVersion": API_VERSION,
-        "kind": "ClusterTrainingRuntime",
-        "metadata": c.object_meta(spec, "runtime", runtime_name(spec), namespaced=False),
+        "kind": RUNTIME_KIND,
+        "metadata": c.object_meta(spec, "runtime", runtime_name(spec)),
         "spec": runtime_spec,
     }
 
 
 def _runtime_patch(spec: JobSpec) -> dict[str, Any]:
-    volumes, mounts = c.volumes_and_mounts(spec)
+    volumes, mounts = p.volumes_and_mounts(spec)
     pod_spec: dict[str, Any] = {
-        "securityContext": c.pod_security_context(),
+        "securityContext": p.pod_security_context(),
         "volumes": volumes,
         "containers": [
             {
                 "name": CONTAINER_NAME,
                 "env": c.worker_env(spec),
                 "volumeMounts": mounts,
-                "securityContext": c.container_security_context(),
+                "securityContext": p.container_security_context(),
             }
         ],
     }
@@ -145,10 +208,11 @@ def _runtime_patch(spec: JobSpec) -> dict[str, Any]:
 
 
 def compile_trainjob(spec: JobSpec, *, fixed_size: bool = False) -> list[dict[str, Any]]:
-    """The ConfigMap, the ClusterTrainingRuntime (unless `runtimeRef`) and the TrainJob, in apply order.
+    """The ConfigMap, the TrainingRuntime (unless `runtimeRef`) and the TrainJob, in apply order.
 
     Raises:
-        UnsupportedFeature: elastic spec without `fixed_size`; volcano gang with a user runtime.
+        UnsupportedFeature: elastic spec without `fixed_size`; volcano gang or a store's `secretRef`
+            with a user runtime.
     """
     check_trainjob(spec, fixed_size=fixed_size)
     s = spec.spec
@@ -163,11 +227,7 @@ def compile_trainjob(spec: JobSpec, *, fixed_size: bool = False) -> list[dict[st
         "resourcesPerNode": c.resources(spec),
     }
     job_spec: dict[str, Any] = {
-        "runtimeRef": {
-            "apiGroup": "trainer.kubeflow.org",
-            "kind": "ClusterTrainingRuntime",
-            "name": runtime_name(spec),
-        },
+        "runtimeRef": {"apiGroup": "trainer.kubeflow.org", "kind": runtime_kind(spec), "name": runtime_name(spec)},
         "trainer": trainer,
         "runtimePatches": [_runtime_patch(spec)],
     }

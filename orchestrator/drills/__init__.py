@@ -3,8 +3,9 @@
 Public surface: `run_drill`, `DrillOptions`, `DrillReport`, `SCENARIOS`.
 """
 
+from orchestrator.drills.plan import DrillOptions
 from orchestrator.drills.report import DrillReport
-from orchestrator.drills.runner import DrillOptions, run_drill
+from orchestrator.drills.runner import run_drill
 from orchestrator.drills.scenarios import SCENARIOS
 
 __all__ = ["SCENARIOS", "DrillOptions", "DrillReport", "run_drill"]

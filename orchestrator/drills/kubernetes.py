@@ -15,9 +15,11 @@ import time
 from typing import Any
 
 from orchestrator.backends.base import RunState, SubmitOptions
+from orchestrator.drills.plan import DrillEvent
 from orchestrator.drills.report import DrillReport
 from orchestrator.errors import UnsupportedFeature
 from orchestrator.spec import JobSpec
+from training.contract import DrillEventKind
 
 __all__ = ["run_kubernetes_kill_worker"]
 
@@ -50,13 +52,13 @@ def run_kubernetes_kill_worker(
     report = DrillReport(scenario="kill-worker", backend="kubernetes", seed=seed)
     report.notes.append("no reference run on a cluster: run the local drill of the same spec for the params check")
 
-    def event(name: str, **fields: Any) -> None:
-        report.events.append({"time": time.time(), "event": name, **fields})
+    def event(event_kind: DrillEventKind, /, **fields: Any) -> None:
+        report.events.append(DrillEvent(time.time(), event_kind, fields).to_dict())
 
     handle = backend.submit(spec, options or SubmitOptions())
     run_id = handle.run_id
     report.run_dir = f"kubernetes://{run_id}"
-    event("submitted", run_id=run_id)
+    event(DrillEventKind.SUBMITTED, run_id=run_id)
     deadline = time.monotonic() + timeout_s
 
     state = RunState.PENDING
@@ -69,7 +71,7 @@ def run_kubernetes_kill_worker(
         report.status = state.value
         report.check("job running before the fault", False, f"state {state.value} (timeout {timeout_s:.0f}s)")
         return report
-    event("running")
+    event(DrillEventKind.RUNNING)
 
     indices = sorted({i for p in backend.pods(run_id) if (i := backend.pod_index(p)) is not None})
     if not indices:
@@ -82,7 +84,7 @@ def run_kubernetes_kill_worker(
     old_uids = {p.metadata.uid for p in backend.pods(run_id) if backend.pod_index(p) == index}
     pod_name = backend.delete_pod(run_id, index)
     t_fault = time.time()
-    event("fault_injected", kind="delete-pod", pod=pod_name, node_index=index)
+    event(DrillEventKind.FAULT_INJECTED, kind="delete-pod", pod=pod_name, node_index=index)
     report.check("worker pod deleted", True, f"deleted {pod_name} (node index {index})")
 
     replaced_at: float | None = None
@@ -94,7 +96,7 @@ def run_kubernetes_kill_worker(
             pods = [p for p in backend.pods(run_id) if backend.pod_index(p) == index]
             if any(_pod_running(p) and p.metadata.uid not in old_uids for p in pods):
                 replaced_at = time.time()
-                event("recovered", detail="replacement pod running")
+                event(DrillEventKind.RECOVERED, detail="replacement pod running")
         if restored is None:
             for line in backend.logs(run_id, rank=None, follow=False):
                 match = _RESTORED_RE.search(line)

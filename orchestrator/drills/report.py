@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from orchestrator.drills.history import RunHistory
+from training.contract import DrillEventKind, write_json
 
-__all__ = ["Check", "DrillReport", "plot_report", "render_table"]
+__all__ = ["Check", "DrillReport", "Verdict", "plot_report", "render_table"]
 
 
 @dataclass
@@ -19,6 +19,29 @@ class Check:
     name: str
     passed: bool
     detail: str
+
+
+@dataclass
+class Verdict:
+    """What a scenario's judge concluded: checks (all must pass) and notes for people."""
+
+    checks: list[Check] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(c.passed for c in self.checks)
+
+    def check(self, name: str, passed: bool, detail: str) -> None:
+        self.checks.append(Check(name, bool(passed), detail))
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
+    def add(self, other: Verdict) -> None:
+        """Append another verdict's checks and notes (a scenario extending its base's judge)."""
+        self.checks += other.checks
+        self.notes += other.notes
 
 
 @dataclass
@@ -54,13 +77,22 @@ class DrillReport:
     def check(self, name: str, passed: bool, detail: str) -> None:
         self.checks.append(Check(name, bool(passed), detail))
 
+    def add(self, verdict: Verdict) -> None:
+        """Take a judge's checks and notes into the report."""
+        self.checks += verdict.checks
+        self.notes += verdict.notes
+
+    def event_times(self, kind: DrillEventKind) -> list[float]:
+        """Times of the timeline entries of one drill event kind."""
+        return [float(e["time"]) for e in self.events if e.get("event") == kind]
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["verdict"] = "pass" if self.passed else "fail"
         return data
 
     def write(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True, default=str) + "\n")
+        write_json(path, self.to_dict())
 
 
 def render_table(report: DrillReport) -> Any:
@@ -95,7 +127,7 @@ def plot_report(report: DrillReport, history: RunHistory, path: str | Path) -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    t0 = min([float(r["time"]) for r in history.metrics + history.events] or [0.0])
+    t0 = min([float(m.get("time", 0.0)) for m in history.metrics] + [e.time for e in history.events] or [0.0])
     fig, ax = plt.subplots(figsize=(9, 4.5), dpi=110)
     # One line per restart generation: no line is drawn across an outage, which had no throughput.
     points = [m for m in history.metrics if "samples_per_s" in m]
@@ -113,21 +145,15 @@ def plot_report(report: DrillReport, history: RunHistory, path: str | Path) -> N
     ax.set_xlabel("seconds since start")
     ax.set_ylabel("samples/s", color="tab:blue")
     ax2 = ax.twinx()
-    ws_points = sorted(
-        (
-            (float(r["time"]) - t0, int(r["world_size"]))
-            for r in history.of("start") + history.metrics
-            if "world_size" in r
-        ),
-    )
+    ws_points = [(t - t0, ws) for t, ws in history.world_size_points()]
     if ws_points:
         ax2.step(
             [p[0] for p in ws_points], [p[1] for p in ws_points], where="post", color="tab:green", label="world size"
         )
         ax2.set_ylim(0, max(p[1] for p in ws_points) + 1)
     ax2.set_ylabel("world size", color="tab:green")
-    faults = [float(e["time"]) - t0 for e in report.events if e.get("event") == "fault_injected"]
-    recoveries = [float(e["time"]) - t0 for e in report.events if e.get("event") == "recovered"]
+    faults = [t - t0 for t in report.event_times(DrillEventKind.FAULT_INJECTED)]
+    recoveries = [t - t0 for t in report.event_times(DrillEventKind.RECOVERED)]
     for x in faults:
         ax.axvline(x, color="tab:red", linestyle="--", label="fault" if x == faults[0] else None)
     for x in recoveries:

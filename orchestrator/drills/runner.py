@@ -1,61 +1,45 @@
-"""Runs a drill: the faulted job, the outside actions, the uninterrupted reference, the verdict."""
+"""Runs a drill: the scenario's plan, the faulted job with its outside actions, the uninterrupted
+reference, the verdict."""
 
 from __future__ import annotations
 
-import copy
-import json
+import dataclasses
 import random
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from orchestrator.backends.base import LocalOptions, NodePlacement, RunState, SubmitOptions, SupervisedRun
+from orchestrator.drills.actions import ActionRunner, emulated_network, placements, supervise
 from orchestrator.drills.history import RunHistory
+from orchestrator.drills.plan import DrillContext, DrillOptions, Outcome, fault_dicts, faults_env
 from orchestrator.drills.report import DrillReport
-from orchestrator.drills.scenarios import DrillContext, get_scenario
+from orchestrator.drills.scenarios import Scenario, get_scenario
+from orchestrator.drills.spec_patch import isolate_stores, revalidate
 from orchestrator.errors import SpecError, UnsupportedFeature
-from orchestrator.loader import validate_document
 from orchestrator.spec import JobSpec
+from training.contract import DrillEventKind, EventKind, Summary
 
 __all__ = ["DrillOptions", "run_drill"]
 
 # Uninterrupted references by (backend, nodes, job): a reference depends only on the job, so drills of
 # one job in one process (a test session, a seed sweep) run it once.
-_REFERENCES: dict[tuple[str, int, str], tuple[str, dict[str, Any]]] = {}
+_REFERENCES: dict[tuple[str, int, str], tuple[str, Summary]] = {}
 
-
-@dataclass
-class DrillOptions:
-    """How to run a drill (the CLI flags)."""
-
-    backend: str = "local"
-    seed: int = 0
-    at_step: int | None = None
-    rank: int | None = None
-    nodes: int | None = None
-    reference: bool = True
-    drill_dir: str | None = None
-    timeout_s: float = 600.0
-    quiet: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)  # scenario options (hang_timeout_s, slow_s, corruption, repeat)
-
-
-def _isolate_stores(spec: dict[str, Any], tag: str) -> dict[str, Any]:
-    """Point absolute and remote stores at drill-private locations, so a drill never restores from (or
-    damages) a real job's checkpoints and the faulted run and the reference never share a store."""
-    for store in spec["spec"]["checkpoint"]["stores"]:
-        uri: str = store["uri"]
-        if (uri.startswith("file://") and uri[len("file://") :].startswith("/")) or uri.startswith("/"):
-            store["uri"] = f"file://./stores/{store.get('name') or 'store'}"
-            store.pop("pvc", None)
-        elif "://" in uri and not uri.startswith("file://"):
-            store["uri"] = uri.rstrip("/") + f"/torchrig-drill-{tag}"
-    spec["spec"]["checkpoint"]["resume"] = "auto"
-    return spec
+# The job's own events that go into the report's timeline.
+_TIMELINE_EVENTS = {
+    EventKind.START,
+    EventKind.RESTORE,
+    EventKind.CHECKPOINT_COMMITTED,
+    EventKind.STORE_FAILURE,
+    EventKind.WATCHDOG,
+    EventKind.FAULT,
+    EventKind.FINISHED,
+    EventKind.FIRST_STEP,
+}
 
 
 def _pick_fault(spec: JobSpec, options: DrillOptions, rng: random.Random) -> tuple[int, int, int]:
+    """(step, rank, checkpoint every) of the fault: the options' when given, else drawn from `rng`."""
     steps = spec.spec.training.steps
     every = spec.spec.checkpoint.every.steps or max(1, steps // 4)
     world = (options.nodes or spec.spec.nodes.max) * spec.spec.procs_per_node
@@ -75,194 +59,155 @@ def _pick_fault(spec: JobSpec, options: DrillOptions, rng: random.Random) -> tup
     return step, rank, every
 
 
+def _drill_nodes(scenario: Scenario, spec: JobSpec, options: DrillOptions) -> int:
+    nodes = options.nodes or scenario.needs_nodes
+    if scenario.needs_nodes > 1 and (not spec.spec.nodes.elastic or spec.spec.nodes.min > nodes - 1):
+        raise UnsupportedFeature(
+            f"spec.nodes: {scenario.name} needs an elastic job that can lose a node "
+            f"(spec.nodes.min <= {nodes - 1} < spec.nodes.max); got {spec.spec.nodes.min}..{spec.spec.nodes.max}"
+        )
+    if nodes > spec.spec.nodes.max:
+        raise SpecError(f"--nodes: at most spec.nodes.max ({spec.spec.nodes.max})")
+    return nodes
+
+
 def run_drill(scenario_name: str, spec: JobSpec, options: DrillOptions) -> DrillReport:
     """Run one drill end to end and return its report (the caller writes, prints and plots it)."""
     scenario = get_scenario(scenario_name)
     rng = random.Random(options.seed)
-    nodes = options.nodes or (scenario.needs_nodes if scenario.needs_nodes > 1 else 1)
-    if scenario.needs_nodes > 1:
-        if not spec.spec.nodes.elastic or spec.spec.nodes.min > nodes - 1:
-            raise UnsupportedFeature(
-                f"spec.nodes: {scenario.name} needs an elastic job that can lose a node "
-                f"(spec.nodes.min <= {nodes - 1} < spec.nodes.max); got {spec.spec.nodes.min}..{spec.spec.nodes.max}"
-            )
-        options.nodes = nodes
-    if nodes > spec.spec.nodes.max:
-        raise SpecError(f"--nodes: at most spec.nodes.max ({spec.spec.nodes.max})")
-    options.nodes = nodes
+    options = dataclasses.replace(options, nodes=_drill_nodes(scenario, spec, options))
+    nodes = options.nodes or 1
     fault_step, fault_rank, every = _pick_fault(spec, options, rng)
-    world = nodes * spec.spec.procs_per_node
     ctx = DrillContext(
         scenario=scenario.name,
-        backend=options.backend,
         seed=options.seed,
-        rng=rng,
         steps=spec.spec.training.steps,
-        world_size=world,
+        world_size=nodes * spec.spec.procs_per_node,
+        nodes=nodes,
         checkpoint_every=every,
         fault_step=fault_step,
         fault_rank=fault_rank,
-        nodes=nodes,
-        options={"timeout_s": options.timeout_s, **options.extra},
+        options=options,
+        rng=rng,
     )
     tag = time.strftime("%Y%m%d-%H%M%S")
+    plan = scenario.plan(isolate_stores(spec, tag, "run"), ctx)
+    faulted_spec = revalidate(plan.spec, "drill")
     drill_dir = Path(options.drill_dir or Path("runs") / spec.name / f"drill-{scenario.name}-{tag}")
     drill_dir.mkdir(parents=True, exist_ok=False)
 
-    base = _isolate_stores(copy.deepcopy(spec.to_yaml_dict()), tag)
-    faulted = scenario.prepare(copy.deepcopy(base), ctx)
-    faulted_spec = validate_document(faulted, "drill")
-    faults = scenario.faults(ctx)
-
     report = DrillReport(scenario=scenario.name, backend=options.backend, seed=options.seed)
-    report.fault_step, report.fault_rank = ctx.fault_step, ctx.fault_rank
-    ctx.event("drill_started", fault_step=ctx.fault_step, fault_rank=ctx.fault_rank, faults=faults)
-
-    errors: list[BaseException] = []
-    try:
-        extra = scenario.launch_extra(ctx)
-        env = {"TORCHRIG_FAULTS": json.dumps(faults)} if faults else {}
-        run = _launch(faulted_spec, drill_dir / "run", options, env, extra=extra)
-        summary = _supervise(scenario, run, ctx, faulted, options, errors)
-    finally:
-        scenario.cleanup(ctx)
-    for exc in errors:
+    report.fault_step, report.fault_rank = plan.fault_step, plan.fault_rank
+    outcome = Outcome(fault_step=plan.fault_step, fault_rank=plan.fault_rank)
+    outcome.record(
+        DrillEventKind.DRILL_STARTED,
+        fault_step=plan.fault_step,
+        fault_rank=plan.fault_rank,
+        faults=fault_dicts(plan.faults),
+    )
+    with emulated_network(plan, outcome) as network:
+        run = _launch(faulted_spec, drill_dir / "run", options, faults_env(plan.faults), placements(network))
+        runner = ActionRunner(
+            run,
+            faulted_spec,
+            outcome,
+            timeout_s=options.timeout_s,
+            network=network,
+            lose_store_hook=options.lose_store_hook,
+        )
+        summary = supervise(run, runner, plan.actions, options.timeout_s)
+    for exc in outcome.errors:
         report.notes.append(f"drill action failed: {exc!r}")
         report.check("drill actions ran", False, repr(exc))
 
     history = RunHistory.load(run.run_dir)
-    _fill_from_run(report, summary, history, ctx)
-
+    _fill_from_run(report, summary, history, outcome)
     if options.reference:
-        reference_spec = validate_document(scenario.prepare(copy.deepcopy(base), ctx), "drill-reference")
-        key = (options.backend, nodes, reference_spec.model_dump_json(exclude={"metadata"}))
-        if key in _REFERENCES:
-            ref_dir, ref_summary = _REFERENCES[key]
-            report.notes.append(f"reference reused from {ref_dir} (same job, backend and world size)")
-        else:
-            ref = _launch(reference_spec, drill_dir / "reference", options, {}, nodes=nodes)
-            ref_summary = ref.wait(options.timeout_s)
-            ref_dir = str(ref.run_dir)
-            if ref_summary.get("status") == "succeeded":
-                _REFERENCES[key] = (ref_dir, ref_summary)
-        report.reference_run_dir = ref_dir
-        report.reference_final_loss = ref_summary.get("final_loss")
-        report.reference_params_sha256 = ref_summary.get("params_sha256")
-        if scenario.compares_params and report.params_sha256 and report.reference_params_sha256:
-            report.final_params_match_reference = report.params_sha256 == report.reference_params_sha256
-        elif not scenario.compares_params:
-            report.final_params_match_reference = None
-    report.events = sorted(ctx.events + _job_events(history), key=lambda e: float(e["time"]))
-    scenario.judge(report, history, ctx)
+        reference_spec = revalidate(scenario.patch(isolate_stores(spec, tag, "reference"), ctx), "drill-reference")
+        _compare_with_reference(report, scenario, reference_spec, drill_dir / "reference", options)
+    timeline = [e.to_dict() for e in outcome.timeline]
+    timeline += [e.to_dict() for e in history.events if e.kind in _TIMELINE_EVENTS]
+    report.events = sorted(timeline, key=lambda e: float(e["time"]))
+    report.add(scenario.judge(report, history, ctx))
     report.write(drill_dir / "report.json")
     return report
 
 
-def _supervise(
-    scenario: Any,
-    run: _Run,
-    ctx: DrillContext,
-    spec: dict[str, Any],
-    options: DrillOptions,
-    errors: list[BaseException],
-) -> dict[str, Any]:
-    """Wait for the run while the scenario's outside actions run in a thread."""
-
-    def _during() -> None:
-        try:
-            scenario.during(run, ctx, spec)
-        except BaseException as exc:  # reported, never swallowed: the verdict fails
-            errors.append(exc)
-
-    actor = threading.Thread(target=_during, name="drill-actions", daemon=True)
-    actor.start()
-    summary = run.wait(options.timeout_s)
-    actor.join(timeout=5)
-    return summary
-
-
-def _job_events(history: RunHistory) -> list[dict[str, Any]]:
-    keep = {"start", "restore", "checkpoint_committed", "store_failure", "watchdog", "fault", "finished", "first_step"}
-    return [e for e in history.events if e.get("event") in keep]
+def _compare_with_reference(
+    report: DrillReport, scenario: Scenario, spec: JobSpec, run_dir: Path, options: DrillOptions
+) -> None:
+    """Run (or reuse) the uninterrupted reference and compare the final parameters with it."""
+    nodes = options.nodes or 1
+    key = (options.backend, nodes, spec.model_dump_json(exclude={"metadata"}))
+    if key in _REFERENCES:
+        ref_dir, ref_summary = _REFERENCES[key]
+        report.notes.append(f"reference reused from {ref_dir} (same job, backend and world size)")
+    else:
+        ref = _launch(spec, run_dir, options, {}, [])
+        ref_summary = ref.wait(options.timeout_s)
+        ref_dir = str(ref.run_dir)
+        if ref_summary.status == RunState.SUCCEEDED:
+            _REFERENCES[key] = (ref_dir, ref_summary)
+    report.reference_run_dir = ref_dir
+    report.reference_final_loss = ref_summary.final_loss
+    report.reference_params_sha256 = ref_summary.params_sha256
+    if scenario.compares_params and report.params_sha256 and report.reference_params_sha256:
+        report.final_params_match_reference = report.params_sha256 == report.reference_params_sha256
+    elif not scenario.compares_params:
+        report.final_params_match_reference = None
 
 
-def _fill_from_run(report: DrillReport, summary: dict[str, Any], history: RunHistory, ctx: DrillContext) -> None:
-    report.status = str(summary.get("status", "unknown"))
+def _fill_from_run(report: DrillReport, summary: Summary, history: RunHistory, outcome: Outcome) -> None:
+    report.status = summary.status
     report.run_dir = str(history.run_dir)
-    report.final_loss = summary.get("final_loss")
-    report.params_sha256 = summary.get("params_sha256")
-    report.world_sizes = list(summary.get("world_sizes") or history.world_sizes())
-    report.damage = ctx.damage
+    report.final_loss = summary.final_loss
+    report.params_sha256 = summary.params_sha256
+    report.world_sizes = list(summary.world_sizes or history.world_sizes())
+    report.damage = outcome.damage
     # Outside faults record the step the job had actually reached when they struck.
-    report.fault_step, report.fault_rank = ctx.fault_step, ctx.fault_rank
+    report.fault_step, report.fault_rank = outcome.fault_step, outcome.fault_rank
     # The fault time: the worker's own `fault` event (exact), else the drill's outside action.
-    worker_faults = [e for e in history.of("fault") if e.get("kind") not in (None, "slow")]
+    worker_faults = [e for e in history.of(EventKind.FAULT) if e.get("kind") not in (None, "slow")]
     if worker_faults:
-        first = min(worker_faults, key=lambda e: float(e["time"]))
-        ctx.event("fault_injected", kind=first.get("kind"), rank=first.get("rank"), step=first.get("step"))
-        ctx.events[-1]["time"] = float(first["time"])
-        report.fault_step = int(first.get("step", report.fault_step or 0))
-    fault_times = [float(e["time"]) for e in ctx.events if e.get("event") == "fault_injected"]
+        first = worker_faults[0]
+        outcome.record(
+            DrillEventKind.FAULT_INJECTED, at=first.time, kind=first.get("kind"), rank=first.rank, step=first.step
+        )
+        report.fault_step = first.step if first.step is not None else (report.fault_step or 0)
+    fault_times = outcome.times(DrillEventKind.FAULT_INJECTED)
     if not fault_times:
         return
     t_fault = min(fault_times)
     restores = history.restores_after(t_fault)
     report.restored_from = [
-        {"store": r.get("store"), "step": r.get("step"), "source": r.get("source", "store")} for r in restores
+        {"store": r.get("store"), "step": r.step, "source": r.get("source", "store")} for r in restores
     ]
     if restores:
-        report.resumed_from_step = int(restores[0]["step"])
-    elif any(e for e in history.of("start") if float(e["time"]) > t_fault):
+        report.resumed_from_step = restores[0].step or 0
+    elif any(e for e in history.of(EventKind.START) if e.time > t_fault):
         report.resumed_from_step = 0  # restarted with nothing to restore: started over
     if report.resumed_from_step is not None and report.fault_step is not None:
         report.lost_steps = max(0, report.fault_step - report.resumed_from_step)
-    first_step = history.first_step_after(max([t_fault] + [float(r["time"]) for r in restores[:1]]))
+    first_step = history.first_step_after(max([t_fault] + [r.time for r in restores[:1]]))
     if first_step is not None:
-        report.mttr_seconds = round(float(first_step["time"]) - t_fault, 3)
-        ctx.event("recovered", step=first_step.get("step"))
-        ctx.events[-1]["time"] = float(first_step["time"])
-    report.recovered = report.status == "succeeded" and (first_step is not None or not restores)
-
-
-class _Run:
-    """Adapter over a backend's running job: what scenarios and the runner need."""
-
-    def __init__(self, handle: Any, run_dir: Path) -> None:
-        self.handle = handle
-        self.run_dir = run_dir
-
-    def alive(self) -> bool:
-        return self.handle.poll() is None
-
-    def kill_node(self, index: int) -> None:
-        self.handle.kill_node(index)
-
-    def add_node(self) -> None:
-        self.handle.add_node()
-
-    def wait(self, timeout_s: float) -> dict[str, Any]:
-        summary: dict[str, Any] | None = self.handle.wait(timeout_s=timeout_s)
-        return dict(summary or {})
+        report.mttr_seconds = round(first_step.time - t_fault, 3)
+        outcome.record(DrillEventKind.RECOVERED, at=first_step.time, step=first_step.step)
+    report.recovered = report.status == RunState.SUCCEEDED and (first_step is not None or not restores)
 
 
 def _launch(
-    spec: JobSpec,
-    run_dir: Path,
-    options: DrillOptions,
-    env: dict[str, str],
-    nodes: int | None = None,
-    extra: dict[str, Any] | None = None,
-) -> _Run:
+    spec: JobSpec, run_dir: Path, options: DrillOptions, env: dict[str, str], where: list[NodePlacement]
+) -> SupervisedRun:
     """Start the job on the drill's backend without blocking (`Backend.launch` -> a supervised run)."""
     from orchestrator.backends import get_backend
-    from orchestrator.backends.base import SubmitOptions
 
     backend = get_backend(options.backend)
-    submit = SubmitOptions(
-        run_dir=str(run_dir), nodes=nodes or options.nodes, quiet=True, env=dict(env), extra=dict(extra or {})
-    )
-    launch = getattr(backend, "launch", None)
-    if launch is None:
+    if not backend.capabilities.supervised:
         raise UnsupportedFeature(f"--backend: {options.backend!r} cannot run drills (it has no supervised launch)")
-    handle = launch(spec, submit)
-    return _Run(handle, Path(handle.run_dir))
+    submit = SubmitOptions(
+        run_dir=str(run_dir),
+        quiet=options.quiet,
+        env=dict(env),
+        local=LocalOptions(nodes=options.nodes, placements=list(where)),
+    )
+    return backend.launch(spec, submit)

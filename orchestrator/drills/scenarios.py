@@ -1,86 +1,66 @@
-"""Drill scenarios: how each one prepares the job, injects its fault, and judges the recovery.
+"""Drill scenarios: pure policies that decide how a drill prepares the job, what breaks, and the verdict.
 
-A scenario is a small policy object: `prepare` adjusts the spec (a second store, a short watchdog),
-`faults` returns the faults the workers inject into themselves (exact step, real SIGKILL), `during`
-performs outside actions on the running job (kill a node, damage a store), and `judge` turns what the
-run left behind into checks. The runner (`orchestrator.drills.runner`) executes them in order.
+A scenario turns a `DrillContext` into a `DrillPlan` (`plan`): a patched copy of the spec (a second
+store, a short watchdog), the faults the workers inject into themselves (exact step, real SIGKILL),
+and the outside actions to carry out on the running job (kill a node, damage a store). After the run,
+`judge` turns what the run left behind into a `Verdict`. Scenarios run nothing themselves: the runner
+(`orchestrator.drills.runner`) launches the job and `orchestrator.drills.actions` carries out the plan.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import random
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar
 
-from orchestrator.drills.damage import CorruptionKind, committed_steps, corrupt_newest, make_store_unreachable
+from orchestrator.backends.base import RunState
+from orchestrator.drills.damage import CorruptionKind
 from orchestrator.drills.history import RunHistory
-from orchestrator.drills.report import DrillReport
-from orchestrator.errors import SpecError, UnsupportedFeature
+from orchestrator.drills.plan import (
+    Action,
+    AwaitCommit,
+    AwaitProgress,
+    AwaitStep,
+    AwaitWorldSize,
+    DrillContext,
+    DrillPlan,
+    Fault,
+    LinkCut,
+    LinkHeal,
+    NodeAdd,
+    NodeKill,
+    RankKill,
+    StoreCorrupt,
+    StoreLoss,
+)
+from orchestrator.drills.report import DrillReport, Verdict
+from orchestrator.drills.spec_patch import patch_section, with_fallback_store
+from orchestrator.errors import SpecError
+from orchestrator.spec import JobSpec
+from training.contract import DrillEventKind, EventKind
 
-__all__ = ["SCENARIOS", "DrillContext", "LaunchedRun", "Scenario", "get_scenario"]
-
-DRILL_STORE = "drill-b"
-
-
-class LaunchedRun(Protocol):
-    """What a scenario may do to a running job (the runner adapts each backend to this)."""
-
-    run_dir: Path
-
-    def alive(self) -> bool: ...
-
-    def kill_node(self, index: int) -> None: ...
-
-    def add_node(self) -> None: ...
-
-
-@dataclass
-class DrillContext:
-    scenario: str
-    backend: str
-    seed: int
-    rng: random.Random
-    steps: int
-    world_size: int
-    checkpoint_every: int
-    fault_step: int
-    fault_rank: int
-    nodes: int
-    options: dict[str, Any] = field(default_factory=dict)
-    events: list[dict[str, Any]] = field(default_factory=list)
-    damage: dict[str, Any] | None = None
-
-    def event(self, name: str, **fields: Any) -> None:
-        self.events.append({"time": time.time(), "event": name, **fields})
+__all__ = ["SCENARIOS", "Scenario", "get_scenario"]
 
 
-def wait_for(predicate: Any, timeout_s: float, run: LaunchedRun, poll_s: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        if not run.alive():
-            return bool(predicate())
-        time.sleep(poll_s)
-    return False
+def _fault_time(report: DrillReport) -> float | None:
+    times = report.event_times(DrillEventKind.FAULT_INJECTED)
+    return min(times) if times else None
 
 
-def _store_uris(spec: dict[str, Any], run_dir: Path) -> list[tuple[str, str, dict[str, Any]]]:
-    """(name, resolved uri, options) of each store of a (dict) spec."""
-    out = []
-    for store in spec["spec"]["checkpoint"]["stores"]:
-        uri = store["uri"]
-        if uri.startswith("file://") and not uri[len("file://") :].startswith("/"):
-            uri = "file://" + str((run_dir / uri[len("file://") :]).resolve())
-        elif "://" not in uri and not uri.startswith("/"):
-            uri = "file://" + str((run_dir / uri).resolve())
-        name = store.get("name") or uri
-        out.append((name, uri, store.get("options") or {}))
-    return out
+def _params_check(verdict: Verdict, report: DrillReport) -> None:
+    verdict.check(
+        "final parameters bit-identical to the uninterrupted reference",
+        bool(report.final_params_match_reference),
+        f"{(report.params_sha256 or '-')[:16]} vs {(report.reference_params_sha256 or '-')[:16]}",
+    )
+
+
+def _succeeded_check(verdict: Verdict, report: DrillReport) -> None:
+    verdict.check("job succeeded", report.status == RunState.SUCCEEDED, f"status {report.status}")
+
+
+def _short_watchdog(spec: JobSpec, ctx: DrillContext) -> JobSpec:
+    timeout = min(spec.spec.restarts.step_timeout_seconds, ctx.options.hang_timeout_s)
+    return patch_section(spec, "restarts", step_timeout_seconds=timeout)
 
 
 class Scenario:
@@ -92,28 +72,43 @@ class Scenario:
     needs_nodes: ClassVar[int] = 1
     compares_params: ClassVar[bool] = True  # same world size -> params must match the reference bit for bit
     needs_restore: ClassVar[bool] = True
+    needs_network: ClassVar[bool] = False  # each emulated node in its own network namespace
 
-    def prepare(self, spec: dict[str, Any], ctx: DrillContext) -> dict[str, Any]:
+    # -- decisions ---------------------------------------------------------------------------------
+    def patch(self, spec: JobSpec, ctx: DrillContext) -> JobSpec:
+        """The spec of the faulted run and of its reference (default: unchanged)."""
         return spec
 
-    def faults(self, ctx: DrillContext) -> list[dict[str, Any]]:
+    def faults(self, ctx: DrillContext) -> list[Fault]:
+        """Faults the workers inject into themselves (default: none)."""
         return []
 
-    def during(self, run: LaunchedRun, ctx: DrillContext, spec: dict[str, Any]) -> None:
-        """Outside actions while the job runs (default: none)."""
+    def actions(self, spec: JobSpec, ctx: DrillContext) -> list[Action]:
+        """Outside actions on the running job, in order (default: none)."""
+        return []
 
-    def launch_extra(self, ctx: DrillContext) -> dict[str, Any]:
-        """Backend options for the faulted run (e.g. network namespaces); default none."""
-        return {}
+    def plan(self, spec: JobSpec, ctx: DrillContext) -> DrillPlan:
+        """Every decision for one drill. The fault is aimed where the first self-injected fault that
+        breaks something fires (a `slow` fault only paces), else at the drawn step and rank."""
+        patched = self.patch(spec, ctx)
+        faults = self.faults(ctx)
+        aim = next((f for f in faults if f.kind != "slow"), None)
+        return DrillPlan(
+            spec=patched,
+            faults=tuple(faults),
+            actions=tuple(self.actions(patched, ctx)),
+            fault_step=aim.step if aim else ctx.fault_step,
+            fault_rank=aim.rank if aim else ctx.fault_rank,
+            network=self.needs_network,
+        )
 
-    def cleanup(self, ctx: DrillContext) -> None:
-        """Undo what `launch_extra` set up; called even when the drill fails."""
-
-    def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> None:
-        report.check("job succeeded", report.status == "succeeded", f"status {report.status}")
+    # -- verdict -------------------------------------------------------------------------------------
+    def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> Verdict:
+        verdict = Verdict()
+        _succeeded_check(verdict, report)
         if self.needs_restore:
             restored = report.resumed_from_step is not None
-            report.check(
+            verdict.check(
                 "restored after the fault",
                 restored,
                 f"restored from step {report.resumed_from_step}" if restored else "no restore after the fault",
@@ -121,32 +116,17 @@ class Scenario:
             # The event of a commit can land after the fault even when the manifest was written before it
             # (rank 0 lives on for a moment), so the invariant is a range: nothing older than what was
             # committed before the fault, nothing later than the fault step.
-            expected = last_committed_before(history, _fault_time(report))
+            expected = history.last_committed_before(_fault_time(report))
             if expected is not None and report.resumed_from_step is not None:
-                report.check(
+                verdict.check(
                     "resumed from the newest checkpoint committed before the fault",
                     expected <= report.resumed_from_step <= (report.fault_step or expected),
                     f"committed before the fault: {expected}, resumed {report.resumed_from_step}, "
                     f"fault at {report.fault_step}",
                 )
         if self.compares_params and report.reference_params_sha256 is not None:
-            report.check(
-                "final parameters bit-identical to the uninterrupted reference",
-                bool(report.final_params_match_reference),
-                f"{(report.params_sha256 or '-')[:16]} vs {(report.reference_params_sha256 or '-')[:16]}",
-            )
-
-
-def _fault_time(report: DrillReport) -> float | None:
-    times = [float(e["time"]) for e in report.events if e.get("event") == "fault_injected"]
-    return min(times) if times else None
-
-
-def last_committed_before(history: RunHistory, t: float | None) -> int | None:
-    if t is None:
-        return None
-    steps = [int(e["step"]) for e in history.of("checkpoint_committed") if float(e["time"]) <= t and "step" in e]
-    return max(steps) if steps else None
+            _params_check(verdict, report)
+        return verdict
 
 
 class KillWorker(Scenario):
@@ -154,61 +134,55 @@ class KillWorker(Scenario):
     summary = "SIGKILL one rank at a step; the group restarts and resumes from the newest checkpoint."
     proves = "a dead worker costs at most the steps since the last checkpoint, and the result is unchanged."
 
-    def prepare(self, spec: dict[str, Any], ctx: DrillContext) -> dict[str, Any]:
-        repeat = int(ctx.options.get("repeat", 1))
-        if repeat > 1:
-            needed = ctx.checkpoint_every * (repeat + 1) + 1
-            if ctx.steps < needed or ctx.checkpoint_every < 2:
-                raise SpecError(
-                    f"--repeat {repeat}: needs spec.training.steps >= {needed} and spec.checkpoint.every.steps >= 2 "
-                    f"(one kill after each checkpoint); got steps {ctx.steps}, every {ctx.checkpoint_every}"
-                )
-            restarts = spec["spec"].setdefault("restarts", {})
-            restarts["max"] = max(int(restarts.get("max", 0)), repeat)
-        return spec
-
-    def faults(self, ctx: DrillContext) -> list[dict[str, Any]]:
-        repeat = int(ctx.options.get("repeat", 1))
+    def patch(self, spec: JobSpec, ctx: DrillContext) -> JobSpec:
+        repeat = ctx.options.repeat
         if repeat <= 1:
-            return [{"kind": "kill", "rank": ctx.fault_rank, "step": ctx.fault_step, "generation": 0}]
+            return spec
+        needed = ctx.checkpoint_every * (repeat + 1) + 1
+        if ctx.steps < needed or ctx.checkpoint_every < 2:
+            raise SpecError(
+                f"--repeat {repeat}: needs spec.training.steps >= {needed} and spec.checkpoint.every.steps >= 2 "
+                f"(one kill after each checkpoint); got steps {ctx.steps}, every {ctx.checkpoint_every}"
+            )
+        return patch_section(spec, "restarts", max=max(spec.spec.restarts.max, repeat))
+
+    def faults(self, ctx: DrillContext) -> list[Fault]:
+        repeat = ctx.options.repeat
+        if repeat <= 1:
+            return [Fault(kind="kill", rank=ctx.fault_rank, step=ctx.fault_step)]
         # Kill g (in restart generation g) draws its rank and its offset past the g-th checkpoint from
         # seed + g: each generation resumes from a checkpoint at or after every * g, so it always fires.
-        out: list[dict[str, Any]] = []
+        out: list[Fault] = []
         for g in range(repeat):
             rng = random.Random(ctx.seed + g)
             step = ctx.checkpoint_every * (g + 1) + rng.randint(1, ctx.checkpoint_every - 1)
-            out.append({"kind": "kill", "rank": rng.randrange(ctx.world_size), "step": step, "generation": g})
-        ctx.fault_step, ctx.fault_rank = out[0]["step"], out[0]["rank"]
+            out.append(Fault(kind="kill", rank=rng.randrange(ctx.world_size), step=step, generation=g))
         return out
 
-    def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> None:
-        repeat = int(ctx.options.get("repeat", 1))
+    def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> Verdict:
+        repeat = ctx.options.repeat
         if repeat <= 1:
-            super().judge(report, history, ctx)
-            return
-        report.check("job succeeded", report.status == "succeeded", f"status {report.status}")
-        kills = sorted((e for e in history.of("fault") if e.get("kind") == "kill"), key=lambda e: float(e["time"]))
-        report.check("every kill fired", len(kills) == repeat, f"{len(kills)} of {repeat} kills fired")
+            return super().judge(report, history, ctx)
+        verdict = Verdict()
+        _succeeded_check(verdict, report)
+        kills = [e for e in history.of(EventKind.FAULT) if e.get("kind") == "kill"]
+        verdict.check("every kill fired", len(kills) == repeat, f"{len(kills)} of {repeat} kills fired")
         wrong = []
         for i, kill in enumerate(kills):
-            t = float(kill["time"])
-            end = float(kills[i + 1]["time"]) if i + 1 < len(kills) else float("inf")
-            restores = [e for e in history.of("restore") if t < float(e["time"]) < end and e.get("rank") == 0]
-            expected = last_committed_before(history, t) or 0
-            got = int(restores[0]["step"]) if restores else 0
-            if not expected <= got <= int(kill.get("step", got)):
-                wrong.append(f"kill {i} at step {kill.get('step')}: resumed {got}, committed before it {expected}")
-        report.check(
+            end = kills[i + 1].time if i + 1 < len(kills) else float("inf")
+            restores = [e for e in history.of(EventKind.RESTORE) if kill.time < e.time < end and e.rank == 0]
+            expected = history.last_committed_before(kill.time) or 0
+            got = (restores[0].step or 0) if restores else 0
+            if not expected <= got <= (kill.step if kill.step is not None else got):
+                wrong.append(f"kill {i} at step {kill.step}: resumed {got}, committed before it {expected}")
+        verdict.check(
             "each restart resumed from the newest checkpoint committed before its kill",
             not wrong,
             "; ".join(wrong) or f"{len(kills)} restarts checked",
         )
         if report.reference_params_sha256 is not None:
-            report.check(
-                "final parameters bit-identical to the uninterrupted reference",
-                bool(report.final_params_match_reference),
-                f"{(report.params_sha256 or '-')[:16]} vs {(report.reference_params_sha256 or '-')[:16]}",
-            )
+            _params_check(verdict, report)
+        return verdict
 
 
 class CrashDuringCheckpoint(Scenario):
@@ -216,10 +190,8 @@ class CrashDuringCheckpoint(Scenario):
     summary = "SIGKILL a rank while a checkpoint save is in flight (staged, not yet committed)."
     proves = "a half-written checkpoint is never restored; the job resumes from the previous committed one."
 
-    def faults(self, ctx: DrillContext) -> list[dict[str, Any]]:
-        step = max(ctx.checkpoint_every, (ctx.fault_step // ctx.checkpoint_every) * ctx.checkpoint_every)
-        ctx.fault_step = step
-        return [{"kind": "kill_during_checkpoint", "rank": ctx.fault_rank, "step": step, "generation": 0}]
+    def faults(self, ctx: DrillContext) -> list[Fault]:
+        return [Fault(kind="kill_during_checkpoint", rank=ctx.fault_rank, step=ctx.checkpoint_at_fault)]
 
 
 class Hang(Scenario):
@@ -227,18 +199,18 @@ class Hang(Scenario):
     summary = "One rank stops making progress without dying; the step watchdog detects it and the group restarts."
     proves = "a silent hang is turned into a restart within restarts.stepTimeoutSeconds, not a stuck job."
 
-    def prepare(self, spec: dict[str, Any], ctx: DrillContext) -> dict[str, Any]:
-        timeout = float(ctx.options.get("hang_timeout_s", 10.0))
-        restarts = spec["spec"].setdefault("restarts", {})
-        restarts["stepTimeoutSeconds"] = min(float(restarts.get("stepTimeoutSeconds", timeout)), timeout)
-        return spec
+    def patch(self, spec: JobSpec, ctx: DrillContext) -> JobSpec:
+        return _short_watchdog(spec, ctx)
 
-    def faults(self, ctx: DrillContext) -> list[dict[str, Any]]:
-        return [{"kind": "hang", "rank": ctx.fault_rank, "step": ctx.fault_step, "generation": 0}]
+    def faults(self, ctx: DrillContext) -> list[Fault]:
+        return [Fault(kind="hang", rank=ctx.fault_rank, step=ctx.fault_step)]
 
-    def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> None:
-        report.check("watchdog fired", bool(history.of("watchdog")), f"{len(history.of('watchdog'))} watchdog events")
-        super().judge(report, history, ctx)
+    def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> Verdict:
+        fired = history.of(EventKind.WATCHDOG)
+        verdict = Verdict()
+        verdict.check("watchdog fired", bool(fired), f"{len(fired)} watchdog events")
+        verdict.add(super().judge(report, history, ctx))
+        return verdict
 
 
 class Straggler(Scenario):
@@ -247,32 +219,26 @@ class Straggler(Scenario):
     proves = "a slow rank is identified from the job's own telemetry."
     needs_restore = False
 
-    def faults(self, ctx: DrillContext) -> list[dict[str, Any]]:
-        delay = float(ctx.options.get("slow_s", 0.05))
-        return [{"kind": "slow", "rank": ctx.fault_rank, "step": 1, "generation": 0, "seconds": delay}]
+    def faults(self, ctx: DrillContext) -> list[Fault]:
+        return [Fault(kind="slow", rank=ctx.fault_rank, step=1, seconds=ctx.options.slow_s)]
 
-    def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> None:
+    def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> Verdict:
         per_rank = history.per_rank_step_s()
         slow = history.slowest_rank()
-        report.notes.append(
-            "per-rank compute seconds per step: " + ", ".join(f"{r}: {v:.4f}" for r, v in per_rank.items())
+        verdict = Verdict()
+        verdict.note("per-rank compute seconds per step: " + ", ".join(f"{r}: {v:.4f}" for r, v in per_rank.items()))
+        verdict.check(
+            "slow rank identified", slow == ctx.fault_rank, f"injected rank {ctx.fault_rank}, identified {slow}"
         )
-        report.check(
-            "slow rank identified",
-            slow == ctx.fault_rank,
-            f"injected rank {ctx.fault_rank}, identified {slow}",
-        )
-        super().judge(report, history, ctx)
+        verdict.add(super().judge(report, history, ctx))
+        return verdict
 
 
 class _StoreScenario(Scenario):
     """Scenarios that need a second store to fall back on."""
 
-    def prepare(self, spec: dict[str, Any], ctx: DrillContext) -> dict[str, Any]:
-        stores = spec["spec"]["checkpoint"]["stores"]
-        if len(stores) < 2:
-            stores.append({"uri": f"file://./{DRILL_STORE}", "name": DRILL_STORE})
-        return spec
+    def patch(self, spec: JobSpec, ctx: DrillContext) -> JobSpec:
+        return with_fallback_store(spec)
 
 
 class CorruptCheckpoint(_StoreScenario):
@@ -280,40 +246,29 @@ class CorruptCheckpoint(_StoreScenario):
     summary = "Damage the newest checkpoint in one store (flip bytes / truncate / delete), then kill a worker."
     proves = "restore verifies hashes and falls back to another store or an older step; corrupt data is never loaded."
 
-    def during(self, run: LaunchedRun, ctx: DrillContext, spec: dict[str, Any]) -> None:
-        name, uri, options = _store_uris(spec, run.run_dir)[0]
-        target = max(ctx.checkpoint_every, (ctx.fault_step // ctx.checkpoint_every) * ctx.checkpoint_every)
-        history_ok = wait_for(
-            lambda: any(s >= target for s in committed_steps(uri, options)), ctx.options.get("timeout_s", 300), run
-        )
-        if not history_ok:
-            ctx.event("damage_skipped", reason=f"no checkpoint >= step {target} was committed in {name}")
-            return
-        kind = CorruptionKind(ctx.options.get("corruption", ctx.rng.choice([k.value for k in CorruptionKind])))
-        damage = corrupt_newest(uri, kind, options)
-        ctx.damage = {**damage.to_dict(), "store_name": name}
-        ctx.event("checkpoint_damaged", **damage.to_dict())
-        pids = _worker_pids(run.run_dir, ctx.fault_rank)
-        if pids:
-            ctx.fault_step = _latest_step(run.run_dir)  # the step actually reached, not the planned one
-            ctx.event("fault_injected", kind="kill", rank=ctx.fault_rank, step=ctx.fault_step)
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, 9)
+    def actions(self, spec: JobSpec, ctx: DrillContext) -> list[Action]:
+        drawn = CorruptionKind(ctx.rng.choice([k.value for k in CorruptionKind]))
+        return [
+            AwaitCommit(store=0, step=ctx.checkpoint_at_fault, required=True),
+            StoreCorrupt(store=0, kind=ctx.options.corruption or drawn),
+            RankKill(rank=ctx.fault_rank),
+        ]
 
-    def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> None:
-        super().judge(report, history, ctx)
-        if ctx.damage is None:
-            report.check("checkpoint damaged", False, "the drill found no committed checkpoint to damage")
-            return
+    def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> Verdict:
+        verdict = super().judge(report, history, ctx)
+        if report.damage is None:
+            verdict.check("checkpoint damaged", False, "the drill found no committed checkpoint to damage")
+            return verdict
         first = report.restored_from[0] if report.restored_from else {}
-        bad_store, bad_step = ctx.damage["store_name"], ctx.damage["step"]
+        bad_store, bad_step = report.damage["store_name"], report.damage["step"]
         avoided = not (first.get("store") == bad_store and first.get("step") == bad_step)
-        report.check(
+        verdict.check(
             "damaged copy not restored",
             avoided,
-            f"damaged {bad_store}@{bad_step} ({ctx.damage['kind']}); restored {first.get('store')}@{first.get('step')}",
+            f"damaged {bad_store}@{bad_step} ({report.damage['kind']}); "
+            f"restored {first.get('store')}@{first.get('step')}",
         )
+        return verdict
 
 
 class LoseStore(_StoreScenario):
@@ -322,41 +277,33 @@ class LoseStore(_StoreScenario):
     proves = "losing a store is visible in metrics and the report, and never stops training."
     needs_restore = False
 
-    def during(self, run: LaunchedRun, ctx: DrillContext, spec: dict[str, Any]) -> None:
-        stores = _store_uris(spec, run.run_dir)
+    def actions(self, spec: JobSpec, ctx: DrillContext) -> list[Action]:
         # Lose the last store: the drill's own second store unless the job has several.
-        name, uri, _ = stores[-1]
-        if not uri.startswith("file://"):
-            lost = ctx.options.get("lose_store_hook")
-            if lost is None:
-                raise UnsupportedFeature(f"lose-store: store {name!r} is not a local path; pass a hook to stop it")
-            lost(name)
-        else:
-            target = max(ctx.checkpoint_every, (ctx.fault_step // ctx.checkpoint_every) * ctx.checkpoint_every)
-            wait_for(lambda: any(s >= target for s in committed_steps(uri)), ctx.options.get("timeout_s", 300), run)
-            aside = make_store_unreachable(uri[len("file://") :])
-            ctx.damage = {"store_name": name, "uri": uri, "moved_aside_to": aside}
-        ctx.fault_step = _latest_step(run.run_dir)
-        ctx.event("fault_injected", kind="lose-store", store=name, step=ctx.fault_step)
+        last = len(spec.spec.checkpoint.stores) - 1
+        wait: list[Action] = []
+        if spec.spec.checkpoint.stores[last].scheme == "file":
+            wait = [AwaitCommit(store=last, step=ctx.checkpoint_at_fault)]
+        return [*wait, StoreLoss(store=last)]
 
-    def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> None:
-        super().judge(report, history, ctx)
-        lost = (ctx.damage or {}).get("store_name")
-        failures = [e for e in history.of("store_failure") if e.get("store") == lost]
-        report.check("store failure visible", bool(failures), f"{len(failures)} store_failure events for {lost}")
+    def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> Verdict:
+        verdict = super().judge(report, history, ctx)
+        lost = (report.damage or {}).get("store_name")
+        failures = [e for e in history.of(EventKind.STORE_FAILURE) if e.get("store") == lost]
+        verdict.check("store failure visible", bool(failures), f"{len(failures)} store_failure events for {lost}")
         t = _fault_time(report) or 0.0
-        later = [e for e in history.of("checkpoint_committed") if float(e["time"]) > t]
-        report.check(
+        later = [e for e in history.of(EventKind.CHECKPOINT_COMMITTED) if e.time > t]
+        verdict.check(
             "checkpoints continued on the other stores",
             bool(later),
             f"{len(later)} checkpoints committed after the store was lost",
         )
+        return verdict
 
 
-def _pace(ctx: DrillContext) -> list[dict[str, Any]]:
+def _pace(ctx: DrillContext) -> list[Fault]:
     """Every rank sleeps `pace_s` per step, so a small job lasts long enough to lose and regain a node."""
-    pace = float(ctx.options.get("pace_s", 0.05))
-    return [{"kind": "slow", "rank": -1, "step": 1, "generation": -1, "seconds": pace}] if pace > 0 else []
+    pace = ctx.options.pace_s
+    return [Fault(kind="slow", rank=-1, step=1, generation=-1, seconds=pace)] if pace > 0 else []
 
 
 class KillNode(Scenario):
@@ -366,36 +313,28 @@ class KillNode(Scenario):
     needs_nodes = 2
     compares_params = False  # the world size changes on purpose
 
-    def faults(self, ctx: DrillContext) -> list[dict[str, Any]]:
+    def faults(self, ctx: DrillContext) -> list[Fault]:
         return _pace(ctx)
 
-    def during(self, run: LaunchedRun, ctx: DrillContext, spec: dict[str, Any]) -> None:
-        target = ctx.fault_step
-        wait_for(lambda: _latest_step(run.run_dir) >= target, ctx.options.get("timeout_s", 300), run)
+    def actions(self, spec: JobSpec, ctx: DrillContext) -> list[Action]:
         victim = ctx.rng.randrange(1, ctx.nodes) if ctx.nodes > 1 else 0
-        ctx.fault_step = _latest_step(run.run_dir)
-        ctx.event("fault_injected", kind="kill-node", node=victim, step=ctx.fault_step)
-        run.kill_node(victim)
-        ctx.fault_rank = victim
-        shrunk = wait_for(
-            lambda: _world_sizes(run.run_dir)[-1:] == [ctx.world_size - ctx.world_size // ctx.nodes],
-            ctx.options.get("timeout_s", 300),
-            run,
-        )
-        ctx.event("shrunk" if shrunk else "did_not_shrink")
-        rejoin_after = _latest_step(run.run_dir) + max(2, ctx.checkpoint_every // 2)
-        wait_for(lambda: _latest_step(run.run_dir) >= rejoin_after, ctx.options.get("timeout_s", 300), run)
-        ctx.event("node_added")
-        run.add_node()
+        return [
+            AwaitStep(ctx.fault_step),
+            NodeKill(victim),
+            AwaitWorldSize(ctx.world_size - ctx.world_size // ctx.nodes),
+            AwaitProgress(max(2, ctx.checkpoint_every // 2)),
+            NodeAdd(),
+        ]
 
-    def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> None:
-        super().judge(report, history, ctx)
+    def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> Verdict:
+        verdict = super().judge(report, history, ctx)
         sizes = report.world_sizes
         full, small = ctx.world_size, ctx.world_size - ctx.world_size // ctx.nodes
         shrank = small in sizes
         grew_back = shrank and sizes.index(small) < len(sizes) - 1 and full in sizes[sizes.index(small) + 1 :]
-        report.check("continued at the smaller world size", shrank, f"world sizes {sizes}")
-        report.check("world grew back after the node rejoined", grew_back, f"world sizes {sizes}")
+        verdict.check("continued at the smaller world size", shrank, f"world sizes {sizes}")
+        verdict.check("world grew back after the node rejoined", grew_back, f"world sizes {sizes}")
+        return verdict
 
 
 class Partition(KillNode):
@@ -405,72 +344,24 @@ class Partition(KillNode):
         "a partitioned node is detected (step watchdog, rendezvous keep-alive); the rest restarts from the last "
         "checkpoint at the world size that remains, and grows back when a node rejoins."
     )
+    needs_network = True
 
-    def prepare(self, spec: dict[str, Any], ctx: DrillContext) -> dict[str, Any]:
+    def patch(self, spec: JobSpec, ctx: DrillContext) -> JobSpec:
         # Survivors block inside a collective when packets stop (no reset arrives): the watchdog ends it.
-        timeout = float(ctx.options.get("hang_timeout_s", 10.0))
-        restarts = spec["spec"].setdefault("restarts", {})
-        restarts["stepTimeoutSeconds"] = min(float(restarts.get("stepTimeoutSeconds", timeout)), timeout)
-        return spec
+        return _short_watchdog(spec, ctx)
 
-    def launch_extra(self, ctx: DrillContext) -> dict[str, Any]:
-        from orchestrator.drills.netns import NetnsPair, netns_supported
-
-        reason = netns_supported()
-        if reason:
-            raise UnsupportedFeature(f"partition: {reason}")
-        pair = NetnsPair().create()
-        ctx.options["_netns"] = pair
-        ctx.event("netns_created", namespaces=list(pair.names), addrs=list(pair.addrs))
-        return {
-            "placements": [
-                {"prefix": pair.exec_prefix(i), "addr": pair.addrs[i], "ifname": pair.links[i]} for i in (0, 1)
-            ]
-        }
-
-    def cleanup(self, ctx: DrillContext) -> None:
-        pair = ctx.options.pop("_netns", None)
-        if pair is not None:
-            pair.destroy()
-
-    def during(self, run: LaunchedRun, ctx: DrillContext, spec: dict[str, Any]) -> None:
-        pair = ctx.options["_netns"]
-        timeout = ctx.options.get("timeout_s", 300)
-        wait_for(lambda: _latest_step(run.run_dir) >= ctx.fault_step, timeout, run)
-        ctx.fault_step = _latest_step(run.run_dir)
-        ctx.event("fault_injected", kind="partition", node=1, step=ctx.fault_step)
-        ctx.fault_rank = 1
-        pair.cut(1)
-        per_node = ctx.world_size // ctx.nodes
-        shrunk = wait_for(lambda: _world_sizes(run.run_dir)[-1:] == [ctx.world_size - per_node], timeout, run)
-        ctx.event("shrunk" if shrunk else "did_not_shrink")
+    def actions(self, spec: JobSpec, ctx: DrillContext) -> list[Action]:
         # The cut-off node is declared lost (a cluster would replace it); after the link is healed a new
         # node joins from the same namespace and the world grows back.
-        run.kill_node(1)
-        pair.heal(1)
-        rejoin_after = _latest_step(run.run_dir) + max(2, ctx.checkpoint_every // 2)
-        wait_for(lambda: _latest_step(run.run_dir) >= rejoin_after, timeout, run)
-        ctx.event("node_added")
-        run.add_node()
-
-
-def _latest_step(run_dir: Path) -> int:
-    history = RunHistory.load(run_dir)
-    steps = [int(r["step"]) for r in history.metrics + history.events if isinstance(r.get("step"), int)]
-    return max(steps, default=0)
-
-
-def _world_sizes(run_dir: Path) -> list[int]:
-    return RunHistory.load(run_dir).world_sizes()
-
-
-def _worker_pids(run_dir: Path, rank: int) -> list[int]:
-    """PIDs of the live worker(s) holding `rank` (from the newest `start` events)."""
-    starts = [e for e in RunHistory.load(run_dir).of("start") if e.get("rank") == rank and "pid" in e]
-    if not starts:
-        return []
-    newest = max(starts, key=lambda e: float(e["time"]))
-    return [int(newest["pid"])]
+        return [
+            AwaitStep(ctx.fault_step),
+            LinkCut(1),
+            AwaitWorldSize(ctx.world_size - ctx.world_size // ctx.nodes),
+            NodeKill(1, fault=False),
+            LinkHeal(1),
+            AwaitProgress(max(2, ctx.checkpoint_every // 2)),
+            NodeAdd(),
+        ]
 
 
 SCENARIOS: dict[str, type[Scenario]] = {

@@ -16,79 +16,67 @@ import os
 import signal
 import socket
 import time
-from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from training.config import load_worker_spec
+from training.contract import Env, Result, RunFiles, WorkerIdentity, append_jsonl, open_append
+from training.contract.events import CheckpointCommitted, Fault, Finished, Payload, Restore, Start, payload_fields
 
 
-def _event(run_dir: Path, **fields: object) -> None:
-    line = json.dumps({"time": time.time(), **fields}) + "\n"
-    fd = os.open(run_dir / "events.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+def _event(path: os.PathLike[str], who: WorkerIdentity, payload: Payload, **extra: Any) -> None:
+    fd = open_append(path)
     try:
-        os.write(fd, line.encode())
+        line = {"time": time.time(), "rank": who.rank, "generation": who.generation, "event": payload.kind}
+        append_jsonl(fd, {**line, **payload_fields(payload), **extra})
     finally:
         os.close(fd)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--spec", default=os.environ.get("TORCHRIG_SPEC"))
+    parser.add_argument("--spec", default=os.environ.get(Env.SPEC))
     args = parser.parse_args()
     spec = load_worker_spec(args.spec)
-    run_dir = Path(os.environ["TORCHRIG_RUN_DIR"])
-    rank = int(os.environ["RANK"])
-    world = int(os.environ["WORLD_SIZE"])
-    gen = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    faults = json.loads(os.environ.get("TORCHRIG_FAULTS", "[]"))
+    files = RunFiles(os.environ[Env.RUN_DIR])
+    who = WorkerIdentity.from_env()
+    rank, world, gen = who.rank, who.world_size, who.generation
+    faults = json.loads(os.environ.get(Env.FAULTS, "[]"))
     step_s = float(os.environ.get("STANDIN_STEP_S", "0.05"))
     steps = spec.spec.training.steps
     every = spec.spec.checkpoint.every.steps or 10
-    ckpt = run_dir / "checkpoints" / "standin.pt"
+    ckpt = files.checkpoints / "standin.pt"
 
     # Contract checks: a missing variable fails the worker loudly (the backend test then fails).
-    assert os.environ["TORCHRIG_METRICS_BIND"] == "127.0.0.1"
-    assert os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    for name in (Env.RANK, Env.WORLD_SIZE, Env.LOCAL_RANK, Env.GROUP_RANK):
+        assert name in os.environ, name
+    assert os.environ[Env.METRICS_BIND] == "127.0.0.1"
+    assert os.environ[Env.DISABLE_SHARED_RDZV_STORE] == "1"
     if spec.spec.metrics.enabled:
         # Hold the metrics port like the exporter would, so colliding ports would fail the run.
         sock = socket.socket()
-        sock.bind(("127.0.0.1", spec.spec.metrics.port + int(os.environ["LOCAL_RANK"])))
+        sock.bind(("127.0.0.1", spec.spec.metrics.port + who.local_rank))
         sock.listen()
 
     dist.init_process_group("gloo")
     _event(
-        run_dir,
-        rank=rank,
-        generation=gen,
-        event="start",
-        pid=os.getpid(),
-        world_size=world,
-        node_rank=int(os.environ["GROUP_RANK"]),
-        local_rank=int(os.environ["LOCAL_RANK"]),
+        files.events,
+        who,
+        Start(pid=os.getpid(), world_size=world, node_rank=who.node_rank, local_rank=who.local_rank, node=""),
     )
     start_step = 0
     if ckpt.exists():
         start_step = int(torch.load(ckpt)["step"])
-        _event(
-            run_dir,
-            rank=rank,
-            generation=gen,
-            event="restore",
-            step=start_step,
-            store="local",
-            uri=str(ckpt),
-            seconds=0.0,
-            source="store",
-        )
+        _event(files.events, who, Restore(step=start_step, store="local", seconds=0.0), uri=str(ckpt))
     weight = torch.full((4,), float(start_step))
     t0 = time.time()
     loss = 0.0
     for step in range(start_step + 1, steps + 1):
         for f in faults:
             if f.get("rank") == rank and f.get("step") == step and f.get("generation", 0) == gen:
-                _event(run_dir, rank=rank, generation=gen, event="fault", kind=f["kind"], step=step)
+                _event(files.events, who, Fault(fault=f["kind"], step=step))
                 if f["kind"] == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 elif f["kind"] == "exit":
@@ -101,20 +89,21 @@ def main() -> None:
         if step % spec.spec.metrics.log_every == 0:
             print(f"step {step} loss {loss:.4f} world {world}", flush=True)
         if rank == 0 and step % spec.spec.metrics.log_every == 0:
-            with (run_dir / "metrics.jsonl").open("a") as fh:
-                fh.write(
-                    json.dumps(
-                        {
-                            "time": time.time(),
-                            "step": step,
-                            "loss": loss,
-                            "samples_per_s": 100.0 * world,
-                            "world_size": world,
-                            "generation": gen,
-                        }
-                    )
-                    + "\n"
+            fd = open_append(files.metrics)
+            try:
+                append_jsonl(
+                    fd,
+                    {
+                        "time": time.time(),
+                        "step": step,
+                        "loss": loss,
+                        "samples_per_s": 100.0 * world,
+                        "world_size": world,
+                        "generation": gen,
+                    },
                 )
+            finally:
+                os.close(fd)
         if step % every == 0 or step == steps:
             dist.barrier()
             if rank == 0:
@@ -122,32 +111,20 @@ def main() -> None:
                 torch.save({"step": step}, str(ckpt) + ".tmp")
                 os.replace(str(ckpt) + ".tmp", ckpt)
                 _event(
-                    run_dir,
-                    rank=rank,
-                    generation=gen,
-                    event="checkpoint_committed",
-                    step=step,
-                    blocked_s=0.0,
-                    save_s=0.0,
-                    stores_ok=["local"],
-                    stores_failed=[],
+                    files.events, who, CheckpointCommitted(step=step, blocked_s=0.0, save_s=0.0, stores_ok=["local"])
                 )
+    wall_s = time.time() - t0
     if rank == 0:
-        digest = hashlib.sha256(weight.numpy().tobytes()).hexdigest()
-        (run_dir / "result.json").write_text(
-            json.dumps(
-                {
-                    "steps": steps,
-                    "final_loss": loss,
-                    "eval": {"accuracy": 1.0},
-                    "params_sha256": digest,
-                    "world_size": world,
-                    "samples_per_s": 100.0 * world,
-                    "wall_s": time.time() - t0,
-                }
-            )
-        )
-    _event(run_dir, rank=rank, generation=gen, event="finished")
+        Result(
+            steps=steps,
+            final_loss=loss,
+            eval={"accuracy": 1.0},
+            params_sha256=hashlib.sha256(weight.numpy().tobytes()).hexdigest(),
+            world_size=world,
+            samples_per_s=100.0 * world,
+            wall_s=wall_s,
+        ).write(files.result)
+    _event(files.events, who, Finished(step=steps, final_loss=loss, wall_s=wall_s))
     dist.destroy_process_group()
 
 

@@ -1,5 +1,6 @@
-"""CheckpointManager across real processes (gloo): resharding 2 -> 1 -> 2 under DDP and FSDP2, two-node
-emulation with node-local copies and peer replication, and a worker SIGKILLed in the middle of a save."""
+"""CheckpointManager across real processes (gloo): resharding 2 -> 1 -> 2 under DDP and FSDP2, a
+resubmitted two-process job (restart count 0 again) that keeps committing, two-node emulation with
+node-local copies and peer replication, and a worker SIGKILLed in the middle of a save."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from tests.fixtures.checkpoint import ckpt_identity
 from tests.fixtures.common import REPO, free_port
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -83,24 +85,12 @@ def _full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, tor
 
 
 def _ctx(rank: int, world: int, root: str, generation: int, nodes: int = 1) -> Any:
-    from training.checkpoint import CheckpointContext
-
-    per_node = world // nodes
-    return CheckpointContext(
-        job="job",
-        run_dir=root,
-        rank=rank,
-        world_size=world,
-        local_rank=rank % per_node,
-        local_world_size=per_node,
-        node_rank=rank // per_node,
-        num_nodes=nodes,
-        generation=generation,
-        run_id="run",
-    )
+    return ckpt_identity(root, generation=generation, rank=rank, world_size=world, num_nodes=nodes)
 
 
-def _reshard_phase(rank: int, world: int, port: int, strategy: str, phase: int, root: str) -> None:
+def _reshard_phase(
+    rank: int, world: int, port: int, strategy: str, phase: int, root: str, generation: int | None = None
+) -> None:
     from training.checkpoint import CheckpointManager
     from training.config import CheckpointConfig
 
@@ -113,7 +103,8 @@ def _reshard_phase(rank: int, world: int, port: int, strategy: str, phase: int, 
         cfg = CheckpointConfig.model_validate(
             {"every": {"steps": 1}, "stores": [{"uri": f"{root}/a", "name": "a"}, {"uri": f"{root}/b", "name": "b"}]}
         )
-        mgr = CheckpointManager(cfg, _ctx(rank, world, root, generation=phase), None)
+        restart = phase if generation is None else generation
+        mgr = CheckpointManager(cfg, _ctx(rank, world, root, generation=restart), None)
         result = mgr.restore({"app": app})
         out: dict[str, Any] = {"restored": None}
         if result is not None:
@@ -143,8 +134,8 @@ def _reshard_phase(rank: int, world: int, port: int, strategy: str, phase: int, 
         dist.destroy_process_group()
 
 
-def _run_phase(world: int, strategy: str, phase: int, root: str) -> dict[str, Any]:
-    mp.spawn(_reshard_phase, args=(world, free_port(), strategy, phase, root), nprocs=world, join=True)
+def _run_phase(world: int, strategy: str, phase: int, root: str, generation: int | None = None) -> dict[str, Any]:
+    mp.spawn(_reshard_phase, args=(world, free_port(), strategy, phase, root, generation), nprocs=world, join=True)
     result: dict[str, Any] = json.loads(Path(f"{root}/phase-{phase}.json").read_text())
     return result
 
@@ -169,6 +160,21 @@ def test_reshard_2_1_2(tmp_path: Path, strategy: str) -> None:
     ranks = sorted({f.rank for f in manifest.files if f.path.endswith(".distcp")})
     assert set(ranks) <= {0, 1} and (strategy != "fsdp" or ranks == [0, 1])  # FSDP: every rank holds a shard
     assert all(f.path.split("/")[-1].startswith(f"__{f.rank}_") for f in manifest.files if f.path.endswith(".distcp"))
+
+
+@pytest.mark.slow
+def test_resubmitted_two_process_job_keeps_committing(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    # restarted once, then resubmitted under the same name: the restart count is 0 again
+    for phase, restart_count in enumerate((0, 1, 0)):
+        out = _run_phase(2, "ddp", phase, root, restart_count)
+        assert out["committed"] and out["stores_ok"] == ["a", "b"], out
+    assert out["restored"] == {"step": 4, "world_size": 2, "store": "a"} and out["saved"] == 6
+    from training.checkpoint import open_storage, read_manifest
+
+    manifest = read_manifest(open_storage(f"{root}/b"), 6)
+    assert (manifest.generation, manifest.restart_count) == (2, 0)
+    assert {f.path.split("/")[0] for f in manifest.files} == {"gen-0002"}
 
 
 def _two_node_phase(rank: int, world: int, port: int, phase: int, root: str) -> None:
@@ -238,13 +244,14 @@ def test_two_nodes_node_local_with_peer_replica(tmp_path: Path) -> None:
 _KILL_SCRIPT = textwrap.dedent(
     """
     import os, signal, sys, torch
-    from training.checkpoint import CheckpointContext, CheckpointManager
+    from training.checkpoint import CheckpointManager
     from training.config import CheckpointConfig
+    from training.contract import WorkerIdentity
     root = sys.argv[1]
     cfg = CheckpointConfig.model_validate(
         {"every": {"steps": 1}, "stores": [{"uri": root + "/a", "name": "a"}, {"uri": root + "/b", "name": "b"}]}
     )
-    ctx = CheckpointContext("job", root, 0, 1, 0, 1, 0, 1, 0, "run")
+    ctx = WorkerIdentity(job="job", run_dir=root, generation=0, run_id="run")
     mgr = CheckpointManager(cfg, ctx)
     state = {"model": {f"w{i}": torch.full((1024, 1024), float(i)) for i in range(8)}, "step": 1}
     mgr.save(1, state)
@@ -269,7 +276,7 @@ def test_sigkill_during_save_restores_newest_committed(tmp_path: Path) -> None:
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert "staged" in proc.stdout
-    from training.checkpoint import CheckpointContext, CheckpointManager, list_checkpoints, open_storage
+    from training.checkpoint import CheckpointManager, list_checkpoints, open_storage
     from training.checkpoint.manifest import verify_store
     from training.config import CheckpointConfig
 
@@ -289,7 +296,7 @@ def test_sigkill_during_save_restores_newest_committed(tmp_path: Path) -> None:
         }
     )
     target: dict[str, Any] = {"model": {f"w{i}": torch.zeros(1024, 1024) for i in range(8)}, "step": 0}
-    result = CheckpointManager(cfg, CheckpointContext("job", str(tmp_path), 0, 1, 0, 1, 0, 1, 1, "run")).restore(target)
+    result = CheckpointManager(cfg, ckpt_identity(tmp_path, generation=1)).restore(target)
     assert result is not None and result.step == newest_valid
     offset = 0.0 if newest_valid == 1 else 100.0
     assert all(torch.equal(target["model"][f"w{i}"], torch.full((1024, 1024), i + offset)) for i in range(8))

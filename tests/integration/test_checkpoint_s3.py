@@ -1,9 +1,11 @@
 """Checkpoints on two local stores and a real S3 endpoint (moto on 127.0.0.1): redundancy, fallback to the
-object store, a store lost mid-run, and the `torchrig checkpoints` CLI against all of them."""
+object store, a store lost mid-run, the `torchrig checkpoints` CLI against all of them, the writer fence
+across launches on S3's conditional writes, and a crafted manifest that tries to escape on restore."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +14,13 @@ import torch
 from click.testing import CliRunner
 
 from orchestrator.cli import cli
+from tests.fixtures.checkpoint import ckpt_identity
 from tests.fixtures.s3 import S3Server
-from training.checkpoint import CheckpointContext, CheckpointManager, list_checkpoints, open_storage
+from training.checkpoint import CheckpointManager, list_checkpoints, open_storage, read_manifest
+from training.checkpoint.fence import Fence
 from training.checkpoint.manifest import step_dir, verify_store
 from training.config import CheckpointConfig
+from training.contract import WorkerIdentity
 from training.metrics.base import CheckpointRecord, MetricsSink
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(180)]
@@ -39,8 +44,8 @@ def _cfg(tmp_path: Path, s3: S3Server, *, local: int = 2) -> CheckpointConfig:
     return CheckpointConfig.model_validate({"every": {"steps": 1}, "stores": stores})
 
 
-def _ctx(tmp_path: Path, generation: int) -> CheckpointContext:
-    return CheckpointContext("job", str(tmp_path / "run"), 0, 1, 0, 1, 0, 1, generation, "run")
+def _ctx(tmp_path: Path, generation: int) -> WorkerIdentity:
+    return ckpt_identity(tmp_path / "run", generation=generation)
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -153,3 +158,74 @@ def test_cli_list_verify_inspect_across_stores(tmp_path: Path, s3_server: S3Serv
     assert res.exit_code == 2 and "unsupported scheme" in res.output
     res = runner.invoke(cli, ["checkpoints", "list", a, "--option", "novalue"])
     assert res.exit_code == 2 and "key=value" in res.output
+
+
+def _launch(tmp_path: Path, generation: int) -> WorkerIdentity:
+    """Rank 0 of job `job` whose rendezvous id is the job name (as on Kubernetes)."""
+    return ckpt_identity(tmp_path / "run", generation=generation, run_id="job")
+
+
+def test_resubmitted_job_commits_to_every_store_and_a_stale_writer_to_none(tmp_path: Path, s3_server: S3Server) -> None:
+    cfg = _cfg(tmp_path, s3_server, local=1)
+
+    def launch_and_save(generation: int, first_step: int) -> CheckpointManager:
+        sink = Recorder()
+        mgr = CheckpointManager(cfg, _launch(tmp_path, generation), sink)
+        result = mgr.restore(_state(-1))
+        assert (result.step if result else 0) == first_step - 1
+        for step in (first_step, first_step + 1):
+            mgr.save(step, _state(step))
+            mgr.wait()
+        assert [r.stores_ok for r in sink.checkpoints if r.committed] == [["a", "s3"]] * 2
+        return mgr
+
+    for generation, first_step in ((0, 1), (1, 3), (2, 5)):
+        launch_and_save(generation, first_step).close()
+    stale = launch_and_save(0, 7)  # resubmitted under the same name: restart count 0 again
+    s3 = open_storage(s3_server.uri(), s3_server.options)
+    assert [c.step for c in list_checkpoints(s3) if c.committed] == [8, 7, 6]  # keep: 3
+    assert Fence.numbers(s3) == [0, 1, 2, 3]
+    newer = CheckpointManager(cfg, _launch(tmp_path, 1))
+    assert newer.restore(_state(-1)) is not None
+    stale.save(9, _state(9))
+    stale.close()
+    assert not stale.history[-1].committed
+    assert all(e.startswith("fenced: a newer writer") for e in stale.history[-1].stores_failed.values())
+    newer.save(9, _state(9))
+    newer.close()
+    assert newer.history[-1].stores_ok == ["a", "s3"]
+    assert read_manifest(s3, 9).generation == 4
+
+
+def test_two_writers_racing_on_s3_get_distinct_generations(tmp_path: Path, s3_server: S3Server) -> None:
+    s3 = open_storage(s3_server.uri(), s3_server.options)
+    assert s3.atomic_create
+    first, second = Fence(_launch(tmp_path, 0)), Fence(_launch(tmp_path, 0))
+    assert first._take(s3, 0)
+    assert not second._take(s3, 0)  # If-None-Match: * refused the second create of the same object
+    holder = Fence(_launch(tmp_path, 0)).record(s3, 0)
+    assert holder is not None and holder.writer == first.writer
+    assert second.acquire([s3]) == 1
+
+
+def test_restore_from_s3_never_writes_outside_its_download_directory(tmp_path: Path, s3_server: S3Server) -> None:
+    cfg = CheckpointConfig.model_validate(
+        {"every": {"steps": 1}, "stores": [{"uri": s3_server.uri(), "name": "s3", "options": s3_server.options}]}
+    )
+    mgr = CheckpointManager(cfg, _ctx(tmp_path, 0))
+    mgr.save(1, _state(1))
+    mgr.close()
+    s3: Any = open_storage(s3_server.uri(), s3_server.options)
+    manifest = json.loads(s3.read_bytes(f"{step_dir(1)}/manifest.json"))
+    bad = "gen-0000/../../../escaped"
+    shard = next(f for f in manifest["files"] if f["path"].endswith(".distcp"))
+    s3.fs.pipe_file(f"{s3.root}/{step_dir(2)}/{bad}", s3.read_bytes(f"{step_dir(1)}/{shard['path']}"))
+    s3.fs.pipe_file(f"{s3.root}/{step_dir(2)}/gen-0000/.metadata", s3.read_bytes(f"{step_dir(1)}/gen-0000/.metadata"))
+    manifest["step"], shard["path"] = 2, bad
+    s3.fs.pipe_file(f"{s3.root}/{step_dir(2)}/manifest.json", json.dumps(manifest).encode())
+    restorer = CheckpointManager(cfg, _ctx(tmp_path, 1))
+    escaped = os.path.normpath(os.path.join(restorer.node_dir, "restore", step_dir(2), bad))
+    target = _state(-1)
+    result = restorer.restore(target)
+    assert result is not None and result.step == 1 and target["step"] == 1
+    assert not os.path.exists(escaped), escaped

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from orchestrator.drills import DrillOptions, DrillReport, run_drill
+from orchestrator.drills.damage import CorruptionKind
 from orchestrator.drills.netns import netns_supported
 from orchestrator.loader import load_spec
 from tests.fixtures.common import REPO, free_port
@@ -61,7 +62,7 @@ def test_crash_during_checkpoint_never_restores_a_partial_save(tmp_path: Path) -
 @pytest.mark.slow
 @pytest.mark.parametrize("corruption", ["flip", "delete-manifest"])
 def test_corrupt_checkpoint_falls_back(tmp_path: Path, corruption: str) -> None:
-    report = _drill("corrupt-checkpoint", tmp_path, seed=3, at_step=12, rank=1, extra={"corruption": corruption})
+    report = _drill("corrupt-checkpoint", tmp_path, seed=3, at_step=12, rank=1, corruption=CorruptionKind(corruption))
     assert report.damage is not None and report.damage["kind"] == corruption
     assert report.final_params_match_reference is True
 
@@ -75,14 +76,14 @@ def test_lose_store_keeps_training(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_hang_is_detected_by_the_watchdog(tmp_path: Path) -> None:
-    report = _drill("hang", tmp_path, seed=5, at_step=11, rank=1, extra={"hang_timeout_s": 6.0})
+    report = _drill("hang", tmp_path, seed=5, at_step=11, rank=1, hang_timeout_s=6.0)
     assert report.resumed_from_step is not None
     assert report.final_params_match_reference is True
 
 
 @pytest.mark.slow
 def test_straggler_is_named(tmp_path: Path) -> None:
-    report = _drill("straggler", tmp_path, seed=6, rank=1, extra={"slow_s": 0.05})
+    report = _drill("straggler", tmp_path, seed=6, rank=1, slow_s=0.05)
     assert any(c.name == "slow rank identified" and c.passed for c in report.checks)
 
 
@@ -144,7 +145,7 @@ def test_kill_worker_on_ray(tmp_path: Path) -> None:
 def test_kill_worker_twenty_seeded_kills_in_a_row_end_bit_exact(tmp_path: Path) -> None:
     """20 kills in one job, kill g in restart generation g, its rank and step drawn from seed g: every
     recovery builds on the previous one, and the result must still match the reference bit for bit."""
-    report = _drill("kill-worker", tmp_path, "spec.training.steps=110", seed=0, extra={"repeat": 20})
+    report = _drill("kill-worker", tmp_path, "spec.training.steps=110", seed=0, repeat=20)
     assert report.final_params_match_reference is True
     checks = {c.name: c for c in report.checks}
     assert checks["every kill fired"].detail == "20 of 20 kills fired"

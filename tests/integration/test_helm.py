@@ -19,10 +19,14 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from orchestrator.chart import values_document
 from orchestrator.compile import compile as compile_objects
 from orchestrator.compile.monitoring import load_rule_groups
+from orchestrator.errors import CompileError, UnsupportedFeature
 from orchestrator.loader import dump_spec, load_spec
 from tests import crds
+from tests.fixtures import spec_variants
+from tests.fixtures.jobs import write_job
 
 pytestmark = [pytest.mark.helm, pytest.mark.timeout(120)]
 
@@ -88,23 +92,6 @@ def assert_same_objects(helm_objs: list[dict[str, Any]], compiler_objs: list[dic
         assert comparable(rendered[key]) == comparable(want), f"{key} differs from `torchrig render`"
 
 
-def write_job(tmp_path: Path, base: Path, changes: dict[str, Any], name: str = "job.yaml") -> Path:
-    """A job file: `base` with `changes` deep-merged in (None deletes a key)."""
-    doc = yaml.safe_load(base.read_text())
-
-    def merge(dst: dict[str, Any], src: dict[str, Any]) -> None:
-        for k, v in src.items():
-            if isinstance(v, dict) and isinstance(dst.get(k), dict):
-                merge(dst[k], v)
-            else:
-                dst[k] = v
-
-    merge(doc, changes)
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    return path
-
-
 DIGITS = REPO / "examples" / "digits-ddp.yaml"
 TINYGPT = REPO / "examples" / "tinygpt-fsdp.yaml"
 
@@ -132,7 +119,7 @@ def test_trainjob_target_renders_what_torchrig_renders(example: Path, tmp_path: 
     elastic = load_spec(job).spec.nodes.elastic
     args = ["-f", str(job), *MONITORING] + (["--set", "fixedSize=true"] if elastic else [])
     objs = helm_template(*args)
-    assert {o["kind"] for o in objs} >= {"ConfigMap", "ClusterTrainingRuntime", "TrainJob"}
+    assert {o["kind"] for o in objs} >= {"ConfigMap", "TrainingRuntime", "TrainJob"}
     assert_same_objects(objs, compiled(job, "trainjob", monitoring=True, fixed_size=elastic))
 
 
@@ -144,6 +131,23 @@ def test_elastic_trainjob_without_fixed_size_fails_like_the_compiler(tmp_path: P
     assert "fixedSize" in proc.stderr
 
 
+@pytest.mark.parametrize(("target", "limit"), [("pytorchjob", 54), ("trainjob", 48)])
+def test_names_too_long_for_the_target_fail_like_the_compiler(target: str, limit: int, tmp_path: Path) -> None:
+    nodes = {"min": 3, "max": 3}
+    at = write_job(
+        tmp_path,
+        DIGITS,
+        {"metadata": {"name": "a" * limit}, "spec": {"nodes": nodes, "kubernetes": {"target": target}}},
+    )
+    assert_same_objects(helm_template("-f", str(at)), compiled(at, target))
+    over = write_job(tmp_path, at, {"metadata": {"name": "a" * (limit + 1)}}, name="over.yaml")
+    with pytest.raises(UnsupportedFeature) as info:
+        compiled(over, target)
+    proc = run_helm("template", "t", str(CHART), "-f", str(over), check=False)
+    assert proc.returncode != 0
+    assert str(info.value) in proc.stderr
+
+
 def test_fixed_size_pytorchjob_has_master_and_workers() -> None:
     objs = helm_template("-f", str(TINYGPT), "--set", "fixedSize=true")
     assert_same_objects(objs, compiled(TINYGPT, "pytorchjob", fixed_size=True))
@@ -152,7 +156,8 @@ def test_fixed_size_pytorchjob_has_master_and_workers() -> None:
     assert (replicas["Master"]["replicas"], replicas["Worker"]["replicas"]) == (1, 3)
     assert "elasticPolicy" not in job["spec"]
     command = replicas["Master"]["template"]["spec"]["containers"][0]["command"]
-    assert command[:8] == [
+    assert command[:6] == ["python", "-m", "training.launch", "--spec", "/etc/torchrig/job.yaml", "--"]  # preflight
+    assert command[6:14] == [
         "torchrun",
         "--nproc-per-node",
         "8",
@@ -243,7 +248,7 @@ def test_runtime_ref_trainjob_uses_the_users_runtime(tmp_path: Path) -> None:
     )
     objs = helm_template("-f", str(job))
     assert_same_objects(objs, compiled(job, "trainjob"))
-    assert "ClusterTrainingRuntime" not in {o["kind"] for o in objs}
+    assert not {"TrainingRuntime", "ClusterTrainingRuntime"} & {o["kind"] for o in objs}
 
 
 def test_disabled_metrics_render_no_monitoring(tmp_path: Path) -> None:
@@ -270,6 +275,31 @@ def test_ci_values_render_what_torchrig_renders(values: Path, tmp_path: Path) ->
     objs = helm_template("-f", str(values))
     assert_same_objects(objs, compiled(job, target, monitoring=True, fixed_size=doc["fixedSize"]))
     assert ("ConfigMap", f"{doc['metadata']['name']}-dashboard") in by_key(objs)
+
+
+# -- every field of the model, generated --------------------------------------------------------------
+
+# The chart's default job with one leaf of the model changed, for every leaf (tests/fixtures/spec_variants.py
+# walks the model's schema; tests/unit/test_chart.py checks it leaves no field out).
+DEFAULT_JOB = values_document()
+VARIANTS = spec_variants.variants(DEFAULT_JOB)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=str)
+def test_every_field_of_the_model_renders_what_torchrig_renders(variant: spec_variants.Variant, tmp_path: Path) -> None:
+    for target in ("pytorchjob", "trainjob"):
+        doc = variant.apply(DEFAULT_JOB)
+        doc["spec"]["kubernetes"]["target"] = target
+        job = write_job(tmp_path, doc, name=f"{target}.yaml")
+        fixed = target == "trainjob" and load_spec(job).spec.nodes.elastic
+        args = ["-f", str(job), *MONITORING, *(["--set", "fixedSize=true"] if fixed else [])]
+        try:
+            want = compiled(job, target, monitoring=True, fixed_size=fixed)
+        except CompileError as exc:  # the chart must refuse what the compiler refuses, with its message
+            proc = run_helm("template", "t", str(CHART), *args, check=False)
+            assert proc.returncode != 0 and str(exc).split(": ", 1)[-1] in proc.stderr, (target, proc.stderr)
+            continue
+        assert_same_objects(helm_template(*args), want)
 
 
 # -- chart-only objects -------------------------------------------------------------------------------
@@ -308,7 +338,6 @@ def test_checkpoint_pvcs_are_created_once_per_claim(tmp_path: Path) -> None:
 # -- validity -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not crds.crds_available(), reason="CRD schemas not found (shared/schemas/crds)")
 @pytest.mark.parametrize("target", ["pytorchjob", "trainjob"])
 def test_every_rendered_object_is_valid(target: str, tmp_path: Path) -> None:
     objs: list[dict[str, Any]] = []

@@ -16,16 +16,17 @@ import pytest
 import yaml
 
 from orchestrator.backends._local_procs import find_marked
-from orchestrator.backends._local_rundir import read_jsonl
-from orchestrator.backends.base import SubmitOptions
-from orchestrator.backends.local import LocalBackend
+from orchestrator.backends.base import LocalOptions, RunState, SubmitOptions, SupervisedRun
+from orchestrator.backends.local import LocalBackend, LocalRun
 from orchestrator.loader import validate_document
 from tests.fixtures.common import REPO, free_port
+from tests.fixtures.jobs import write_job
+from training.contract import Env, read_jsonl
 
 STANDIN = str(Path(__file__).with_name("standin_worker.py"))
 
 
-def write_job(
+def standin_job(
     tmp_path: Path,
     *,
     steps: int = 30,
@@ -49,9 +50,7 @@ def write_job(
             "metrics": {"port": free_port(), "logEvery": log_every},
         },
     }
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path
+    return write_job(tmp_path, doc)
 
 
 def torchrig(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
@@ -80,7 +79,7 @@ def assert_no_processes_left(run_dir: Path) -> None:
 
 @pytest.mark.timeout(180)
 def test_two_ranks_end_to_end_writes_summary(tmp_path: Path) -> None:
-    job = write_job(tmp_path, steps=20)
+    job = standin_job(tmp_path, steps=20)
     run_dir = tmp_path / "run"
     proc = torchrig("run", str(job), "--run-dir", str(run_dir), "--worker", STANDIN, "-o", "json")
     assert proc.returncode == 0, proc.stderr
@@ -110,11 +109,11 @@ def test_two_ranks_end_to_end_writes_summary(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(180)
 def test_worker_sigkill_restarts_and_resumes(tmp_path: Path) -> None:
-    job = write_job(tmp_path, steps=30)
+    job = standin_job(tmp_path, steps=30)
     faults = json.dumps([{"kind": "kill", "rank": 1, "step": 15, "generation": 0}])
     run_dir = tmp_path / "run"
     proc = torchrig(
-        "run", str(job), "--run-dir", str(run_dir), "--worker", STANDIN, "-o", "json", env={"TORCHRIG_FAULTS": faults}
+        "run", str(job), "--run-dir", str(run_dir), "--worker", STANDIN, "-o", "json", env={Env.FAULTS: faults}
     )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
@@ -126,12 +125,10 @@ def test_worker_sigkill_restarts_and_resumes(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(180)
 def test_restarts_exhausted_fails_with_exit_4_and_log_path(tmp_path: Path) -> None:
-    job = write_job(tmp_path, steps=30, restarts=1)
+    job = standin_job(tmp_path, steps=30, restarts=1)
     faults = json.dumps([{"kind": "exit", "rank": 0, "step": 3, "generation": g} for g in (0, 1)])
     run_dir = tmp_path / "run"
-    proc = torchrig(
-        "run", str(job), "--run-dir", str(run_dir), "--worker", STANDIN, "-q", env={"TORCHRIG_FAULTS": faults}
-    )
+    proc = torchrig("run", str(job), "--run-dir", str(run_dir), "--worker", STANDIN, "-q", env={Env.FAULTS: faults})
     assert proc.returncode == 4, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "restarts exhausted" in errors[0] and "Traceback" not in proc.stderr
@@ -146,7 +143,7 @@ def test_restarts_exhausted_fails_with_exit_4_and_log_path(tmp_path: Path) -> No
 
 @pytest.mark.timeout(120)
 def test_sigint_cancels_cleanly(tmp_path: Path) -> None:
-    job = write_job(tmp_path, steps=2000, every=10)
+    job = standin_job(tmp_path, steps=2000, every=10)
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [
@@ -167,14 +164,7 @@ def test_sigint_cancels_cleanly(tmp_path: Path) -> None:
         env={**os.environ, "STANDIN_STEP_S": "0.05"},
     )
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            committed = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("event") == "checkpoint_committed"]
-            if committed:
-                break
-            time.sleep(0.2)
-        else:
-            pytest.fail("no checkpoint within 60 s")
+        _wait_for_commit(run_dir)
         token = run_token(run_dir)
         assert find_marked(token), "agents and workers should be running"
         proc.send_signal(signal.SIGINT)
@@ -192,10 +182,75 @@ def test_sigint_cancels_cleanly(tmp_path: Path) -> None:
     assert torchrig("status", str(run_dir)).returncode == 11
 
 
+def _wait_for_commit(run_dir: Path, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(e.get("event") == "checkpoint_committed" for e in read_jsonl(run_dir / "events.jsonl")):
+            return
+        time.sleep(0.2)
+    pytest.fail(f"no checkpoint within {timeout_s} s")
+
+
+@pytest.mark.timeout(180)
+def test_submit_returns_at_once_and_a_detached_supervisor_runs_the_job(tmp_path: Path) -> None:
+    """`torchrig submit --backend local` starts no CLI: a supervisor process runs the stored plan."""
+    job = standin_job(tmp_path, steps=60)
+    run_dir = tmp_path / "run"
+    env = {"STANDIN_STEP_S": "0.1"}
+    proc = torchrig(
+        "submit", str(job), "--backend", "local", "--run-dir", str(run_dir), "--worker", STANDIN, "-o", "json", env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    ref = json.loads(proc.stdout)["run"]
+    assert ref == f"local://{run_dir}"
+    assert not (run_dir / "summary.json").exists(), "submit waited for the job"
+    launch = json.loads((run_dir / "launch.json").read_text())
+    assert launch["backend"] == "local" and launch["options"]["local"]["worker"] == STANDIN
+    supervisor = json.loads((run_dir / "supervisor.json").read_text())
+    assert "orchestrator.backends.supervise" in Path(f"/proc/{supervisor['pid']}/cmdline").read_text()
+    assert torchrig("status", ref).returncode == 10
+    deadline = time.monotonic() + 120
+    while (code := torchrig("status", ref).returncode) == 10 and time.monotonic() < deadline:
+        time.sleep(1)
+    assert code == 0, (run_dir / "supervisor.log").read_text()[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["steps"] == 60 and summary["world_sizes"] == [2]
+    assert "succeeded: 60/60 steps" in (run_dir / "supervisor.log").read_text()
+    assert_no_processes_left(run_dir)
+
+
+@pytest.mark.timeout(180)
+def test_cancel_stops_a_submitted_run(tmp_path: Path) -> None:
+    job = standin_job(tmp_path, steps=2000, every=10)
+    run_dir = tmp_path / "run"
+    proc = torchrig(
+        "submit",
+        str(job),
+        "--backend",
+        "local",
+        "--run-dir",
+        str(run_dir),
+        "--worker",
+        STANDIN,
+        env={"STANDIN_STEP_S": "0.05"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    _wait_for_commit(run_dir)
+    token = run_token(run_dir)
+    assert find_marked(token), "agents and workers should be running"
+    cancel = torchrig("cancel", str(run_dir))
+    assert cancel.returncode == 0 and "cancelled" in cancel.stdout, cancel.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "cancelled" and summary["reason"] == "cancelled by the user"
+    assert summary["checkpoints"][0]["last_committed_step"] >= 10
+    assert_no_processes_left(run_dir)
+    assert torchrig("status", str(run_dir)).returncode == 11
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_five_consecutive_worker_kills_never_hang(tmp_path: Path) -> None:
-    job = write_job(tmp_path, steps=20, restarts=5, every=5)
+    job = standin_job(tmp_path, steps=20, restarts=5, every=5)
     faults = json.dumps([{"kind": "kill", "rank": g % 2, "step": 8, "generation": g} for g in range(5)])
     run_dir = tmp_path / "run"
     start = time.monotonic()
@@ -208,7 +263,7 @@ def test_five_consecutive_worker_kills_never_hang(tmp_path: Path) -> None:
         STANDIN,
         "-o",
         "json",
-        env={"TORCHRIG_FAULTS": faults},
+        env={Env.FAULTS: faults},
         timeout=280,
     )
     assert proc.returncode == 0, proc.stderr
@@ -233,13 +288,14 @@ def _wait_world(run_dir: Path, world: int, after: float, timeout: float) -> floa
 def test_two_nodes_kill_store_candidate_node_then_rejoin(tmp_path: Path) -> None:
     """Node 0 is the agent that would host the c10d store with torchrun's defaults; killing it (agent
     and workers) leaves the survivor at world size 1, and a replacement node grows the world back."""
-    job = write_job(tmp_path, steps=1000, procs=1, nodes=(1, 2), every=10)
+    job = standin_job(tmp_path, steps=1000, procs=1, nodes=(1, 2), every=10)
     spec = validate_document(yaml.safe_load(job.read_text()))
     backend = LocalBackend()
     options = SubmitOptions(
-        run_dir=str(tmp_path / "run"), nodes=2, env={"STANDIN_STEP_S": "0.05"}, extra={"worker": STANDIN}
+        run_dir=str(tmp_path / "run"), env={"STANDIN_STEP_S": "0.05"}, local=LocalOptions(nodes=2, worker=STANDIN)
     )
     run = backend.launch(spec, options)
+    assert isinstance(run, LocalRun) and isinstance(run, SupervisedRun)
     try:
         t2 = _wait_world(run.run_dir, 2, 0.0, 90)
         node0 = run.node_pids(0)
@@ -259,8 +315,9 @@ def test_two_nodes_kill_store_candidate_node_then_rejoin(tmp_path: Path) -> None
         if run.summary is None:
             run.finish("cancelled")
     assert t2 < killed_at
-    assert summary["status"] == "succeeded", summary
-    sizes = summary["world_sizes"]
+    assert summary.status == "succeeded", summary
+    assert run.poll() is RunState.SUCCEEDED
+    sizes = summary.world_sizes
     assert sizes[-3:] == [2, 1, 2], sizes
     assert find_marked(run.token) == []
 
@@ -282,7 +339,7 @@ def test_digits_demo_with_the_real_worker(tmp_path: Path) -> None:
         "spec.training.steps=120",
         "--set",
         f"spec.metrics.port={free_port()}",
-        env={"TORCHRIG_FAULTS": faults},
+        env={Env.FAULTS: faults},
         timeout=280,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

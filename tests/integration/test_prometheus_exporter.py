@@ -3,23 +3,19 @@ serves on `metrics.port + local_rank` and records the real port in events.jsonl.
 
 from __future__ import annotations
 
-import json
-import shutil
 import socket
-import subprocess
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from tests.fixtures import jobs
 from tests.fixtures.common import free_port
-from tests.fixtures.prometheus import populated_sink
+from tests.fixtures.prometheus import needs_promtool, populated_sink, promtool
 from training.config import load_worker_spec
+from training.contract import WorkerIdentity
 from training.metrics import create_sinks, names
-from training.metrics.base import RunInfo
 from training.metrics.prometheus import PrometheusSink
-
-PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 
 
 def fetch(url: str) -> str:
@@ -28,7 +24,7 @@ def fetch(url: str) -> str:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.skipif(not Path(PROMTOOL).exists(), reason="promtool not installed")
+@needs_promtool
 def test_promtool_check_metrics_on_live_exposition() -> None:
     sink = populated_sink(port=0)
     try:
@@ -37,9 +33,7 @@ def test_promtool_check_metrics_on_live_exposition() -> None:
     finally:
         sink.close()
     assert names.GPU_UTILIZATION in text and names.STEP_DURATION + "_bucket" in text
-    result = subprocess.run(
-        [PROMTOOL, "check", "metrics"], check=False, input=text, capture_output=True, text=True, timeout=60
-    )
+    result = promtool("check", "metrics", stdin=text)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip() == "" and result.stderr.strip() == "", result.stdout + result.stderr
 
@@ -50,7 +44,7 @@ def test_busy_port_falls_back_and_reports_the_real_port(caplog: pytest.LogCaptur
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         taken = busy.getsockname()[1]
-        info = RunInfo(job="j", rank=0, local_rank=0, node_rank=0, world_size=2, local_world_size=2, generation=0)
+        info = WorkerIdentity(job="j", rank=0, local_rank=0, node_rank=0, world_size=2, local_world_size=2)
         sink = PrometheusSink(info, port=taken, bind_address="127.0.0.1")
         try:
             assert sink.port is not None and sink.port != taken
@@ -79,8 +73,8 @@ spec:
   metrics: {{port: {base}, logEvery: 2}}
 """
     )
-    info = RunInfo(job="demo", rank=1, local_rank=1, node_rank=0, world_size=2, local_world_size=2, generation=0,
-                   run_dir=str(tmp_path), node="h")  # fmt: skip
+    info = WorkerIdentity(job="demo", rank=1, local_rank=1, node_rank=0, world_size=2, local_world_size=2,
+                          generation=0, run_dir=str(tmp_path), node="h")  # fmt: skip
     sink = create_sinks(spec, info)
     try:
         (exporter,) = [s for s in sink.sinks if isinstance(s, PrometheusSink)]
@@ -93,6 +87,6 @@ spec:
         assert "torchrig_gpu_available" in text
     finally:
         sink.close()
-    events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    events = jobs.events(tmp_path)
     (exp,) = [e for e in events if e["event"] == "metrics_exporter"]
     assert exp["port"] == exporter.port and exp["rank"] == 1

@@ -27,11 +27,12 @@ pytestmark = pytest.mark.prometheus
 
 def synthetic_rank(rank: int, world_size: int, ports: Any, stop: Any) -> None:
     """One rank: a PrometheusSink on an ephemeral port and a 20 steps/s loop until `stop` is set."""
-    from training.metrics.base import CheckpointRecord, RunInfo, StepRecord
+    from training.contract import WorkerIdentity
+    from training.metrics.base import CheckpointRecord, StepRecord
     from training.metrics.prometheus import PrometheusSink
 
-    info = RunInfo(job="synthetic", rank=rank, local_rank=rank, node_rank=0, world_size=world_size,
-                   local_world_size=world_size, generation=0, node="localhost")  # fmt: skip
+    info = WorkerIdentity(job="synthetic", rank=rank, local_rank=rank, node_rank=0, world_size=world_size,
+                          local_world_size=world_size, generation=0, node="localhost")  # fmt: skip
     sink = PrometheusSink(info, port=0, bind_address="127.0.0.1", stores=["local"], checkpoint_every_steps=10)
     sink.on_start(info)
     ports.put((rank, sink.port))

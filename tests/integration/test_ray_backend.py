@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
 from orchestrator.backends import get_backend
-from orchestrator.backends.base import RunState, SubmitOptions
+from orchestrator.backends.base import RunState, SubmitOptions, SupervisedRun
+from orchestrator.cli import cli
 from orchestrator.errors import RecoveryFailed
-from orchestrator.loader import load_spec
+from orchestrator.loader import dump_spec, load_spec
 from orchestrator.spec import JobSpec
 from tests.fixtures.common import REPO
+from tests.fixtures.jobs import events
+from training.contract import Env, read_jsonl
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -37,18 +42,18 @@ def tiny_digits(**extra: Any) -> JobSpec:
     return load_spec(REPO / "examples" / "digits-ddp.yaml", overrides)
 
 
-def events(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
-
-
 def test_ray_run_writes_the_run_dir_contract(ray_local_2cpu: object, tmp_path: Path) -> None:
     import ray
 
     run_dir = tmp_path / "run"
     backend = get_backend("ray")
-    handle = backend.submit(tiny_digits(), SubmitOptions(run_dir=str(run_dir)))
+    run = backend.launch(tiny_digits(), SubmitOptions(run_dir=str(run_dir)))
+    assert isinstance(run, SupervisedRun) and run.run_dir == run_dir.resolve()
+    returned = run.wait()
 
     summary = json.loads((run_dir / "summary.json").read_text())
+    assert returned.to_dict().items() <= summary.items() and summary["backend"] == "ray"
+    assert run.poll() is RunState.SUCCEEDED
     assert summary["status"] == "succeeded"
     assert summary["steps"] == STEPS and summary["world_sizes"] == [2]
     assert summary["restarts"] == 0 and summary["restored_from"] == []
@@ -64,13 +69,41 @@ def test_ray_run_writes_the_run_dir_contract(ray_local_2cpu: object, tmp_path: P
     # Ray Train kept its own files under the run dir and no checkpoint copy of ours.
     assert (run_dir / "ray").is_dir()
     assert not list((run_dir / "ray").rglob("*.distcp"))
-    status = backend.status(handle.run_id)
+    status = backend.status(str(run.run_dir))
     assert status.state is RunState.SUCCEEDED
     # We ask for 127.0.0.1 (`_node_ip_address`); Ray 2.60 still advertises the machine's own interface
     # address (ENVIRONMENT.md). What must hold: every advertised address is one of this machine's.
     assert backend.dry_run(tiny_digits()).request["local"]["node_ip_address"] == "127.0.0.1"
     for address in {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}:
         assert _is_local_address(address), address
+
+
+def test_embedded_ray_refuses_a_client_without_its_token(ray_local_2cpu: object) -> None:
+    """Token authentication is on (issue 13.11): Ray 2.60 listens on every interface, so the token is
+    what keeps others out. The node's HTTP agent refuses a request without it and serves one with it;
+    the token lives in the environment of the Ray processes only (no ~/.ray/auth_token)."""
+    import os
+    import urllib.error
+    import urllib.request
+
+    import ray
+
+    assert os.environ.get("RAY_AUTH_MODE") == "token"
+    token = os.environ.get("RAY_AUTH_TOKEN", "")
+    assert len(token) == 64 and not os.environ.get("RAY_AUTH_TOKEN_PATH")
+    port = ray._private.worker.global_worker.node.dashboard_agent_listen_port
+    url = f"http://127.0.0.1:{port}/api/job_agent/jobs/"
+
+    def code(headers: dict[str, str]) -> int:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as resp:
+                return int(resp.status)
+        except urllib.error.HTTPError as exc:
+            return int(exc.code)
+
+    assert code({}) == 401
+    assert code({"Authorization": "Bearer " + "0" * 64}) == 403
+    assert code({"Authorization": f"Bearer {token}"}) not in (401, 403)
 
 
 def _is_local_address(address: str) -> bool:
@@ -88,8 +121,8 @@ def _is_local_address(address: str) -> bool:
 def test_killed_worker_resumes_from_the_latest_committed_checkpoint(ray_local_2cpu: object, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     fault = [{"kind": "kill", "rank": 1, "step": 17}]
-    options = SubmitOptions(run_dir=str(run_dir), env={"TORCHRIG_FAULTS": json.dumps(fault)})
-    get_backend("ray").submit(tiny_digits(), options)
+    options = SubmitOptions(run_dir=str(run_dir), env={Env.FAULTS: json.dumps(fault)})
+    get_backend("ray").launch(tiny_digits(), options).wait()
 
     history = events(run_dir)
     assert [e for e in history if e["event"] == "fault"], "the drill fault never fired"
@@ -105,10 +138,53 @@ def test_killed_worker_resumes_from_the_latest_committed_checkpoint(ray_local_2c
 
 
 def test_exhausted_restarts_fail_with_recovery_failed(ray_local_2cpu: object, tmp_path: Path) -> None:
+    """`torchrig run --backend ray` (launch, then wait): a failed run is RecoveryFailed, exit code 4."""
     run_dir = tmp_path / "run"
+    job = tmp_path / "job.yaml"
+    job.write_text(dump_spec(tiny_digits(**{"spec.restarts.max": 0, "spec.training.steps": 10})))
     # A kill in every generation with no restarts allowed.
     fault = [{"kind": "kill", "rank": 0, "step": 3}]
-    options = SubmitOptions(run_dir=str(run_dir), env={"TORCHRIG_FAULTS": json.dumps(fault)})
-    with pytest.raises(RecoveryFailed, match=r"^ray: the run failed"):
-        get_backend("ray").submit(tiny_digits(**{"spec.restarts.max": 0, "spec.training.steps": 10}), options)
+    result = CliRunner().invoke(
+        cli,
+        ["run", str(job), "--backend", "ray", "--run-dir", str(run_dir), "-q"],
+        env={Env.FAULTS: json.dumps(fault)},
+        catch_exceptions=False,
+    )
+    assert result.exit_code == RecoveryFailed.exit_code, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: ray: the run failed"), result.stderr
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
+
+
+def _committed(run_dir: Path) -> bool:
+    return any(e.get("event") == "checkpoint_committed" for e in read_jsonl(run_dir / "events.jsonl"))
+
+
+def test_submit_returns_at_once_and_cancel_stops_the_detached_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`torchrig submit --backend ray` without an address: a supervisor process of its own (with its
+    own embedded Ray, token authentication on even when the environment says `disabled`) runs the
+    job; submit does not wait for it, and `cancel` stops it."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    run_dir = tmp_path / "run"
+    backend = get_backend("ray")
+    handle = backend.submit(tiny_digits(**{"spec.training.steps": 100000}), SubmitOptions(run_dir=str(run_dir)))
+    assert str(handle) == f"ray://{run_dir.resolve()}"
+    assert not (run_dir / "summary.json").exists(), "submit waited for the job"
+    pid = json.loads((run_dir / "supervisor.json").read_text())["pid"]
+    assert "orchestrator.backends.supervise" in Path(f"/proc/{pid}/cmdline").read_text()
+    log = run_dir / "supervisor.log"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not _committed(run_dir):
+        assert backend.status(handle.run_id).state is RunState.RUNNING, log.read_text()[-3000:]
+        time.sleep(1)
+    status = backend.cancel(handle.run_id)
+    assert status.state is RunState.CANCELLED, log.read_text()[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["reason"] == "cancelled by the user"
+    assert summary["checkpoints"][0]["last_committed_step"] >= 5
+    assert summary["ray_auth"] == "token" and not (home / ".ray" / "auth_token").exists()
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.backends.base import RunState, SubmitOptions
+from orchestrator.backends.base import RayOptions, RunState, SubmitOptions
 from orchestrator.backends.ray import RayBackend
 from tests.integration.test_ray_backend import STEPS, tiny_digits
 
@@ -18,7 +18,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(400)]
 def test_jobs_api_submission_runs_the_job_on_the_cluster(ray_head_cluster: str, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     backend = RayBackend(address=ray_head_cluster)
-    handle = backend.submit(tiny_digits(), SubmitOptions(address=ray_head_cluster, run_dir=str(run_dir)))
+    handle = backend.submit(
+        tiny_digits(), SubmitOptions(run_dir=str(run_dir), ray=RayOptions(address=ray_head_cluster))
+    )
     host = ray_head_cluster.removeprefix("http://")
     assert str(handle).startswith(f"ray://{host}/torchrig-digits-ddp-")
 

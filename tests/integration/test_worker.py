@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 import torch
-import yaml
 
 from tests.fixtures.common import REPO
+from tests.fixtures.jobs import events, write_job
+from training.watchdog import WATCHDOG_EXIT_CODE
 
 DIGITS = ("training.examples.digits:task", {"hidden": 32})
 TINYGPT = ("training.examples.tinygpt:task", {"dim": 32, "layers": 2, "heads": 2, "seq_len": 16, "max_bytes": 40000})
@@ -54,8 +55,7 @@ def write_spec(
             "metrics": {"enabled": False, "logEvery": 5},
         },
     }
-    path.write_text(yaml.safe_dump(doc))
-    return path
+    return write_job(path.parent, doc, name=path.name)
 
 
 def _env(faults: list[dict[str, Any]] | None) -> dict[str, str]:
@@ -114,10 +114,6 @@ def result(run_dir: Path) -> dict[str, Any]:
     return json.loads((run_dir / "result.json").read_text())  # type: ignore[no-any-return]
 
 
-def events(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-
-
 def final_checkpoint(run_dir: Path, tmp: Path) -> dict[str, Any]:
     """The newest checkpoint of the default store, read with DCP's own converter."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -160,10 +156,7 @@ def test_single_process_trains_writes_result_and_resumes_when_done(tmp_path: Pat
 
 
 def test_bad_spec_exits_2_with_one_line(tmp_path: Path) -> None:
-    spec = write_spec(tmp_path / "bad.yaml")
-    doc = yaml.safe_load(spec.read_text())
-    doc["spec"]["training"]["steps"] = 0
-    spec.write_text(yaml.safe_dump(doc))
+    spec = write_spec(tmp_path / "bad.yaml", steps=0)
     proc = run_single(spec, tmp_path / "run", timeout_s=60)
     assert proc.returncode == 2
     lines = proc.stdout.strip().splitlines()
@@ -192,10 +185,9 @@ def test_fp16_with_grad_scaler_and_accumulation_trains(tmp_path: Path) -> None:
 @pytest.mark.timeout(240)
 def test_digits_example_reaches_95_percent(tmp_path: Path, examples_dir: Path) -> None:
     """The shipped example, unchanged except for the exporter (off: no fixed ports in tests)."""
-    doc = yaml.safe_load((examples_dir / "digits-ddp.yaml").read_text())
-    doc["spec"]["metrics"]["enabled"] = False
-    spec = tmp_path / "digits-ddp.yaml"
-    spec.write_text(yaml.safe_dump(doc))
+    spec = write_job(
+        tmp_path, examples_dir / "digits-ddp.yaml", overrides=["spec.metrics.enabled=false"], name="digits-ddp.yaml"
+    )
     run_dir = tmp_path / "run"
     _ok(run_torchrun(spec, run_dir))
     got = result(run_dir)
@@ -256,7 +248,7 @@ def test_watchdog_ends_a_hung_group(tmp_path: Path) -> None:
     assert any(e["event"] == "fault" and e["kind"] == "hang" for e in evs)
     dogs = [e for e in evs if e["event"] == "watchdog"]
     assert dogs and all(e["step"] == 3 and e["silent_s"] > 10.0 for e in dogs), evs
-    assert "exitcode  : 70" in proc.stdout
+    assert f"exitcode  : {WATCHDOG_EXIT_CODE}" in proc.stdout
     assert not (run_dir / "result.json").exists()
 
 
@@ -289,14 +281,14 @@ def test_run_worker_reuses_an_existing_process_group(tmp_path: Path) -> None:
     import torch.distributed as dist
 
     from training.config import load_worker_spec
-    from training.env import DistEnv
+    from training.contract import WorkerIdentity
     from training.worker import run_worker
 
     spec = load_worker_spec(write_spec(tmp_path / "ray.yaml", steps=3))
     deterministic = torch.are_deterministic_algorithms_enabled()  # the worker sets it process-wide
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
     try:
-        out = run_worker(spec, run_dir=str(tmp_path / "run"), dist=DistEnv(generation=2))
+        out = run_worker(spec, run_dir=str(tmp_path / "run"), identity=WorkerIdentity(generation=2))
         assert dist.is_initialized()
     finally:
         dist.destroy_process_group()

@@ -20,9 +20,18 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
-from orchestrator.chart import CHART_DIR, JOB_KEYS, chart_files, model_shape, values_document, values_schema
+from orchestrator.chart import (
+    CHART_DIR,
+    JOB_KEYS,
+    chart_files,
+    model_shape,
+    nested_model,
+    values_document,
+    values_schema,
+)
 from orchestrator.loader import load_spec
 from orchestrator.spec import JobSpec
+from tests.fixtures import spec_variants
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -145,7 +154,8 @@ def test_schema_is_the_models_plus_chart_keys() -> None:
     assert SCHEMA["$schema"] == "http://json-schema.org/draft-07/schema#"
     model = JobSpec.model_json_schema(by_alias=True)
     assert set(SCHEMA["definitions"]) == set(model["$defs"])
-    assert set(SCHEMA["properties"]) == {*model["properties"], "fixedSize", "monitoring", "checkpointPvc", "global"}
+    chart_keys = {"fixedSize", "allowPodLocalStores", "monitoring", "checkpointPvc", "global"}
+    assert set(SCHEMA["properties"]) == {*model["properties"], *chart_keys}
     assert SCHEMA["additionalProperties"] is False
     assert "$defs" not in json.dumps(SCHEMA) and "prefixItems" not in json.dumps(SCHEMA)
 
@@ -195,7 +205,7 @@ def test_model_shape_defaults_only_non_nullable_fields() -> None:
     # What Helm's merge cannot default: list items and `checkpoint.every`.
     assert spec["models"]["checkpoint"]["defaults"]["every"] == {"steps": 100}
     assert spec["models"]["checkpoint"]["lists"]["stores"]["defaults"] == {"options": {}}
-    assert spec["models"]["resources"]["quantities"] == ["cpu", "memory", "sharedMemory"]
+    assert spec["models"]["resources"]["quantities"] == ["cpu", "memory", "sharedMemory", "ephemeralStorage"]
 
 
 def test_non_mergeable_defaults_are_left_out_of_values_yaml() -> None:
@@ -204,6 +214,32 @@ def test_non_mergeable_defaults_are_left_out_of_values_yaml() -> None:
         "    # every:\n    #   # -- Save every this many optimizer steps.\n    #   steps: 100\n"
         in FILES[f"{CHART_DIR}/values.yaml"]
     )
+
+
+# -- the generated variants the chart's equality test renders (tests/integration/test_helm.py) ---------
+
+
+def _model_leaves(model: type[BaseModel], prefix: str = "") -> set[str]:
+    """Every leaf field of `model` by alias, from the pydantic model itself (list items at index 0)."""
+    out: set[str] = set()
+    for name, info in model.model_fields.items():
+        path = f"{prefix}{info.alias or name}"
+        nested, is_list = nested_model(info.annotation)
+        if nested is None:
+            out.add(path)
+        else:
+            out |= _model_leaves(nested, f"{path}.0." if is_list else f"{path}.")
+    return out
+
+
+def test_generated_variants_change_every_field_of_the_model() -> None:
+    base = values_document()
+    walked = {".".join(map(str, leaf.path)) for leaf in spec_variants.leaves()}
+    assert walked == _model_leaves(JobSpec)  # the schema walk misses no field of the model
+    assert spec_variants.uncovered(base) == []  # a new cross-field rule needs a COMPANIONS entry
+    for variant in spec_variants.variants(base):
+        changed = variant.apply(base)
+        assert resolved(changed) != resolved(base), f"{variant} changes nothing"
 
 
 def test_monitoring_files_are_copies_of_the_shared_assets() -> None:

@@ -6,97 +6,26 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from torch.distributed.checkpoint.stateful import Stateful
 
-from training.checkpoint import CheckpointContext, CheckpointError, CheckpointManager, list_checkpoints, open_storage
+from tests.fixtures.checkpoint import (
+    Recorder,
+    assert_same,
+    config,
+    ctx,
+    make_state,
+    restored,
+    save_steps,
+)
+from training.checkpoint import CheckpointError, CheckpointManager, list_checkpoints, open_storage
 from training.checkpoint.manifest import MANIFEST_NAME, Manifest, read_manifest, step_dir, verify_store
 from training.config import CheckpointConfig
-from training.metrics.base import CheckpointRecord, MetricsSink, RestoreRecord
 
 pytestmark = pytest.mark.timeout(120)
-
-
-class Progress(Stateful):
-    def __init__(self, step: int = 0) -> None:
-        self.step = step
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.step = int(state_dict["step"])
-
-
-class Recorder(MetricsSink):
-    def __init__(self) -> None:
-        self.checkpoints: list[CheckpointRecord] = []
-        self.failures: list[tuple[str, str]] = []
-        self.restores: list[RestoreRecord] = []
-        self.events: list[tuple[str, dict[str, Any]]] = []
-
-    def on_checkpoint(self, record: CheckpointRecord) -> None:
-        self.checkpoints.append(record)
-
-    def on_store_failure(self, store: str, error: str) -> None:
-        self.failures.append((store, error))
-
-    def on_restore(self, record: RestoreRecord) -> None:
-        self.restores.append(record)
-
-    def on_event(self, event: str, **fields: Any) -> None:
-        self.events.append((event, fields))
-
-
-def make_state(seed: int, size: int = 64) -> dict[str, Any]:
-    torch.manual_seed(seed)
-    return {"model": {"w": torch.randn(size, size), "b": torch.randn(size)}, "progress": Progress(seed)}
-
-
-def ctx(tmp_path: Path, generation: int = 0, run_id: str = "run-1") -> CheckpointContext:
-    return CheckpointContext(
-        job="job",
-        run_dir=str(tmp_path / "run"),
-        rank=0,
-        world_size=1,
-        local_rank=0,
-        local_world_size=1,
-        node_rank=0,
-        num_nodes=1,
-        generation=generation,
-        run_id=run_id,
-    )
-
-
-def config(*uris: str, **kw: Any) -> CheckpointConfig:
-    return CheckpointConfig.model_validate(
-        {"every": {"steps": 1}, "stores": [{"uri": u, "name": f"s{i}"} for i, u in enumerate(uris)], **kw}
-    )
-
-
-def save_steps(mgr: CheckpointManager, steps: list[int]) -> dict[int, dict[str, Any]]:
-    states = {}
-    for step in steps:
-        states[step] = make_state(step)
-        mgr.save(step, states[step])
-        mgr.wait()
-    return states
-
-
-def restored(mgr: CheckpointManager) -> tuple[Any, dict[str, Any]]:
-    target = make_state(999)
-    return mgr.restore(target), target
-
-
-def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
-    assert torch.equal(a["model"]["w"], b["model"]["w"])
-    assert torch.equal(a["model"]["b"], b["model"]["b"])
-    assert a["progress"].step == b["progress"].step
 
 
 def test_save_goes_to_every_store_with_a_verifying_manifest(tmp_path: Path) -> None:
@@ -235,7 +164,8 @@ def test_new_launch_takes_over_from_an_older_launch(tmp_path: Path) -> None:
     save_steps(second, [2])
     second.close()
     assert read_manifest(open_storage(a), 2).run_id == "launch-2"
-    fence = json.loads((Path(a) / "fence.json").read_text())
+    newest_fence = sorted((Path(a) / "fences").iterdir())[-1]
+    fence = json.loads(newest_fence.read_text())
     assert fence["run_id"] == "launch-2"
 
 

@@ -93,7 +93,7 @@ def test_stdin_over_the_size_limit_is_one_error_line() -> None:
 
 
 BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
-    f"{n}: &{n} [{', '.join(['*' + p] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi")
+    f"{n}: &{n} [{', '.join(['*' + p] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi", strict=True)
 )
 
 
@@ -107,14 +107,12 @@ BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
     ids=["alias-bomb", "deep-nesting", "recursive-alias"],
 )
 @pytest.mark.parametrize("command", ["validate", "render"])
-def test_hostile_yaml_is_one_error_line_fast(tmp_path: Path, text: str, message: str, command: str) -> None:
-    import time
-
+def test_hostile_yaml_is_one_error_line(tmp_path: Path, text: str, message: str, command: str) -> None:
+    # Bounded work: the alias bomb expands to ~387 million values if anything walks it unbounded, so a
+    # regression shows as a hang (the per-test timeout), not as a slow pass.
     path = tmp_path / "job.yaml"
     path.write_text(text)
-    start = time.perf_counter()
     code, out, err = run(command, str(path))
-    assert time.perf_counter() - start < 1.0
     assert code == 2 and out == ""
     assert err == f"error: {path}: {message}\n"
 
@@ -145,7 +143,9 @@ def test_render_trainjob_fixed_size() -> None:
 
 def test_render_torchrun_and_raytrain() -> None:
     code, out, _ = run("render", TINYGPT, "--target", "torchrun")
-    assert code == 0 and out.splitlines()[-1].startswith("torchrun --nnodes 2:4 ")
+    assert code == 0 and out.splitlines()[-1].startswith(
+        "python -m training.launch --spec job.yaml -- torchrun --nnodes 2:4 "
+    )
     code, out, _ = run("render", TINYGPT, "--target", "raytrain")
     assert code == 0 and yaml.safe_load(out)["scaling"]["num_workers"] == [16, 32]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shlex
 from pathlib import Path
 from typing import Any
@@ -13,13 +14,14 @@ from orchestrator.compile import MANIFEST_TARGETS, TARGETS, compile, compile_pla
 from orchestrator.compile.monitoring import RULES_FILE, load_rule_groups
 from orchestrator.errors import SpecError, UnsupportedFeature
 from orchestrator.loader import load_spec
-from orchestrator.naming import max_name_length, pod_names
+from orchestrator.naming import target_name_limit
 from orchestrator.spec import JobSpec
 from tests import crds
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
-needs_crds = pytest.mark.skipif(not crds.crds_available(), reason=f"CRD schemas not found in {crds.crd_dir()}")
+# Every compiled command starts with the preflight, which then execs the rest (training.launch).
+LAUNCH = ["python", "-m", "training.launch", "--spec", "/etc/torchrig/job.yaml", "--"]
 
 
 def spec(name: str = "digits-ddp", *overrides: str) -> JobSpec:
@@ -42,7 +44,6 @@ def env_of(ctr: dict[str, Any]) -> dict[str, str]:
 # -- validity ------------------------------------------------------------------------------------------
 
 
-@needs_crds
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
 @pytest.mark.parametrize("target", list(MANIFEST_TARGETS))
 @pytest.mark.parametrize("fixed_size", [False, True])
@@ -73,7 +74,10 @@ def test_pytorchjob_elastic_shape() -> None:
     assert job["spec"]["nprocPerNode"] == "8"
     ctr = container(job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"])
     # Elastic: nnodes, rendezvous and restarts come from the PET_* variables the operator injects.
-    assert ctr["command"] == ["torchrun", "--nproc-per-node", "8", "-m", "training", "--spec", "/etc/torchrig/job.yaml"]
+    assert ctr["command"] == [
+        *LAUNCH,
+        *["torchrun", "--nproc-per-node", "8", "-m", "training", "--spec", "/etc/torchrig/job.yaml"],
+    ]
     # The operator derives PET_RDZV_ENDPOINT from this port.
     assert {"name": "pytorchjob-port", "containerPort": 23456, "protocol": "TCP"} in ctr["ports"]
 
@@ -84,7 +88,7 @@ def test_pytorchjob_fixed_size_has_master_and_passes_master_env() -> None:
     assert (replicas["Master"]["replicas"], replicas["Worker"]["replicas"]) == (1, 3)
     assert "elasticPolicy" not in job["spec"]
     cmd = container(replicas["Master"]["template"])["command"]
-    assert cmd[:3] == ["torchrun", "--nproc-per-node", "8"]
+    assert cmd[: len(LAUNCH) + 3] == [*LAUNCH, "torchrun", "--nproc-per-node", "8"]
     joined = " ".join(cmd)
     assert "--nnodes 4 --node-rank $(RANK) --master-addr $(MASTER_ADDR) --master-port $(MASTER_PORT)" in joined
     assert cmd[-4:] == ["-m", "training", "--spec", "/etc/torchrig/job.yaml"]
@@ -158,17 +162,23 @@ def test_trainjob_refuses_elastic_with_alternatives() -> None:
 
 def test_trainjob_shape() -> None:
     objs = compile(spec("digits-ddp"), "trainjob", fixed_size=True)
-    assert [o["kind"] for o in objs] == ["ConfigMap", "ClusterTrainingRuntime", "TrainJob"]
+    # A namespaced runtime of the job's own (issue 13 point 12), beside the TrainJob that alone uses it.
+    assert [o["kind"] for o in objs] == ["ConfigMap", "TrainingRuntime", "TrainJob"]
     runtime, job = objs[1], objs[2]
-    assert runtime["metadata"]["name"] == "torchrig-digits-ddp" and "namespace" not in runtime["metadata"]
+    assert runtime["metadata"]["name"] == "torchrig-digits-ddp"
+    assert runtime["metadata"]["namespace"] == job["metadata"]["namespace"] == "default"
     (rjob,) = runtime["spec"]["template"]["spec"]["replicatedJobs"]
     assert rjob["name"] == "node"
     assert rjob["template"]["metadata"]["labels"]["trainer.kubeflow.org/trainjob-ancestor-step"] == "trainer"
     assert container(rjob["template"]["spec"]["template"])["name"] == "node"
-    assert job["spec"]["runtimeRef"]["name"] == "torchrig-digits-ddp"
+    assert job["spec"]["runtimeRef"] == {
+        "apiGroup": "trainer.kubeflow.org",
+        "kind": "TrainingRuntime",
+        "name": "torchrig-digits-ddp",
+    }
     assert job["spec"]["trainer"]["numNodes"] == 2
     assert job["spec"]["trainer"]["numProcPerNode"] == 2
-    assert job["spec"]["trainer"]["command"][:3] == ["torchrun", "--nproc-per-node", "2"]
+    assert job["spec"]["trainer"]["command"][: len(LAUNCH) + 3] == [*LAUNCH, "torchrun", "--nproc-per-node", "2"]
     (patch,) = job["spec"]["runtimePatches"]
     pod = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
     assert env_of(container(pod))["TORCHRIG_SPEC"] == "/etc/torchrig/job.yaml"
@@ -183,6 +193,8 @@ def test_trainjob_runtime_ref_uses_existing_runtime() -> None:
     )
     assert [o["kind"] for o in objs] == ["ConfigMap", "TrainJob"]
     assert objs[1]["spec"]["runtimeRef"]["name"] == "torch-distributed"
+    # Trainer's own runtimes are cluster-wide: a bare runtimeRef still names a ClusterTrainingRuntime.
+    assert objs[1]["spec"]["runtimeRef"]["kind"] == "ClusterTrainingRuntime"
 
 
 def test_trainjob_volcano_with_runtime_ref_unsupported() -> None:
@@ -199,7 +211,10 @@ def test_rayjob_shape() -> None:
     (group,) = cluster["workerGroupSpecs"]
     assert (group["groupName"], group["replicas"], group["minReplicas"], group["maxReplicas"]) == ("worker", 4, 2, 4)
     assert cluster["enableInTreeAutoscaling"] is True
-    assert job["spec"]["entrypoint"] == "python -m orchestrator.backends.ray_entry --spec /etc/torchrig/job.yaml"
+    assert job["spec"]["entrypoint"] == (
+        "python -m training.launch --spec /etc/torchrig/job.yaml --no-gpu-check -- "
+        "python -m orchestrator.backends.ray_entry --spec /etc/torchrig/job.yaml"
+    )
     assert job["spec"]["shutdownAfterJobFinishes"] is True
     assert container(group["template"])["resources"]["limits"]["nvidia.com/gpu"] == 8
     for tmpl in (cluster["headGroupSpec"]["template"], group["template"]):
@@ -207,11 +222,45 @@ def test_rayjob_shape() -> None:
         assert "/etc/torchrig" in mounts
 
 
+def test_rayjob_turns_on_ray_token_authentication() -> None:
+    """Issue 13 point 11: the Jobs API and Ray Client of the RayJob's head need KubeRay's token."""
+    for fixed_size in (False, True):
+        job = by_kind(compile(spec("digits-ddp"), "rayjob", fixed_size=fixed_size), "RayJob")
+        cluster = job["spec"]["rayClusterSpec"]
+        assert cluster["authOptions"] == {"mode": "token"} and cluster["rayVersion"] == "2.60.0"
+        # Nothing in the pods switches it back off (KubeRay keeps a RAY_AUTH_MODE the template sets).
+        templates = [cluster["headGroupSpec"]["template"], cluster["workerGroupSpecs"][0]["template"]]
+        assert all("RAY_AUTH_MODE" not in {e["name"] for e in container(t)["env"]} for t in templates)
+
+
+@pytest.mark.parametrize("version", ["2.52", "2.52.0", "v2.60.1", "3.0.0rc1"])
+def test_rayjob_takes_ray_versions_with_token_authentication(version: str) -> None:
+    job = by_kind(compile(spec("digits-ddp", f"spec.ray.rayVersion='{version}'"), "rayjob"), "RayJob")
+    assert job["spec"]["rayClusterSpec"]["rayVersion"] == version
+
+
+@pytest.mark.parametrize(
+    ("version", "why"), [("2.51.1", "older than 2.52"), ("2.9.3", "older"), ("latest", "not a Ray")]
+)
+def test_rayjob_refuses_a_ray_version_without_token_authentication(version: str, why: str) -> None:
+    old = spec("digits-ddp", f"spec.ray.rayVersion='{version}'")
+    with pytest.raises(UnsupportedFeature, match=rf"^spec\.ray\.rayVersion: '{re.escape(version)}' is {why}") as err:
+        compile(old, "rayjob")
+    assert "\n" not in str(err.value) and "spec.ray.image" in str(err.value)
+    compile(old, "pytorchjob")  # only the RayJob runs Ray
+
+
 # -- names ---------------------------------------------------------------------------------------------
 
 
+def kuberay_pod_prefix(prefix: str) -> str:
+    """KubeRay utils.PodName: the prefix is cut to 50 characters before `-head-`/`-worker-` + 5 random."""
+    return prefix[:50]
+
+
 def derived_pod_names(objs: list[dict[str, Any]]) -> list[str]:
-    """Pod names as the operators derive them from the compiled objects (random parts as x's)."""
+    """Pod (and PyTorchJob Service) names as the operators derive them from the compiled objects (random
+    parts as x's); orchestrator/naming.py cites the operator source of each."""
     out: list[str] = []
     for o in objs:
         name = o["metadata"]["name"]
@@ -222,26 +271,31 @@ def derived_pod_names(objs: list[dict[str, Any]]) -> list[str]:
             rjob = "node"
             out.append(f"{name}-{rjob}-0-{o['spec']['trainer']['numNodes'] - 1}-xxxxx")
         elif o["kind"] == "RayJob":
-            out.append(f"{name}-xxxxx-head-xxxxx")
-            out += [
-                f"{name}-xxxxx-{g['groupName']}-worker-xxxxx" for g in o["spec"]["rayClusterSpec"]["workerGroupSpecs"]
-            ]
+            cluster = f"{name}-xxxxx"
+            out.append(f"{kuberay_pod_prefix(cluster)}-head-xxxxx")
+            groups = [g["groupName"] for g in o["spec"]["rayClusterSpec"]["workerGroupSpecs"]]
+            out += [f"{kuberay_pod_prefix(cluster + '-' + group)}-worker-xxxxx" for group in groups]
     return out
 
 
-@pytest.mark.parametrize("max_nodes", [1, 2, 9, 10, 100, 1000])
+@pytest.mark.parametrize("max_nodes", [1, 2, 9, 10, 11, 100, 1000])
 @pytest.mark.parametrize("target", list(MANIFEST_TARGETS))
 def test_longest_names_fit(max_nodes: int, target: str) -> None:
-    name = "a" * max_name_length(max_nodes)
-    s = spec("digits-ddp", f"metadata.name={name}", "spec.nodes.min=1", f"spec.nodes.max={max_nodes}")
     # Elastic where the target supports it: the widest shape (PyTorchJob workers 0..max-1).
+    limit = target_name_limit(target, max_nodes, elastic=target != "trainjob" and max_nodes > 1)
+    name = "a" * limit
+    s = spec("digits-ddp", f"metadata.name={name}", "spec.nodes.min=1", f"spec.nodes.max={max_nodes}")
     objs = compile(s, target, monitoring=True, fixed_size=target == "trainjob")
     names = derived_pod_names(objs)
-    assert names and set(names) <= set(pod_names(name, max_nodes)[target])
-    assert max(len(n) for n in names) <= 63
+    assert names and max(len(n) for n in names) <= 63
+    if target == "rayjob":
+        assert len(f"{name}-xxxxx") <= 53  # KubeRay MaxRayClusterNameLength
     for o in objs:
         assert len(o["metadata"]["name"]) <= 63
         assert all(len(v) <= 63 for v in o["metadata"]["labels"].values())
+    longer = spec("digits-ddp", f"metadata.name={name}b", "spec.nodes.min=1", f"spec.nodes.max={max_nodes}")
+    with pytest.raises(UnsupportedFeature, match=r"^metadata\.name: "):
+        compile(longer, target, monitoring=True, fixed_size=target == "trainjob")
 
 
 # -- launch plans ---------------------------------------------------------------------------------------
@@ -259,8 +313,9 @@ def test_torchrun_command_parses_with_torchs_own_parser() -> None:
     assert args.module is True and args.training_script == "training"
     assert args.training_script_args == ["--spec", "job.yaml"]
     assert plan.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
-    # The shell line splits back to the same argv, with $HOST left for the shell to expand.
-    assert shlex.split(plan.command) == list(plan.args)
+    # The shell line splits back to the same argv, preflight first, with $HOST left for the shell to expand.
+    assert plan.launcher == ("python", "-m", "training.launch", "--spec", "job.yaml", "--")
+    assert shlex.split(plan.command) == [*plan.launcher, *plan.args]
     assert '"$HOST:29400"' in plan.command
 
 
@@ -335,6 +390,6 @@ def test_unknown_target_lists_valid_ones() -> None:
 def test_render_is_yaml_or_shell(target: str) -> None:
     text = render(spec("tinygpt-fsdp"), target, fixed_size=True)
     if target == "torchrun":
-        assert text.splitlines()[-1].startswith("torchrun ")
+        assert text.splitlines()[-1].startswith("python -m training.launch --spec job.yaml -- torchrun ")
     else:
         assert all(isinstance(d, dict) for d in yaml.safe_load_all(text))

@@ -12,11 +12,9 @@ from hypothesis import strategies as st
 from orchestrator.compile import MANIFEST_TARGETS, compile, compile_plan
 from orchestrator.errors import UnsupportedFeature
 from orchestrator.loader import validate_document
-from orchestrator.naming import max_name_length
+from orchestrator.naming import target_name_limit
 from orchestrator.spec import JobSpec
 from tests import crds
-
-pytestmark = pytest.mark.skipif(not crds.crds_available(), reason=f"CRD schemas not found in {crds.crd_dir()}")
 
 _names = st.from_regex(r"[a-z]([-a-z0-9]{0,60}[a-z0-9])?", fullmatch=True)
 _label_values = st.from_regex(r"[a-z0-9]([-a-z0-9_.]{0,20}[a-z0-9])?", fullmatch=True)
@@ -32,16 +30,20 @@ def job_documents(draw: st.DrawFn) -> dict[str, Any]:
     procs = gpus if gpus else draw(st.integers(1, 4))
     strategy = draw(st.sampled_from(["ddp", "fsdp"] + (["hsdp"] if n_min >= 2 else [])))
     precision = draw(st.sampled_from(["fp32", "bf16"] + (["fp16"] if strategy == "ddp" else [])))
-    limit = max_name_length(n_max)
+    # Names every target accepts, so each draw checks every target's manifests (test_naming.py checks
+    # the names each target rejects).
+    limit = min(target_name_limit(t, n_max, elastic=True) for t in MANIFEST_TARGETS)
     name = draw(_names.filter(lambda n: len(n) <= limit))
     stores = draw(
         st.lists(
             st.sampled_from(
                 [
                     {"uri": "file://./checkpoints", "name": "local"},
-                    {"uri": "s3://bucket/prefix", "name": "s3"},
+                    {"uri": "s3://bucket/prefix", "name": "s3", "secretRef": "s3-credentials"},
                     {"uri": "file:///mnt/ckpt", "name": "pvc", "pvc": "claim-a"},
                     {"uri": "gs://bkt/x", "name": "gcs"},
+                    {"uri": "file://./shared", "name": "rwx", "pvc": "claim-b"},
+                    {"uri": "/scratch/ckpt", "name": "scratch"},
                 ]
             ),
             min_size=1,
@@ -112,8 +114,17 @@ def job_documents(draw: st.DrawFn) -> dict[str, Any]:
 
 def expected_unsupported(spec: JobSpec, target: str, fixed_size: bool) -> bool:
     k = spec.spec.kubernetes
+    stores = spec.spec.checkpoint.stores
+    # Issue 13 point 7: more than one pod, and no store they share.
+    if spec.spec.nodes.max > 1 and all(st.scheme == "file" and st.pvc is None for st in stores):
+        return True
     if target == "trainjob":
-        return (spec.spec.nodes.elastic and not fixed_size) or (k.gang == "volcano" and k.runtime_ref is not None)
+        secrets = any(st.secret_ref for st in stores)
+        return (
+            (spec.spec.nodes.elastic and not fixed_size)
+            or (k.gang == "volcano" and k.runtime_ref is not None)
+            or (secrets and k.runtime_ref is not None)
+        )
     return False
 
 

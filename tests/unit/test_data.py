@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from training.data import GlobalOrder, StepPlan, micro_batches
+from training.data import BatchIndices, GlobalOrder, StepPlan, micro_batches, to_device
 
 
 def _step(order: GlobalOrder, plan: StepPlan, cursor: int) -> list[list[int]]:
@@ -108,3 +109,18 @@ def test_micro_step_reads_the_same_samples_as_one_big_batch(world: int, batch: i
 def test_rank_outside_world_is_rejected() -> None:
     with pytest.raises(ValueError, match="outside"):
         next(micro_batches(GlobalOrder(10, 0), StepPlan(2, 1), 2, 0))
+
+
+def test_batch_indices_restart_the_stream_at_its_cursor_on_every_iteration() -> None:
+    order, plan = GlobalOrder(50, seed=1), StepPlan(world_size=2, batch_size=3)
+    sampler = BatchIndices(order, plan, rank=1, cursor=12)
+    first, again = iter(sampler), iter(sampler)
+    assert next(first) == next(again) == next(micro_batches(order, plan, 1, 12))
+
+
+def test_to_device_moves_nested_tensors_and_keeps_the_rest() -> None:
+    batch = {"x": torch.ones(2), "pair": (torch.zeros(1), "label"), "ids": [torch.arange(3)], "n": 4}
+    moved = to_device(batch, torch.device("meta"))
+    assert moved["x"].device.type == "meta" and moved["ids"][0].device.type == "meta"
+    assert isinstance(moved["pair"], tuple) and moved["pair"][0].device.type == "meta" and moved["pair"][1] == "label"
+    assert moved["n"] == 4

@@ -16,12 +16,15 @@ from orchestrator.drills.damage import (
     make_store_unreachable,
     restore_store,
 )
-from orchestrator.drills.history import RunHistory, read_jsonl
+from orchestrator.drills.history import RunHistory
+from orchestrator.drills.plan import DrillContext, DrillOptions, Outcome
 from orchestrator.drills.report import DrillReport, plot_report
-from orchestrator.drills.runner import DrillOptions, _fill_from_run, _isolate_stores, _pick_fault
-from orchestrator.drills.scenarios import SCENARIOS, DrillContext, KillNode, KillWorker, Straggler, get_scenario
+from orchestrator.drills.runner import _fill_from_run, _pick_fault
+from orchestrator.drills.scenarios import SCENARIOS, KillNode, KillWorker, Straggler, get_scenario
+from orchestrator.drills.spec_patch import isolate_stores
 from orchestrator.errors import SpecError
 from orchestrator.loader import load_spec
+from training.contract import DrillEventKind, Summary, read_jsonl
 
 
 def _write_jsonl(path: Path, records: list[dict[str, Any]], torn_tail: bool = False) -> None:
@@ -34,7 +37,6 @@ def _write_jsonl(path: Path, records: list[dict[str, Any]], torn_tail: bool = Fa
 def _ctx(**kw: Any) -> DrillContext:
     base: dict[str, Any] = {
         "scenario": "kill-worker",
-        "backend": "local",
         "seed": 0,
         "rng": random.Random(0),
         "steps": 40,
@@ -46,6 +48,14 @@ def _ctx(**kw: Any) -> DrillContext:
     }
     base.update(kw)
     return DrillContext(**base)
+
+
+def _outcome(fault_step: int = 23, fault_rank: int = 1) -> Outcome:
+    return Outcome(fault_step=fault_step, fault_rank=fault_rank)
+
+
+def _timeline(outcome: Outcome) -> list[dict[str, Any]]:
+    return [e.to_dict() for e in outcome.timeline]
 
 
 def _kill_worker_run(tmp_path: Path) -> Path:
@@ -81,8 +91,7 @@ def test_fill_from_run_computes_mttr_lost_steps_and_restore(tmp_path: Path) -> N
     run = _kill_worker_run(tmp_path)
     history = RunHistory.load(run)
     report = DrillReport("kill-worker", "local", 0)
-    ctx = _ctx()
-    _fill_from_run(report, {"status": "succeeded", "final_loss": 0.1, "params_sha256": "ab"}, history, ctx)
+    _fill_from_run(report, Summary(status="succeeded", final_loss=0.1, params_sha256="ab"), history, _outcome())
     assert report.fault_step == 23
     assert report.resumed_from_step == 20
     assert report.lost_steps == 3
@@ -94,34 +103,34 @@ def test_fill_from_run_computes_mttr_lost_steps_and_restore(tmp_path: Path) -> N
 def test_kill_worker_verdict_requires_newest_checkpoint_and_equal_params(tmp_path: Path) -> None:
     run = _kill_worker_run(tmp_path)
     history = RunHistory.load(run)
-    ctx = _ctx()
+    ctx, outcome = _ctx(), _outcome()
     report = DrillReport("kill-worker", "local", 0)
-    _fill_from_run(report, {"status": "succeeded", "params_sha256": "ab"}, history, ctx)
-    report.events = ctx.events
+    _fill_from_run(report, Summary(status="succeeded", params_sha256="ab"), history, outcome)
+    report.events = _timeline(outcome)
     report.reference_params_sha256 = "ab"
     report.final_params_match_reference = True
-    KillWorker().judge(report, history, ctx)
+    report.add(KillWorker().judge(report, history, ctx))
     assert report.passed, report.checks
 
     # Resuming from an older checkpoint than the newest committed one fails the verdict.
     stale = DrillReport("kill-worker", "local", 0)
-    _fill_from_run(stale, {"status": "succeeded"}, history, ctx)
-    stale.events = ctx.events
+    _fill_from_run(stale, Summary(status="succeeded"), history, outcome)
+    stale.events = _timeline(outcome)
     stale.resumed_from_step = 10
-    KillWorker().judge(stale, history, ctx)
+    stale.add(KillWorker().judge(stale, history, ctx))
     assert not stale.passed
     assert any("newest checkpoint" in c.name and not c.passed for c in stale.checks)
 
 
 def test_params_mismatch_fails_the_verdict(tmp_path: Path) -> None:
     history = RunHistory.load(_kill_worker_run(tmp_path))
-    ctx = _ctx()
+    outcome = _outcome()
     report = DrillReport("kill-worker", "local", 0)
-    _fill_from_run(report, {"status": "succeeded", "params_sha256": "ab"}, history, ctx)
-    report.events = ctx.events
+    _fill_from_run(report, Summary(status="succeeded", params_sha256="ab"), history, outcome)
+    report.events = _timeline(outcome)
     report.reference_params_sha256 = "cd"
     report.final_params_match_reference = False
-    KillWorker().judge(report, history, ctx)
+    report.add(KillWorker().judge(report, history, _ctx()))
     assert not report.passed
 
 
@@ -136,10 +145,11 @@ def test_straggler_is_identified_from_compute_time(tmp_path: Path) -> None:
     history = RunHistory.load(tmp_path)
     assert history.slowest_rank() == 1
     report = DrillReport("straggler", "local", 0, status="succeeded")
-    Straggler().judge(report, history, _ctx(fault_rank=1))
+    report.add(Straggler().judge(report, history, _ctx(fault_rank=1)))
     assert report.passed
+    assert report.notes and report.notes[0].startswith("per-rank compute seconds per step: 0: ")
     wrong = DrillReport("straggler", "local", 0, status="succeeded")
-    Straggler().judge(wrong, history, _ctx(fault_rank=2))
+    wrong.add(Straggler().judge(wrong, history, _ctx(fault_rank=2)))
     assert not wrong.passed
 
 
@@ -155,10 +165,10 @@ def test_kill_node_verdict_needs_shrink_and_regrow(tmp_path: Path) -> None:
     ctx = _ctx(scenario="kill-node", nodes=2, world_size=4)
     history = RunHistory.load(tmp_path)
     ok = DrillReport("kill-node", "local", 0, status="succeeded", world_sizes=[4, 2, 4], resumed_from_step=20)
-    KillNode().judge(ok, history, ctx)
+    ok.add(KillNode().judge(ok, history, ctx))
     assert all(c.passed for c in ok.checks if "world" in c.name)
     never_grew = DrillReport("kill-node", "local", 0, status="succeeded", world_sizes=[4, 2], resumed_from_step=20)
-    KillNode().judge(never_grew, history, ctx)
+    never_grew.add(KillNode().judge(never_grew, history, ctx))
     assert not never_grew.passed
 
 
@@ -239,31 +249,27 @@ def test_fault_choice_is_seeded_and_bounded(examples_dir: Path) -> None:
         _pick_fault(spec, DrillOptions(rank=9), random.Random(0))
 
 
-def test_isolate_stores_never_touches_real_checkpoints() -> None:
-    spec = {
-        "spec": {
-            "checkpoint": {
-                "stores": [
-                    {"uri": "file:///mnt/checkpoints", "name": "pvc", "pvc": "claim"},
-                    {"uri": "s3://bucket/prefix", "name": "s3"},
-                    {"uri": "file://./checkpoints", "name": "local"},
-                ]
-            }
-        }
-    }
-    out = _isolate_stores(spec, "t1")
-    uris = [s["uri"] for s in out["spec"]["checkpoint"]["stores"]]
-    assert uris == ["file://./stores/pvc", "s3://bucket/prefix/torchrig-drill-t1", "file://./checkpoints"]
-    assert "pvc" not in out["spec"]["checkpoint"]["stores"][0]
+def test_isolate_stores_never_touches_real_checkpoints(examples_dir: Path) -> None:
+    spec = load_spec(
+        examples_dir / "digits-ddp.yaml",
+        [
+            'spec.checkpoint.stores=[{"uri": "file:///mnt/checkpoints", "name": "pvc", "pvc": "claim"}, '
+            '{"uri": "s3://bucket/prefix", "name": "s3"}, {"uri": "file://./checkpoints", "name": "local"}]'
+        ],
+    )
+    out = isolate_stores(spec, "t1", "run").spec.checkpoint.stores
+    uris = [s.uri for s in out]
+    assert uris == ["file://./stores/pvc", "s3://bucket/prefix/torchrig-drill-t1/run/s3", "file://./checkpoints"]
+    assert out[0].pvc is None
 
 
 def test_report_json_and_plot(tmp_path: Path) -> None:
     run = _kill_worker_run(tmp_path)
     history = RunHistory.load(run)
-    ctx = _ctx()
+    outcome = _outcome()
     report = DrillReport("kill-worker", "local", 7)
-    _fill_from_run(report, {"status": "succeeded"}, history, ctx)
-    report.events = ctx.events
+    _fill_from_run(report, Summary(status="succeeded"), history, outcome)
+    report.events = _timeline(outcome)
     report.check("job succeeded", True, "ok")
     out = tmp_path / "report.json"
     report.write(out)
@@ -302,13 +308,12 @@ def test_outside_faults_report_the_step_actually_reached(tmp_path: Path) -> None
     ]
     _write_jsonl(tmp_path / "events.jsonl", events)
     ctx = _ctx(scenario="corrupt-checkpoint", fault_step=12)  # planned
-    ctx.fault_step = 17  # reached when the drill struck (scenarios record it)
-    ctx.event("fault_injected", kind="kill", rank=1, step=17)
-    ctx.events[-1]["time"] = 5.0
+    outcome = _outcome(fault_step=17)  # reached when the drill struck (the actions record it)
+    outcome.record(DrillEventKind.FAULT_INJECTED, at=5.0, kind="kill", rank=1, step=17)
     report = DrillReport("corrupt-checkpoint", "local", 0)
     history = RunHistory.load(tmp_path)
-    _fill_from_run(report, {"status": "succeeded"}, history, ctx)
-    report.events = ctx.events
+    _fill_from_run(report, Summary(status="succeeded"), history, outcome)
+    report.events = _timeline(outcome)
     assert report.fault_step == 17 and report.resumed_from_step == 15 and report.lost_steps == 2
-    KillWorker().judge(report, history, ctx)
+    report.add(KillWorker().judge(report, history, ctx))
     assert all(c.passed for c in report.checks), report.checks

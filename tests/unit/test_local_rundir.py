@@ -1,4 +1,4 @@
-"""Run-directory helpers of the local backend: summary.json from worker files, incremental tails, run
+"""Run-directory helpers (`orchestrator.rundir`): summary.json from worker files, incremental tails, run
 state from the supervisor record, process liveness."""
 
 from __future__ import annotations
@@ -15,16 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchestrator.backends._local_procs import alive, find_marked, process_start_ticks
-from orchestrator.backends._local_rundir import (
-    JsonlTail,
-    build_summary,
-    iter_rank_lines,
-    read_jsonl,
-    run_state,
-    world_sizes_from_events,
-    write_json,
-)
 from orchestrator.backends.base import RunState
+from orchestrator.rundir import build_summary, iter_rank_lines, rank_of_line, run_state, world_sizes_from_events
+from training.contract import Env, JsonlTail, read_jsonl, write_json
 
 
 def _lines(path: Path, records: list[dict[str, object]], torn: str = "") -> None:
@@ -65,7 +58,7 @@ def test_summary_from_worker_files(tmp_path: Path) -> None:
         wall_s=3.21,
         stores=[{"name": "local", "uri": "file:///x"}, {"name": "s3", "uri": "s3://b/p"}],
         total_steps=100,
-    )
+    ).to_dict()
     assert summary["status"] == "succeeded"
     assert summary["steps"] == 100 and summary["final_loss"] == 0.25 and summary["eval"] == {"accuracy": 0.97}
     assert summary["restarts"] == 2
@@ -80,7 +73,9 @@ def test_summary_from_worker_files(tmp_path: Path) -> None:
 
 def test_summary_without_result_falls_back_to_metrics(tmp_path: Path) -> None:
     _lines(tmp_path / "metrics.jsonl", [{"step": 10, "loss": 1.5}, {"step": 20, "loss": 1.25, "samples_per_s": 3.0}])
-    summary = build_summary(tmp_path, status="cancelled", wall_s=1.0, stores=[], reason="cancelled by the user")
+    summary = build_summary(
+        tmp_path, status="cancelled", wall_s=1.0, stores=[], reason="cancelled by the user"
+    ).to_dict()
     assert (summary["steps"], summary["final_loss"], summary["samples_per_s"]) == (20, 1.25, 3.0)
     assert summary["params_sha256"] is None and summary["reason"] == "cancelled by the user"
 
@@ -137,7 +132,7 @@ def test_alive_and_find_marked_track_real_processes() -> None:
     token = os.urandom(6).hex()
     proc = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(30)"],
-        env={**os.environ, "TORCHRIG_RUN_TOKEN": token, "TORCHRIG_LOCAL_NODE": "3"},
+        env={**os.environ, Env.RUN_TOKEN: token, Env.LOCAL_NODE: "3"},
     )
     try:
         ticks = process_start_ticks(proc.pid)
@@ -160,3 +155,4 @@ def test_rank_lines_filter_by_prefix(tmp_path: Path) -> None:
     (tmp_path / "logs" / "node1.log").write_text("[rank10]:c\n[rank1]:d\n")
     assert list(iter_rank_lines(tmp_path, 1)) == ["[rank1]:b", "[rank1]:d"]
     assert len(list(iter_rank_lines(tmp_path, None))) == 5
+    assert [rank_of_line(x) for x in ("[rank10]:c", "agent line", "[rank]:x")] == [10, None, None]

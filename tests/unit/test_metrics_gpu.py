@@ -5,8 +5,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 
 from tests.fixtures.prometheus import FakeGpuReader
+from training.contract import WorkerIdentity
 from training.metrics import names
-from training.metrics.base import RunInfo, StepRecord
+from training.metrics.base import StepRecord
 from training.metrics.gpu import GpuCollector, GpuSample, create_gpu_reader, visible_device_indices
 from training.metrics.prometheus import PrometheusSink
 
@@ -79,7 +80,7 @@ def test_create_gpu_reader_on_this_machine() -> None:
     # Without NVML (CPU machines) this is None, with it a working reader; it never raises.
     reader = create_gpu_reader()
     if reader is None:
-        sink = PrometheusSink(RunInfo("j", 0, 0, 0, 1, 1, 0, node="h"), gpu_reader=None)
+        sink = PrometheusSink(WorkerIdentity(job="j", node="h"), gpu_reader=None)
         sink.on_step(StepRecord(1, 1.0, 1, 0, 0.1, 0.0, 0.0, 1, 0.1, 1.0))
         assert sink.registry.get_sample_value(names.GPU_AVAILABLE, LABELS) == 0
     else:

@@ -11,10 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from training.metrics.base import CheckpointRecord, RestoreRecord, RunInfo, StepRecord
+from training.contract import EventKind, WorkerIdentity
+from training.contract.events import Fault, Watchdog
+from training.metrics.base import CheckpointRecord, FanOut, RestoreRecord, StepRecord
 from training.metrics.jsonl import EventsJsonlSink, MetricsJsonlSink
 
-INFO = RunInfo(job="j", rank=0, local_rank=0, node_rank=0, world_size=2, local_world_size=2, generation=1, node="h")
+INFO = WorkerIdentity(
+    job="j", rank=0, local_rank=0, node_rank=0, world_size=2, local_world_size=2, generation=1, node="h"
+)
 METRICS_KEYS = {
     "time", "step", "loss", "lr", "samples_per_s", "tokens_per_s", "step_s", "data_wait_s",
     "comm_s", "comm_ratio", "world_size", "generation", "mfu",
@@ -109,8 +113,25 @@ def test_events_contract(tmp_path: Path) -> None:
     assert finished["steps"] == 14
 
 
+def test_typed_payloads_reach_the_file_through_a_fan_out(tmp_path: Path) -> None:
+    sink = FanOut(EventsJsonlSink(tmp_path, INFO, log_every=1))
+    sink.emit(Fault(fault="slow", step=3, seconds=0.5))
+    sink.emit(Watchdog(step=3, silent_s=1.5, timeout_s=1.0))
+    sink.on_event(EventKind.FINISHED, step=4, final_loss=None, wall_s=2.0)
+    sink.close()
+    fault, dog, finished = lines(tmp_path / "events.jsonl")
+    # the fault's kind is `kind` next to `event: fault`; unset optional keys are left out
+    assert {k: fault[k] for k in ("event", "kind", "step", "seconds")} == {
+        "event": "fault", "kind": "slow", "step": 3, "seconds": 0.5,
+    }  # fmt: skip
+    assert "pid" not in fault
+    assert dog["event"] == "watchdog" and dog["silent_s"] == 1.5 and dog["timeout_s"] == 1.0
+    assert finished["event"] == "finished" and finished["final_loss"] is None
+    assert all(line["rank"] == 0 and line["generation"] == 1 for line in (fault, dog, finished))
+
+
 def _append_many(run_dir: str, rank: int, count: int) -> None:
-    info = RunInfo(job="j", rank=rank, local_rank=rank, node_rank=0, world_size=4, local_world_size=4, generation=0)
+    info = WorkerIdentity(job="j", rank=rank, local_rank=rank, node_rank=0, world_size=4, local_world_size=4)
     sink = EventsJsonlSink(run_dir, info, log_every=1)
     for i in range(count):
         sink.on_event("fault", i=i, padding="x" * 200)

@@ -9,11 +9,15 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fixtures.prometheus import populated_sink
+from training.contract import EventKind, WorkerIdentity
+from training.contract.events import Fault
 from training.metrics import names
-from training.metrics.base import CheckpointRecord, RestoreRecord, RunInfo, StepRecord
+from training.metrics.base import CheckpointRecord, RestoreRecord, StepRecord
 from training.metrics.prometheus import PrometheusSink, default_bind_address
 
-INFO = RunInfo(job="j", rank=3, local_rank=1, node_rank=1, world_size=4, local_world_size=2, generation=2, node="h1")
+INFO = WorkerIdentity(
+    job="j", rank=3, local_rank=1, node_rank=1, world_size=4, local_world_size=2, generation=2, node="h1"
+)
 LABELS = {"training_job": "j", "rank": "3", "node": "h1"}
 
 
@@ -137,11 +141,17 @@ def test_restore_eval_and_events() -> None:
     assert value(sink, names.EVENTS, event="watchdog") == 1
     assert value(sink, names.EVENTS, event="other") == 1
     assert value(sink, names.EVENTS, event="some_new_event_name") is None
+    sink.emit(Fault(fault="kill", step=3, pid=1))  # a typed payload counts under its kind's name
+    sink.on_event(EventKind.FINISHED, step=4)
+    assert value(sink, names.EVENTS, event="fault") == 1
+    assert value(sink, names.EVENTS, event="finished") == 1
 
 
 def test_on_start_updates_generation_and_world_size() -> None:
     sink = PrometheusSink(INFO, restarts_max=5)
-    new = RunInfo(job="j", rank=3, local_rank=1, node_rank=1, world_size=6, local_world_size=2, generation=3, node="h1")
+    new = WorkerIdentity(
+        job="j", rank=3, local_rank=1, node_rank=1, world_size=6, local_world_size=2, generation=3, node="h1"
+    )
     sink.on_start(new)
     assert value(sink, names.RESTART_GENERATION) == 3
     assert value(sink, names.WORLD_SIZE) == 6

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tests.fixtures import jobs
 from training.config import load_worker_spec
+from training.contract import WorkerIdentity
 from training.metrics import FanOut, create_sinks
-from training.metrics.base import RunInfo, StepRecord
+from training.metrics.base import StepRecord
 from training.metrics.bench import measure_on_step_overhead
 from training.metrics.jsonl import EventsJsonlSink, MetricsJsonlSink
 
@@ -20,9 +22,9 @@ spec:
 """
 
 
-def info(rank: int, run_dir: str | None) -> RunInfo:
-    return RunInfo(job="demo", rank=rank, local_rank=rank, node_rank=0, world_size=2, local_world_size=2,
-                   generation=0, run_dir=run_dir)  # fmt: skip
+def info(rank: int, run_dir: str | None) -> WorkerIdentity:
+    return WorkerIdentity(job="demo", rank=rank, local_rank=rank, node_rank=0, world_size=2, local_world_size=2,
+                          generation=0, run_dir=run_dir)  # fmt: skip
 
 
 def test_rank0_gets_both_jsonl_sinks_other_ranks_only_events(tmp_path: Path) -> None:
@@ -39,7 +41,7 @@ def test_rank0_gets_both_jsonl_sinks_other_ranks_only_events(tmp_path: Path) -> 
         sink.close()
     metrics = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [2, 4]
-    events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    events = jobs.events(tmp_path)
     assert sorted(e["rank"] for e in events if e["event"] == "start") == [0, 1]
     assert not any(isinstance(s, MetricsJsonlSink) for s in r1.sinks)
 

@@ -1,16 +1,11 @@
 """The Grafana dashboard: valid JSON, the `job` variable, the panels users look for, every expression
-valid PromQL (checked by promtool) and naming only metrics the exporter really exports."""
+naming only metrics the exporter really exports (that each is valid PromQL: tests/integration/test_promtool.py)."""
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
-import subprocess
-from pathlib import Path
 
-import pytest
-import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -19,7 +14,6 @@ from tests.fixtures.prometheus import populated_sink
 from training.metrics import names
 
 METRIC_RE = re.compile(r"(?<![:\w])torchrig_[a-z0-9_]+(?![:\w])")
-PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 
 
 def exprs() -> list[str]:
@@ -54,6 +48,8 @@ def test_panels_cover_what_users_watch() -> None:
         names.WORLD_SIZE,
         names.STORE_FAILURES,
         names.LOSS,
+        names.RANK_SLOWDOWN,
+        names.STRAGGLER_RANK,
     ):
         assert metric in joined, metric
     assert "histogram_quantile" in joined and names.STEP_DURATION + "_bucket" in joined
@@ -67,18 +63,3 @@ def test_every_metric_is_exported() -> None:
     text = generate_latest(populated_sink().registry).decode()
     exposed = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
     assert used <= exposed, used - exposed
-
-
-@pytest.mark.skipif(not Path(PROMTOOL).exists(), reason="promtool not installed")
-def test_every_expression_parses(tmp_path: Path) -> None:
-    # promtool has no query linter, but it parses recording rules: wrap each expression in one.
-    rules = [
-        {"record": f"dashboard:expr_{i}", "expr": e.replace("$__rate_interval", "1m").replace("$job", ".+")}
-        for i, e in enumerate(exprs())
-    ]
-    path = tmp_path / "dashboard_rules.yaml"
-    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
-    result = subprocess.run(
-        [PROMTOOL, "check", "rules", str(path)], check=False, capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stdout + result.stderr

@@ -12,8 +12,10 @@ import yaml
 from click.testing import CliRunner
 
 from orchestrator.backends._local_procs import process_start_ticks
-from orchestrator.backends._local_rundir import write_json
+from orchestrator.backends._local_view import LiveProgress
 from orchestrator.cli import cli
+from orchestrator.summary_text import final_line, format_value
+from training.contract import Env, Summary, write_json
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "digits-ddp.yaml"
 
@@ -115,7 +117,7 @@ def test_status_exit_codes_and_list(tmp_path: Path) -> None:
     assert code == 10 and json.loads(out)["details"]["step"] == 3
     code, _, err = invoke("status", str(tmp_path / "nope"))
     assert code == 2 and "no such run directory" in err
-    code, out, _ = invoke("list", "-o", "json", env={"TORCHRIG_RUNS_DIR": str(tmp_path)})
+    code, out, _ = invoke("list", "-o", "json", env={Env.RUNS_DIR: str(tmp_path)})
     assert code == 0
     states = {Path(r["run"].removeprefix("local://")).name: r["state"] for r in json.loads(out)}
     assert states == {
@@ -186,3 +188,96 @@ def test_report_json_and_plot(tmp_path: Path) -> None:
     assert code == 0 and "succeeded" in out
     code, _, err = invoke("report", str(tmp_path))
     assert code == 2 and "holds no summary.json" in err
+
+
+def test_final_line_labels_every_number_and_prints_counts_as_integers() -> None:
+    summary = Summary(
+        status="succeeded",
+        steps=300,
+        total_steps=300,
+        final_loss=0.0161,
+        eval={"loss": 0.1107, "accuracy": 0.9694, "count": 360.0},
+        samples_per_s=2345.6,
+        wall_s=41.25,
+        world_sizes=[4, 2],
+        run_dir="/r",
+    )
+    line, where = final_line(summary).splitlines()
+    assert line.startswith("succeeded: 300/300 steps, ")
+    assert "train loss 0.0161, eval loss 0.1107, eval accuracy 0.9694, eval count 360, " in line
+    assert "360.0" not in line and " loss 0.1107" not in line.replace("eval loss 0.1107", "")
+    assert line.endswith("2346 samples/s, 41.2 s, restarts 0, world sizes 4 -> 2")
+    assert where == "summary: /r/summary.json"
+
+
+@pytest.mark.parametrize("steps", [None, 0])
+def test_final_line_of_a_run_that_never_stepped_says_so(steps: int | None) -> None:
+    summary = Summary(status="failed", steps=steps, total_steps=10, reason="cannot import 'x'", wall_s=3.0, restarts=0)
+    line = final_line(summary).splitlines()[0]
+    assert line == "failed before the first step: cannot import 'x'; 3.0 s, restarts 0"
+    assert "None" not in final_line(Summary(status="cancelled", total_steps=10))
+
+
+def test_format_value_counts_and_floats() -> None:
+    assert format_value(360.0, "count") == "360"
+    assert format_value(12.0, "num_tokens") == "12"
+    assert format_value(1.0, "accuracy") == "1.0000"
+    assert format_value(0.96944, "accuracy") == "0.9694"
+    assert format_value(3e-6, "loss") == "3e-06"
+    assert format_value(None) == "-" and format_value(7) == "7"
+
+
+def test_report_text_labels_losses_and_min_loss_includes_the_final(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path, "x", "1", None)
+    write_json(
+        run_dir / "summary.json",
+        {
+            "status": "succeeded",
+            "steps": 20,
+            "total_steps": 20,
+            "final_loss": 0.05,  # the mean over ranks of the last step: below every logged window
+            "eval": {"loss": 0.1107, "accuracy": 0.9694, "count": 360.0},
+        },
+    )
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(json.dumps({"time": 100.0 + i, "step": 10 * i, "loss": 1.0 / i}) + "\n" for i in (1, 2))
+    )
+    code, out, _ = invoke("report", str(run_dir), "-o", "json")
+    data = json.loads(out)
+    assert code == 0 and data["derived"]["first_loss"] == 1.0 and data["derived"]["min_loss"] == 0.05
+    assert set(data["derived"]) == {
+        "records",
+        "first_loss",
+        "min_loss",
+        "samples_per_s_median",
+        "checkpoints_committed",
+        "checkpoint_blocked_s_max",
+        "store_failures",
+        "faults",
+        "watchdog",
+        "world_sizes",
+    }
+    assert data["summary"]["eval"]["count"] == 360.0, "-o json keeps the values as written"
+    code, out, _ = invoke("report", str(run_dir))
+    assert code == 0
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in out.splitlines() if line.count("│") == 3}
+    assert rows["train loss (final)"] == "0.05" and rows["train loss (first / min)"] == "1 / 0.05"
+    assert rows["eval loss"] == "0.1107" and rows["eval accuracy"] == "0.9694" and rows["eval count"] == "360"
+
+
+def test_report_of_a_run_that_never_stepped(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path, "x", "1", None)
+    write_json(run_dir / "summary.json", {"status": "failed", "total_steps": 10, "reason": "boom"})
+    code, out, _ = invoke("report", str(run_dir))
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in out.splitlines() if line.count("│") == 3}
+    assert code == 0 and "None" not in out
+    assert rows["status"] == "failed before the first step" and rows["steps"] == "0 / 10"
+
+
+def test_live_progress_labels_train_and_eval(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 5, "loss": 0.5, "world_size": 2}) + "\n")
+    eval_line = {"time": 1.0, "rank": 0, "generation": 0, "event": "eval", "step": 5, "metrics": {"count": 360.0}}
+    (tmp_path / "events.jsonl").write_text(json.dumps(eval_line) + "\n")
+    progress = LiveProgress(tmp_path, 10)
+    progress.poll()
+    assert progress.line().startswith("step 5/10  train loss 0.5000  eval count 360  world 2")

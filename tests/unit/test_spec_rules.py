@@ -90,10 +90,32 @@ def test_label_keys_validated() -> None:
     ]
 
 
-def test_pvc_needs_absolute_file_uri() -> None:
+def test_pvc_needs_a_file_uri() -> None:
     assert problems("spec.checkpoint.stores=[{uri: 's3://b/x', pvc: c}]") == [
-        "spec.checkpoint.stores[0].pvc: needs an absolute `file:///...` uri (the mount path)"
+        "spec.checkpoint.stores[0].pvc: needs a `file://` uri (the mount path; a relative one is under the run "
+        "directory)"
     ]
+
+
+def test_pvc_may_hold_a_relative_store() -> None:
+    # Issue 13 point 7: the run directory's own store can be shared, mounted at the same place on every pod.
+    store = spec_of("spec.checkpoint.stores=[{uri: 'file://./checkpoints', pvc: claim}]").spec.checkpoint.stores[0]
+    assert (store.pvc, store.path) == ("claim", "./checkpoints")
+
+
+def test_automount_needs_a_service_account() -> None:
+    assert problems("spec.kubernetes.automountServiceAccountToken=true") == [
+        "spec.kubernetes.automountServiceAccountToken: needs spec.kubernetes.serviceAccount, a dedicated account "
+        "with only the RBAC the task needs (the namespace's default account is never mounted)"
+    ]
+    assert not problems("spec.kubernetes.automountServiceAccountToken=true", "spec.kubernetes.serviceAccount=sa")
+
+
+def test_ephemeral_storage_is_a_quantity() -> None:
+    assert problems("spec.resources.ephemeralStorage=10GB") == [
+        "spec.resources.ephemeralStorage: '10GB' is not a Kubernetes quantity (e.g. 500m, 2, 4Gi)"
+    ]
+    assert spec_of("spec.resources.ephemeralStorage=null").spec.resources.ephemeral_storage is None
 
 
 def test_store_names_unique() -> None:
@@ -185,6 +207,15 @@ def test_every_problem_reported_at_once() -> None:
         (
             ["spec.training.lrSchedule.minLrRatio=0.1"],
             "spec.training.lrSchedule.minLrRatio: has no effect with decay constant",
+        ),
+        (
+            ["spec.kubernetes.runtimeKind=TrainingRuntime"],
+            "spec.kubernetes.runtimeKind: has no effect without runtimeRef",
+        ),
+        (
+            ["spec.checkpoint.stores=[{uri: 's3://a/x', secretRef: a}, {uri: 's3://b/y', secretRef: b}]"],
+            "spec.checkpoint.stores[1].secretRef: stores[0] is also s3:// with another Secret; both become the "
+            "pods' environment, so a key both hold takes one value",
         ),
     ],
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -11,12 +12,13 @@ from hypothesis import strategies as st
 from torch import nn
 
 from training.config import LrScheduleConfig
-from training.env import DistEnv, detect_env
+from training.contract import WorkerIdentity
+from training.determinism import step_seed
 from training.faults import Fault, FaultInjector, parse_faults
 from training.metrics.base import MetricsSink
+from training.state import params_sha256
 from training.strategies import lr_at
 from training.task import Task, TaskBase, TaskLoadError, load_task
-from training.worker import params_sha256, step_seed
 
 
 class _MinimalTask:
@@ -111,8 +113,13 @@ def test_tinygpt_corpus_is_deterministic() -> None:
 # --- launcher detection ---------------------------------------------------------------------------
 
 
+def detect(env: dict[str, str]) -> WorkerIdentity:
+    """The identity the launcher's variables give (without the host name, which tests do not set)."""
+    return dataclasses.replace(WorkerIdentity.from_env(env), node="")
+
+
 def test_no_launcher_is_a_single_process() -> None:
-    assert detect_env({}) == DistEnv()
+    assert detect({}) == WorkerIdentity()
 
 
 def test_torchrun_variables() -> None:
@@ -125,27 +132,29 @@ def test_torchrun_variables() -> None:
         "GROUP_WORLD_SIZE": "2",
         "TORCHELASTIC_RESTART_COUNT": "3",
     }
-    assert detect_env(env) == DistEnv(5, 8, 1, 4, 1, 2, 3)
+    assert detect(env) == WorkerIdentity(
+        rank=5, world_size=8, local_rank=1, local_world_size=4, node_rank=1, num_nodes=2, generation=3
+    )
 
 
 def test_pytorchjob_one_process_per_pod() -> None:
     # The operator without torchrun: RANK/WORLD_SIZE per pod, no LOCAL_* variables.
-    assert detect_env({"RANK": "2", "WORLD_SIZE": "3", "MASTER_ADDR": "x", "MASTER_PORT": "1"}) == DistEnv(
+    assert detect({"RANK": "2", "WORLD_SIZE": "3", "MASTER_ADDR": "x", "MASTER_PORT": "1"}) == WorkerIdentity(
         rank=2, world_size=3, local_rank=0, local_world_size=1, node_rank=2, num_nodes=3
     )
 
 
 def test_pet_variables_and_elastic_range() -> None:
     env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "PET_NPROC_PER_NODE": "2", "PET_NNODES": "1:4"}
-    got = detect_env(env)
+    got = detect(env)
     assert (got.local_world_size, got.num_nodes, got.node_rank) == (2, 2, 1)
 
 
 def test_malformed_variable_is_named() -> None:
     with pytest.raises(ValueError, match="WORLD_SIZE='two'"):
-        detect_env({"WORLD_SIZE": "two"})
+        detect({"WORLD_SIZE": "two"})
     with pytest.raises(ValueError, match="outside world size"):
-        detect_env({"RANK": "2", "WORLD_SIZE": "2"})
+        detect({"RANK": "2", "WORLD_SIZE": "2"})
 
 
 # --- learning rate --------------------------------------------------------------------------------

@@ -1,29 +1,30 @@
 """Redundant, verified, asynchronous checkpoints (torch.distributed.checkpoint + fsspec).
 
-`CheckpointManager` is the worker's whole interface: `restore`, `should_save`, `save`, `wait`, `close`.
-The store layout, manifest and verification live in `manifest`, the storage Protocol in `storage`.
+`CheckpointManager` is the worker's whole interface: `restore`, `should_save`, `save`, `wait`, `close`;
+`manager`'s docstring describes the commit protocol. Its parts: `save` (the save pipeline), `fence`,
+`retention`, `restore` (the restore search), `warmstart` (`initFrom`), `collectives`; the store layout,
+manifest and verification live in `manifest`, manifest signing in `signing`, the storage Protocol in
+`storage`, the safe reader of DCP metadata in `dcp_metadata`.
 """
 
-from training.checkpoint.manager import (
-    CheckpointContext,
-    CheckpointError,
-    CheckpointManager,
-    RestoreResult,
-    SaveOutcome,
-)
+from training.checkpoint.manager import CheckpointManager
 from training.checkpoint.manifest import (
     CheckpointListing,
     FileEntry,
     Manifest,
+    ManifestLayoutError,
     VerifyReport,
     list_checkpoints,
+    parse_manifest,
     read_manifest,
     verify_store,
 )
-from training.checkpoint.storage import CheckpointStorage, FsspecStorage, open_storage
+from training.checkpoint.results import CheckpointError, RestoreResult, SaveOutcome
+from training.checkpoint.retention import steps_to_delete
+from training.checkpoint.signing import SignatureError, signing_key_from_env
+from training.checkpoint.storage import CheckpointStorage, FsspecStorage, UnsafePathError, open_storage
 
 __all__ = [
-    "CheckpointContext",
     "CheckpointError",
     "CheckpointListing",
     "CheckpointManager",
@@ -31,11 +32,17 @@ __all__ = [
     "FileEntry",
     "FsspecStorage",
     "Manifest",
+    "ManifestLayoutError",
     "RestoreResult",
     "SaveOutcome",
+    "SignatureError",
+    "UnsafePathError",
     "VerifyReport",
     "list_checkpoints",
     "open_storage",
+    "parse_manifest",
     "read_manifest",
+    "signing_key_from_env",
+    "steps_to_delete",
     "verify_store",
 ]

@@ -2,13 +2,20 @@
 
 Layout of one store::
 
-    <root>/fence.json                          # the current writer (fencing token), see manager.py
+    <root>/fences/00000002.json                # writer generation 2 took the fence (fence.py)
     <root>/step-00000100/manifest.json         # written LAST: its presence means "committed"
     <root>/step-00000100/gen-0002/.metadata    # DCP metadata (rank 0)
     <root>/step-00000100/gen-0002/__0_0.distcp # DCP shards, one or more per rank
 
-Shards live under a generation-specific directory so a stale writer of an older restart generation
-can never clobber the files of a newer one, even at the same step.
+`gen-NNNN` is the writer generation: the fence number the writer took when it started, unique in the
+store and growing across restarts and launches, so a stale writer can never clobber the files of a
+newer one, even at the same step. (Manifests of version 1 named it after the restart count.)
+
+A manifest is only accepted in the exact shape the writer produces (`check_layout`): every file path is
+`gen-<its generation>/.metadata` or `gen-<its generation>/__<rank>_<n>.distcp`, so a manifest from a
+hostile store cannot name a path outside its step directory. The manifest carries the job's name
+(`job`, what restore and retention filter on) and, for diagnostics, the launch (`run_id`), the
+restart count within it (`restart_count`) and the writer's random id (`writer`).
 """
 
 from __future__ import annotations
@@ -19,17 +26,23 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from training.checkpoint.storage import CheckpointStorage, sha256_file
+from training.checkpoint.signing import SIGNATURE_FIELD, SignatureError, check_signature, sign
+from training.checkpoint.storage import CheckpointStorage, UnsafePathError, safe_join, sha256_file
 
 __all__ = [
+    "DCP_METADATA",
     "MANIFEST_NAME",
     "MANIFEST_VERSION",
     "CheckpointListing",
     "FileEntry",
     "Manifest",
+    "ManifestLayoutError",
     "VerifyReport",
+    "check_layout",
     "gen_dir",
     "list_checkpoints",
+    "parse_gen_dir",
+    "parse_manifest",
     "parse_step_dir",
     "read_manifest",
     "step_dir",
@@ -38,8 +51,17 @@ __all__ = [
 ]
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_VERSION = 1
+DCP_METADATA = ".metadata"  # DCP's metadata file, written by rank 0 into the generation directory
+MANIFEST_VERSION = 2
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
+_GEN_RE = re.compile(r"^gen-(\d{4,})$")
+# The only file paths a writer puts in a manifest (relative to the step directory).
+_FILE_RE = re.compile(r"^gen-(\d{4,})/(?:\.metadata|__(\d{1,9})_\d{1,9}\.distcp)$")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+class ManifestLayoutError(ValueError):
+    """A manifest that is not in the shape the writer produces (a path outside its layout, a bad field)."""
 
 
 def step_dir(step: int) -> str:
@@ -48,13 +70,19 @@ def step_dir(step: int) -> str:
 
 
 def gen_dir(generation: int) -> str:
-    """Directory name of the shards of one restart generation."""
+    """Directory name of the shards of one writer generation."""
     return f"gen-{generation:04d}"
 
 
 def parse_step_dir(name: str) -> int | None:
     """The step of a `step-NNNNNNNN` directory name, or None for anything else."""
     match = _STEP_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def parse_gen_dir(name: str) -> int | None:
+    """The generation of a `gen-NNNN` directory name, or None for anything else."""
+    match = _GEN_RE.match(name)
     return int(match.group(1)) if match else None
 
 
@@ -71,7 +99,24 @@ class FileEntry:
 
 @dataclass(frozen=True)
 class Manifest:
-    """What a committed checkpoint holds. Written last, as the commit marker."""
+    """What a committed checkpoint holds. Written last, as the commit marker.
+
+    Attributes:
+        step: The optimizer step.
+        world_size: Processes that wrote it (restore reshards to another size).
+        generation: The writer generation (fence number); the shards live in `gen-<generation>/`.
+        job: The job's name: restore and retention only take this job's checkpoints.
+        time: Wall-clock commit time.
+        torch_version: torch of the writer.
+        files: Every file, with size and sha256.
+        num_nodes: Nodes that wrote it.
+        run_id: The launch's rendezvous id (diagnostics).
+        final: The last checkpoint of a finished run.
+        version: Manifest format version.
+        extra: Free-form additions.
+        restart_count: Elastic restart count within the launch (diagnostics).
+        writer: The writer's random id (diagnostics; ties a manifest to its fence object).
+    """
 
     step: int
     world_size: int
@@ -85,6 +130,8 @@ class Manifest:
     final: bool = False
     version: int = MANIFEST_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
+    restart_count: int = 0
+    writer: str = ""
 
     @property
     def total_bytes(self) -> int:
@@ -95,45 +142,127 @@ class Manifest:
         """The DCP checkpoint directory, relative to the step directory."""
         return gen_dir(self.generation)
 
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
+    def to_json(self, key: bytes | None = None) -> bytes:
+        """The manifest's bytes; signed (`signing.sign`) when a key is given."""
+        payload = asdict(self)
+        if key is not None:
+            payload[SIGNATURE_FIELD] = sign(payload, key)
+        return json.dumps(payload, indent=1, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes | str) -> Manifest:
+        """Parse a manifest (no layout or signature check: `parse_manifest` does both)."""
         raw = json.loads(data)
         if not isinstance(raw, dict):
             raise ValueError("manifest is not a JSON object")
-        files = [FileEntry(**f) for f in raw.pop("files")]
-        known = {k: v for k, v in raw.items() if k in cls.__dataclass_fields__}
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Manifest:
+        files = [FileEntry(**f) for f in raw["files"]]
+        known = {k: v for k, v in raw.items() if k in cls.__dataclass_fields__ and k != "files"}
+        known.setdefault("job", "")  # not written by pre-release versions: the owner is unknown
         return cls(files=files, **known)
 
 
-def read_manifest(storage: CheckpointStorage, step: int) -> Manifest:
-    """Read and parse the manifest of a step; raises FileNotFoundError or ValueError."""
-    data = storage.read_bytes(f"{step_dir(step)}/{MANIFEST_NAME}")
+def _is_int(value: Any, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def check_layout(manifest: Manifest) -> None:
+    """Raise ManifestLayoutError unless `manifest` has exactly the shape the writer produces."""
+    m = manifest
+    if not (_is_int(m.step) and _is_int(m.generation) and _is_int(m.world_size, 1) and _is_int(m.num_nodes, 1)):
+        raise ManifestLayoutError("step, generation, world_size and num_nodes must be non-negative integers")
+    if not isinstance(m.job, str) or not isinstance(m.run_id, str):
+        raise ManifestLayoutError("job and run_id must be strings")
+    seen: set[str] = set()
+    metadata = 0
+    for f in m.files:
+        match = _FILE_RE.match(f.path) if isinstance(f.path, str) else None
+        if match is None or int(match.group(1)) != m.generation:
+            layout = f"{gen_dir(m.generation)}/<dcp file>"
+            raise ManifestLayoutError(f"file path {f.path!r} is outside the layout `{layout}`")
+        if f.path in seen:
+            raise ManifestLayoutError(f"file {f.path!r} listed twice")
+        seen.add(f.path)
+        if not (_is_int(f.size) and _is_int(f.rank) and _is_int(f.node_rank) and f.rank < m.world_size):
+            raise ManifestLayoutError(f"file {f.path!r}: size, rank and node_rank must be in range")
+        if not isinstance(f.sha256, str) or not _SHA256_RE.match(f.sha256):
+            raise ManifestLayoutError(f"file {f.path!r}: sha256 is not 64 lowercase hex digits")
+        shard_rank = match.group(2)
+        if shard_rank is None:
+            metadata += 1
+        elif int(shard_rank) != f.rank:
+            raise ManifestLayoutError(f"file {f.path!r} is recorded as written by rank {f.rank}")
+    if metadata != 1:
+        raise ManifestLayoutError(f"expected one {DCP_METADATA} file, found {metadata}")
+
+
+def parse_manifest(data: bytes | str, *, step: int | None = None, key: bytes | None = None) -> Manifest:
+    """Parse, authenticate (when `key` is set) and layout-check a manifest read from a store.
+
+    Raises:
+        SignatureError: `key` is set and the manifest is unsigned or wrongly signed.
+        ValueError: Unreadable, not in the writer's layout (ManifestLayoutError), or of another step.
+    """
     try:
-        manifest = Manifest.from_json(data)
+        raw = json.loads(data)
+    except ValueError as exc:
+        raise ValueError(f"unreadable manifest: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ValueError("unreadable manifest: not a JSON object")
+    if key is not None:
+        check_signature(raw, key)
+    try:
+        manifest = Manifest.from_dict(raw)
     except (ValueError, TypeError, KeyError) as exc:
         raise ValueError(f"unreadable manifest: {exc}") from exc
-    if manifest.step != step:
+    check_layout(manifest)
+    if step is not None and manifest.step != step:
         raise ValueError(f"manifest says step {manifest.step}, directory says {step}")
     return manifest
 
 
+def read_manifest(storage: CheckpointStorage, step: int, *, key: bytes | None = None) -> Manifest:
+    """Read and check the manifest of a step; raises FileNotFoundError, SignatureError or ValueError."""
+    return parse_manifest(storage.read_bytes(f"{step_dir(step)}/{MANIFEST_NAME}"), step=step, key=key)
+
+
 @dataclass(frozen=True)
 class CheckpointListing:
-    """One step directory in a store: committed (manifest readable) or not."""
+    """One step directory in a store: committed (manifest readable) or not.
+
+    Attributes:
+        step: The step.
+        manifest: The manifest, None when absent or rejected.
+        error: Why the manifest was rejected; None when absent or fine.
+        owner: The job the directory belongs to, when known otherwise than from its manifest (retention
+            sets it for uncommitted directories, from the fence of their writer generation).
+        untrusted: The manifest failed its signature check (a signing key is configured).
+    """
 
     step: int
     manifest: Manifest | None
-    error: str | None = None  # why the manifest could not be read; None when absent or fine
+    error: str | None = None
+    owner: str | None = None
+    untrusted: bool = False
 
     @property
     def committed(self) -> bool:
         return self.manifest is not None
 
+    @property
+    def job(self) -> str | None:
+        """The owning job: `owner`, else the manifest's job; None when unknown."""
+        if self.owner is not None:
+            return self.owner
+        if self.manifest is not None and self.manifest.job:
+            return self.manifest.job
+        return None
 
-def list_checkpoints(storage: CheckpointStorage) -> list[CheckpointListing]:
+
+def list_checkpoints(storage: CheckpointStorage, *, key: bytes | None = None) -> list[CheckpointListing]:
     """Every step directory of a store, newest first (raises if the store cannot be listed)."""
     out: list[CheckpointListing] = []
     for name in storage.list_dir(""):
@@ -141,9 +270,11 @@ def list_checkpoints(storage: CheckpointStorage) -> list[CheckpointListing]:
         if step is None:
             continue
         try:
-            out.append(CheckpointListing(step, read_manifest(storage, step)))
+            out.append(CheckpointListing(step, read_manifest(storage, step, key=key)))
         except FileNotFoundError:
             out.append(CheckpointListing(step, None))
+        except SignatureError as exc:
+            out.append(CheckpointListing(step, None, error=str(exc), untrusted=True))
         except (ValueError, OSError) as exc:
             out.append(CheckpointListing(step, None, error=str(exc)))
     return sorted(out, key=lambda c: c.step, reverse=True)
@@ -167,7 +298,11 @@ class VerifyReport:
 
 
 def verify_store(storage: CheckpointStorage, manifest: Manifest, *, hashes: bool = True) -> VerifyReport:
-    """Check each file of a committed checkpoint in a store (size always; sha256 unless `hashes=False`)."""
+    """Check each file of a committed checkpoint in a store (size always; sha256 unless `hashes=False`).
+
+    A path that would leave the store (`..`, a symlink pointing outside a `file` store) is reported as
+    refused and never read.
+    """
     report = VerifyReport(step=manifest.step, ok=True)
     base = step_dir(manifest.step)
     for entry in manifest.files:
@@ -177,6 +312,9 @@ def verify_store(storage: CheckpointStorage, manifest: Manifest, *, hashes: bool
                 digest, size = storage.sha256(rel)
             else:
                 digest, size = entry.sha256, storage.size(rel)
+        except UnsafePathError as exc:
+            report.bad[entry.path] = f"refused: {exc}"
+            continue
         except FileNotFoundError:
             report.bad[entry.path] = "missing"
             continue
@@ -199,7 +337,11 @@ def verify_local(directory: str, manifest: Manifest, paths: list[str] | None = N
     for entry in manifest.files:
         if wanted is not None and entry.path not in wanted:
             continue
-        local = os.path.join(directory, entry.path)
+        try:
+            local = safe_join(directory, entry.path)
+        except UnsafePathError as exc:
+            report.bad[entry.path] = f"refused: {exc}"
+            continue
         if not os.path.isfile(local):
             report.bad[entry.path] = "missing"
             continue

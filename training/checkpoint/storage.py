@@ -2,20 +2,77 @@
 
 Paths are `str`, never `Path`, because a store root may be a remote URI (`s3://bucket/prefix` is not a
 filesystem path). Every method takes a path *relative to the store root*, so the manager and the CLI
-never join URIs by hand.
+never join URIs by hand, and every such path is checked before use (`check_relative`): `/`-separated,
+no empty, `.` or `..` segment, no backslash, not absolute; on a `file` store the resolved path (symlinks
+followed) must also stay below the root. A manifest from a hostile store therefore cannot make a reader
+touch anything outside it.
+
+`create_exclusive` is the one compare-and-swap the fence needs: create an object only if it does not
+exist. It is atomic on `file` stores (a hard link of a complete temporary file, or `O_EXCL` where the
+filesystem has no hard links; POSIX filesystems and NFS v3+), on `s3` (a conditional PUT,
+`If-None-Match: *`, which AWS S3, MinIO and moto honor) and on `memory`. On every other fsspec store
+(`gs`, `az`/`abfs`, generic HTTP) it is check, then write: `atomic_create` is False there, and the
+fence reads its object back and says in a warning that it is best effort. A `file` store on a FUSE
+mount without `O_EXCL` semantics (some object-store mounts) is in the same position without knowing it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import os
 import uuid
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import urlparse
 
-__all__ = ["CHUNK_BYTES", "CheckpointStorage", "FsspecStorage", "open_storage", "sha256_file"]
+__all__ = [
+    "ATOMIC_CREATE_SCHEMES",
+    "CHUNK_BYTES",
+    "CheckpointStorage",
+    "FsspecStorage",
+    "UnsafePathError",
+    "check_relative",
+    "open_storage",
+    "safe_join",
+    "sha256_file",
+]
 
 CHUNK_BYTES = 4 * 1024 * 1024
+# Stores whose `create_exclusive` is one atomic operation (see the module docstring).
+ATOMIC_CREATE_SCHEMES = ("file", "s3", "memory")
+
+
+class UnsafePathError(ValueError):
+    """A relative path that would leave its root (`..`, absolute, backslash, empty segment, symlink)."""
+
+
+def check_relative(rel: str) -> str:
+    """`rel` when it is a clean relative path below a root ("" is the root itself); else UnsafePathError."""
+    if rel == "":
+        return rel
+    if "\\" in rel or "\x00" in rel:
+        raise UnsafePathError(f"{rel!r}: backslash or NUL in a store path")
+    if rel.startswith("/"):
+        raise UnsafePathError(f"{rel!r}: absolute path")
+    for part in rel.split("/"):
+        if part in ("", ".", ".."):
+            raise UnsafePathError(f"{rel!r}: empty, '.' or '..' path segment")
+    return rel
+
+
+def _inside(root: str, path: str) -> bool:
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)
+    return real == real_root or real.startswith(real_root.rstrip(os.sep) + os.sep)
+
+
+def safe_join(root: str, rel: str) -> str:
+    """`root/rel` on the local filesystem, refusing any `rel` that resolves (symlinks followed) outside `root`."""
+    path = os.path.join(root, *check_relative(rel).split("/")) if rel else root
+    if not _inside(root, path):
+        raise UnsafePathError(f"{rel!r} resolves outside {root}")
+    return path
 
 
 def sha256_file(path: str) -> tuple[str, int]:
@@ -35,6 +92,9 @@ class CheckpointStorage(Protocol):
 
     uri: str
     name: str
+
+    def local_path(self, rel: str = "") -> str | None:
+        """The local filesystem path of `rel` when the store is a local directory (read in place), else None."""
 
     def put_file(self, local_path: str, rel: str) -> None:
         """Upload a local file to `rel` (parents created as needed)."""
@@ -62,6 +122,16 @@ class CheckpointStorage(Protocol):
 
     def delete_dir(self, rel: str) -> None:
         """Remove `rel` and everything below it."""
+
+    def delete_file(self, rel: str) -> None:
+        """Remove one object; nothing when it is absent."""
+
+    def create_exclusive(self, rel: str, data: bytes) -> None:
+        """Create a small object only if `rel` does not exist; raises FileExistsError when it does."""
+
+    @property
+    def atomic_create(self) -> bool:
+        """Whether `create_exclusive` is one atomic operation on this store (else: check, then write)."""
 
     def sha256(self, rel: str) -> tuple[str, int]:
         """Digest and size of a stored file, streamed from the store."""
@@ -99,16 +169,24 @@ class FsspecStorage:
         elif scheme == "file":
             opts.setdefault("auto_mkdir", True)
         self.fs: Any = fsspec.filesystem(scheme, **opts)
-        root = uri.split("://", 1)[1] if "://" in uri else uri
-        if scheme == "file":
-            root = os.path.abspath(root)
+        # Object stores: the filesystem's own spelling of the root (`memory` paths start with "/"), the
+        # spelling listed paths come back in, so they can be made relative to it.
+        local_root = uri.split("://", 1)[1] if "://" in uri else uri
+        root = os.path.abspath(local_root) if scheme == "file" else str(self.fs._strip_protocol(uri))
         self.root = root.rstrip("/") or "/"
 
     def __repr__(self) -> str:
         return f"FsspecStorage({self.uri!r})"
 
+    @property
+    def atomic_create(self) -> bool:
+        return self.scheme in ATOMIC_CREATE_SCHEMES
+
     def _full(self, rel: str) -> str:
-        rel = rel.strip("/")
+        """The store path of `rel`; raises UnsafePathError for a path that would leave the root."""
+        check_relative(rel)
+        if self.scheme == "file":
+            return safe_join(self.root, rel)
         return f"{self.root}/{rel}" if rel else self.root
 
     def local_path(self, rel: str = "") -> str | None:
@@ -138,17 +216,48 @@ class FsspecStorage:
         full = self._full(rel)
         if self.scheme == "file":
             # Rename is atomic on a POSIX filesystem; a crash leaves only a `.tmp-*` file, never half a manifest.
-            os.makedirs(os.path.dirname(full), exist_ok=True)
-            tmp = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
+            tmp = _write_synced_temp(full, data)
             os.replace(tmp, full)
             _fsync_path(os.path.dirname(full))  # the rename itself must survive a power loss
         else:
             # A single PUT of an object is atomic in S3, GCS and Azure Blob.
             self.fs.pipe_file(full, data)
+
+    def create_exclusive(self, rel: str, data: bytes) -> None:
+        full = self._full(rel)
+        if self.scheme in ("s3", "memory"):
+            # s3fs: a conditional PUT (If-None-Match: *), FileExistsError on a precondition failure.
+            self.fs.pipe_file(full, data, mode="create")
+            return
+        if self.scheme != "file":
+            # No conditional create known to work here: check, then write (the fence reads it back).
+            if self.fs.exists(full):
+                raise FileExistsError(full)
+            self.fs.pipe_file(full, data)
+            return
+        tmp = _write_synced_temp(full, data)
+        try:
+            # A hard link appears complete or not at all, and fails if the name exists.
+            os.link(tmp, full)
+        except FileExistsError:
+            raise
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+                raise
+            # No hard links here (some FUSE mounts): O_EXCL is still atomic, the content follows.
+            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        finally:
+            os.unlink(tmp)
+        _fsync_path(os.path.dirname(full))
+
+    def delete_file(self, rel: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._full(rel))
 
     def size(self, rel: str) -> int:
         info = self.fs.info(self._full(rel))
@@ -195,8 +304,19 @@ class FsspecStorage:
 
 
 def open_storage(uri: str, options: dict[str, Any] | None = None, name: str | None = None) -> FsspecStorage:
-    """Open a store by URI (a bare path is a local directory)."""
+    """Open a store by URI (a bare path is a local directory): the one place stores are constructed."""
     return FsspecStorage(uri, options, name)
+
+
+def _write_synced_temp(full: str, data: bytes) -> str:
+    """Write `data` to a fresh temporary file next to `full`, fsynced; returns its path (to rename or link)."""
+    os.makedirs(os.path.dirname(full), exist_ok=True)
+    tmp = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return tmp
 
 
 def _fsync_path(path: str) -> None:

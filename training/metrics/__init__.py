@@ -1,16 +1,19 @@
 """Metrics of a worker: the sink seam, the Prometheus exporter, JSON lines and NVML GPU metrics.
 
-The worker calls `create_sinks(spec, info)` once and reports everything into the returned sink; the
+The worker calls `create_sinks(spec, identity)` once and reports everything into the returned sink; the
 checkpoint manager reports into the same one.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from training.config import WorkerSpec
-from training.metrics.base import CheckpointRecord, FanOut, MetricsSink, RestoreRecord, RunInfo, StepRecord
+from training.contract import WorkerIdentity
+from training.contract.events import MetricsExporter
+from training.metrics.base import CheckpointRecord, FanOut, MetricsSink, RestoreRecord, SlowdownRecord, StepRecord
 from training.metrics.flops import resolve_peak_flops
 
 if TYPE_CHECKING:
@@ -21,7 +24,7 @@ __all__ = [
     "FanOut",
     "MetricsSink",
     "RestoreRecord",
-    "RunInfo",
+    "SlowdownRecord",
     "StepRecord",
     "create_sinks",
 ]
@@ -29,18 +32,21 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def create_sinks(spec: WorkerSpec, info: RunInfo) -> FanOut:
+def create_sinks(spec: WorkerSpec, identity: WorkerIdentity, env: Mapping[str, str] | None = None) -> FanOut:
     """The sinks of one worker, as the spec's `metrics` section asks.
 
     - Prometheus (every rank) when `metrics.enabled`: serves on `metrics.port + local_rank` (next free
       port when busy), bound to `metrics.bindAddress` / `TORCHRIG_METRICS_BIND` / all interfaces.
-    - `events.jsonl` (every rank) and `metrics.jsonl` (rank 0) when `info.run_dir` is set.
+    - `events.jsonl` (every rank) and `metrics.jsonl` (rank 0) when `identity.run_dir` is set.
+    - The TrainJob's `status.trainerStatus` (rank 0) when Kubeflow Trainer injected its status server's
+      address (`KUBEFLOW_TRAINER_SERVER_URL`, the alpha `TrainJobStatus` gate): `trainer_status`.
 
     A sink that cannot be created is logged and left out: metrics never stop training.
 
     Args:
         spec: the resolved job file.
-        info: identity of this worker.
+        identity: who this worker is.
+        env: the environment to read the Trainer's variables from (default: `os.environ`).
 
     Returns:
         A `FanOut` of the sinks (possibly empty).
@@ -54,7 +60,7 @@ def create_sinks(spec: WorkerSpec, info: RunInfo) -> FanOut:
     devices: list[int] | None = None
     device_name: str | None = None
     if reader is not None:
-        devices = visible_device_indices(info.local_rank, reader.device_count())
+        devices = visible_device_indices(identity.local_rank, reader.device_count())
         if devices:
             device_name = reader.device_name(devices[0])
     peak = resolve_peak_flops(device_name)
@@ -65,7 +71,7 @@ def create_sinks(spec: WorkerSpec, info: RunInfo) -> FanOut:
 
             ckpt = spec.spec.checkpoint
             exporter = PrometheusSink(
-                info,
+                identity,
                 port=cfg.port,
                 bind_address=default_bind_address(cfg.bind_address),
                 peak_flops=peak,
@@ -80,17 +86,27 @@ def create_sinks(spec: WorkerSpec, info: RunInfo) -> FanOut:
         except Exception:
             log.exception("the Prometheus exporter could not start; training goes on without it")
 
-    if info.run_dir:
+    if identity.run_dir:
         from training.metrics.jsonl import EventsJsonlSink, MetricsJsonlSink
 
         try:
-            events = EventsJsonlSink(info.run_dir, info, cfg.log_every)
+            events = EventsJsonlSink(identity.run_dir, identity, cfg.log_every)
             sinks.append(events)
-            if exporter is not None:
+            if exporter is not None and exporter.port is not None and exporter.url is not None:
                 # Where this rank's metrics really are (the configured port may have been busy).
-                events.write("metrics_exporter", port=exporter.port, url=exporter.url, local_rank=info.local_rank)
-            if info.rank == 0:
-                sinks.append(MetricsJsonlSink(info.run_dir, info, cfg.log_every, peak_flops=peak))
+                events.emit(MetricsExporter(port=exporter.port, url=exporter.url, local_rank=identity.local_rank))
+            if identity.is_leader:
+                sinks.append(MetricsJsonlSink(identity.run_dir, identity, cfg.log_every, peak_flops=peak))
         except OSError:
-            log.exception("cannot write JSON lines to %s; training goes on without them", info.run_dir)
+            log.exception("cannot write JSON lines to %s; training goes on without them", identity.run_dir)
+
+    if identity.is_leader:
+        from training.metrics.trainer_status import TrainerStatusEndpoint, TrainerStatusSink
+
+        endpoint = TrainerStatusEndpoint.from_env(env)
+        if endpoint is not None:
+            try:
+                sinks.append(TrainerStatusSink(endpoint, total_steps=spec.spec.training.steps, log_every=cfg.log_every))
+            except Exception:
+                log.exception("cannot report progress to the TrainJob status; training goes on without it")
     return FanOut(*sinks)

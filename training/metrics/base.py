@@ -10,24 +10,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CheckpointRecord", "FanOut", "MetricsSink", "RestoreRecord", "RunInfo", "StepRecord"]
+from training.contract import EventKind, WorkerIdentity
+from training.contract.events import Payload, payload_fields
+
+__all__ = ["CheckpointRecord", "FanOut", "MetricsSink", "RestoreRecord", "SlowdownRecord", "StepRecord"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RunInfo:
-    """Identity of one worker process, for labels and file names."""
-
-    job: str
-    rank: int
-    local_rank: int
-    node_rank: int
-    world_size: int
-    local_world_size: int
-    generation: int  # elastic restart count of this worker group
-    run_dir: str | None = None
-    node: str = ""  # host name
 
 
 @dataclass(frozen=True)
@@ -46,6 +34,23 @@ class StepRecord:
     time: float  # unix time when the step completed
     flops: float = 0.0  # model FLOPs of the step on this rank (0 when unknown)
     grad_norm: float | None = None
+    # compute before the step's first gradient collective was issued (data wait excluded); None when
+    # the step issued none (one process, or no timed collectives)
+    pre_comm_s: float | None = None
+
+
+@dataclass(frozen=True)
+class SlowdownRecord:
+    """Every `logEvery` steps, on every rank: how much slower than the median rank each rank computed.
+
+    `ratios[r]` is rank r's slowdown (1.0 = the median rank); `straggler` the slowest rank when its
+    slowdown exceeds `threshold`, else -1 (`training.metrics.straggler`).
+    """
+
+    step: int
+    ratios: tuple[float, ...]
+    straggler: int
+    threshold: float
 
 
 @dataclass(frozen=True)
@@ -73,8 +78,8 @@ class RestoreRecord:
 class MetricsSink:
     """No-op base: override what you need."""
 
-    def on_start(self, info: RunInfo) -> None:
-        """The worker has joined its group (called again after every restart, with the new info)."""
+    def on_start(self, identity: WorkerIdentity) -> None:
+        """The worker has joined its group (called again after every restart, with the new identity)."""
 
     def on_step(self, record: StepRecord) -> None:
         """A step completed on this rank."""
@@ -91,8 +96,18 @@ class MetricsSink:
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
         """Held-out evaluation results."""
 
-    def on_event(self, event: str, **fields: Any) -> None:
-        """Anything else worth a line in the run's history (faults, watchdog, world-size change)."""
+    def on_slowdown(self, record: SlowdownRecord) -> None:
+        """The ranks' slowdowns of the last window (every rank gets every rank's)."""
+
+    def on_event(self, event: EventKind | str, **fields: Any) -> None:
+        """Anything else worth a line in the run's history (faults, watchdog, the end of training).
+
+        `fields` are the line's keys (`emit` fills them from a typed payload).
+        """
+
+    def emit(self, payload: Payload) -> None:
+        """An event of the contract, from its typed payload (`training.contract.events`)."""
+        self.on_event(payload.kind, **payload_fields(payload))
 
     def close(self) -> None:
         """Flush and release resources."""
@@ -114,8 +129,8 @@ class FanOut(MetricsSink):
                     self._broken.add(i)
                     log.exception("metrics sink %s failed in %s; further errors of it are not logged", sink, method)
 
-    def on_start(self, info: RunInfo) -> None:
-        self._each("on_start", info)
+    def on_start(self, identity: WorkerIdentity) -> None:
+        self._each("on_start", identity)
 
     def on_step(self, record: StepRecord) -> None:
         self._each("on_step", record)
@@ -132,7 +147,10 @@ class FanOut(MetricsSink):
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
         self._each("on_eval", step, metrics)
 
-    def on_event(self, event: str, **fields: Any) -> None:
+    def on_slowdown(self, record: SlowdownRecord) -> None:
+        self._each("on_slowdown", record)
+
+    def on_event(self, event: EventKind | str, **fields: Any) -> None:
         self._each("on_event", event, **fields)
 
     def close(self) -> None:

@@ -10,7 +10,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-from training.metrics.base import FanOut, MetricsSink, RunInfo, StepRecord
+from training.contract import WorkerIdentity
+from training.metrics.base import FanOut, MetricsSink, StepRecord
 
 __all__ = ["OverheadResult", "measure_on_step_overhead"]
 
@@ -43,11 +44,11 @@ def measure_on_step_overhead(
     from training.metrics.jsonl import EventsJsonlSink, MetricsJsonlSink
     from training.metrics.prometheus import PrometheusSink
 
-    info = RunInfo(job="bench", rank=0, local_rank=0, node_rank=0, world_size=8, local_world_size=8, generation=0)
+    identity = WorkerIdentity(job="bench", world_size=8, local_world_size=8)
     with tempfile.TemporaryDirectory() as tmp:
-        sinks: list[MetricsSink] = [PrometheusSink(info, port=None, peak_flops=989e12)]
+        sinks: list[MetricsSink] = [PrometheusSink(identity, port=None, peak_flops=989e12)]
         if with_jsonl:
-            sinks += [MetricsJsonlSink(tmp, info, log_every), EventsJsonlSink(tmp, info, log_every)]
+            sinks += [MetricsJsonlSink(tmp, identity, log_every), EventsJsonlSink(tmp, identity, log_every)]
         sink = FanOut(*sinks)
         now = time.time()
         records = [

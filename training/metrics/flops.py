@@ -10,11 +10,12 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["PEAK_FLOPS_ENV", "PEAK_FLOPS_TABLE", "peak_flops_for", "resolve_peak_flops"]
+from training.contract import Env
+
+__all__ = ["PEAK_FLOPS_TABLE", "peak_flops_for", "resolve_peak_flops"]
 
 log = logging.getLogger(__name__)
 
-PEAK_FLOPS_ENV = "TORCHRIG_PEAK_FLOPS"
 
 # (substring of the NVML name, dense bf16 FLOP/s). Order matters: the first match wins, so the more
 # specific names come first ("H100 PCIe" before "H100").
@@ -47,7 +48,7 @@ def peak_flops_for(device_name: str) -> float | None:
 
 def resolve_peak_flops(device_name: str | None) -> float | None:
     """`TORCHRIG_PEAK_FLOPS` if set (a positive float), else the table's entry for `device_name`."""
-    raw = os.environ.get(PEAK_FLOPS_ENV, "").strip()
+    raw = os.environ.get(Env.PEAK_FLOPS, "").strip()
     if raw:
         try:
             value = float(raw)
@@ -55,7 +56,7 @@ def resolve_peak_flops(device_name: str | None) -> float | None:
             value = 0.0
         if value > 0:
             return value
-        log.warning("%s=%r is not a positive number; ignored", PEAK_FLOPS_ENV, raw)
+        log.warning("%s=%r is not a positive number; ignored", Env.PEAK_FLOPS, raw)
     if device_name is None:
         return None
     return peak_flops_for(device_name)

@@ -7,28 +7,39 @@
   those of the window's last step; `mfu` is null when FLOPs or the peak are unknown. `close()` writes
   the steps since the last record too, so the final step is always in the file.
 - `EventsJsonlSink` (every rank): `events.jsonl`, one `{"time", "rank", "generation", "event", ...}`
-  line per event, written with a single `write` on an `O_APPEND` descriptor so lines of concurrent
-  ranks never interleave.
+  line per event (the kinds and payloads of `training.contract.events`), written with a single
+  `write` on an `O_APPEND` descriptor so lines of concurrent ranks never interleave.
+
+Both files are written through the contract's one JSON-lines writer (`append_jsonl`), at the paths
+of `RunFiles`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import time
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from training.metrics.base import CheckpointRecord, MetricsSink, RestoreRecord, RunInfo, StepRecord
+from training.contract import EventKind, RunFiles, WorkerIdentity, append_jsonl, open_append
+from training.contract.events import (
+    CheckpointCommitted,
+    CheckpointStaged,
+    Eval,
+    FirstStep,
+    Payload,
+    Restore,
+    Start,
+    StepTimes,
+    StoreFailure,
+    payload_fields,
+)
+from training.metrics.base import CheckpointRecord, MetricsSink, RestoreRecord, StepRecord
 
-__all__ = ["EVENTS_FILE", "METRICS_FILE", "EventsJsonlSink", "MetricsJsonlSink"]
+__all__ = ["EventsJsonlSink", "MetricsJsonlSink"]
 
 log = logging.getLogger(__name__)
-
-METRICS_FILE = "metrics.jsonl"
-EVENTS_FILE = "events.jsonl"
 
 
 def _finite(value: float) -> float | None:
@@ -61,20 +72,25 @@ class _Window:
 
 
 class MetricsJsonlSink(MetricsSink):
-    """Rank 0's `metrics.jsonl`: one line per `log_every` steps, written through a line-buffered file."""
+    """Rank 0's `metrics.jsonl`: one line per `log_every` steps."""
 
-    def __init__(self, run_dir: str | os.PathLike[str], info: RunInfo, log_every: int, peak_flops: float | None = None):
-        self.path = Path(run_dir) / METRICS_FILE
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.info = info
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        identity: WorkerIdentity,
+        log_every: int,
+        peak_flops: float | None = None,
+    ) -> None:
+        self.path = RunFiles(run_dir).metrics
+        self.identity = identity
         self.log_every = max(1, log_every)
         self.peak_flops = peak_flops if peak_flops and peak_flops > 0 else None
         self._window = _Window()
         self._last: StepRecord | None = None
-        self._file: IO[str] | None = self.path.open("a", buffering=1, encoding="utf-8")
+        self._fd: int | None = open_append(self.path)
 
-    def on_start(self, info: RunInfo) -> None:
-        self.info = info
+    def on_start(self, identity: WorkerIdentity) -> None:
+        self.identity = identity
 
     def on_step(self, record: StepRecord) -> None:
         self._window.add(record)
@@ -84,7 +100,7 @@ class MetricsJsonlSink(MetricsSink):
 
     def _write(self, last: StepRecord) -> None:
         w, self._window = self._window, _Window()
-        if self._file is None or w.n == 0:
+        if self._fd is None or w.n == 0:
             return
         ws = last.world_size
         mfu = None
@@ -102,64 +118,67 @@ class MetricsJsonlSink(MetricsSink):
             "comm_s": w.comm_s / w.n,
             "comm_ratio": w.comm_s / w.step_s if w.step_s > 0 else None,
             "world_size": ws,
-            "generation": self.info.generation,
+            "generation": self.identity.generation,
             "mfu": mfu,
         }
-        self._file.write(json.dumps(obj, separators=(",", ":")) + "\n")
+        append_jsonl(self._fd, obj)
 
     def close(self) -> None:
         """Write the steps since the last record (the run's final step), then close the file."""
         if self._last is not None and self._window.n:
             self._write(self._last)
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class EventsJsonlSink(MetricsSink):
     """Every rank's events in the shared `events.jsonl` (O_APPEND, one `write` per line)."""
 
-    def __init__(self, run_dir: str | os.PathLike[str], info: RunInfo, log_every: int):
-        self.path = Path(run_dir) / EVENTS_FILE
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.info = info
+    def __init__(self, run_dir: str | os.PathLike[str], identity: WorkerIdentity, log_every: int) -> None:
+        self.path = RunFiles(run_dir).events
+        self.identity = identity
         self.log_every = max(1, log_every)
-        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd: int | None = open_append(self.path)
         self._step_s_sum = 0.0
         self._comm_s_sum = 0.0
         self._steps = 0
         self._first_step_seen = False
 
-    def write(self, event: str, **fields: Any) -> None:
-        """Append one event line."""
+    def write(self, event: EventKind | str, **fields: Any) -> None:
+        """Append one event line (`fields["time"]`, when given, is the event's time; else now)."""
         if self._fd is None:
             return
         obj: dict[str, Any] = {
             "time": fields.pop("time", None) or time.time(),
-            "rank": self.info.rank,
-            "generation": self.info.generation,
-            "event": event,
+            "rank": self.identity.rank,
+            "generation": self.identity.generation,
+            "event": str(event),
         }
         obj.update(fields)
-        line = (json.dumps(obj, separators=(",", ":"), default=str) + "\n").encode()
-        os.write(self._fd, line)
+        append_jsonl(self._fd, obj)
 
-    def on_start(self, info: RunInfo) -> None:
-        self.info = info
-        self.write(
-            "start",
-            pid=os.getpid(),
-            world_size=info.world_size,
-            node_rank=info.node_rank,
-            local_rank=info.local_rank,
-            node=info.node,
+    def emit(self, payload: Payload, *, at: float | None = None) -> None:
+        """Append one event of the contract, at unix time `at` (default: now)."""
+        self.write(payload.kind, time=at, **payload_fields(payload))
+
+    def on_start(self, identity: WorkerIdentity) -> None:
+        self.identity = identity
+        self.emit(
+            Start(
+                pid=os.getpid(),
+                world_size=identity.world_size,
+                node_rank=identity.node_rank,
+                local_rank=identity.local_rank,
+                node=identity.node,
+            )
         )
 
     def on_step(self, record: StepRecord) -> None:
         if not self._first_step_seen:
             # The first step this process completed: after a restart, the end of the recovery (MTTR).
             self._first_step_seen = True
-            self.write("first_step", time=record.time, step=record.step, world_size=record.world_size)
+            self.emit(FirstStep(step=record.step, world_size=record.world_size), at=record.time)
         self._step_s_sum += record.step_s
         self._comm_s_sum += record.comm_s
         self._steps += 1
@@ -168,20 +187,13 @@ class EventsJsonlSink(MetricsSink):
             step_s, comm_s = self._step_s_sum / n, self._comm_s_sum / n
             self._step_s_sum, self._comm_s_sum, self._steps = 0.0, 0.0, 0
             # compute_s separates a straggler from the ranks that wait for it inside the collectives.
-            self.write(
-                "step_times",
-                time=record.time,
-                step=record.step,
-                step_s=step_s,
-                comm_s=comm_s,
-                compute_s=step_s - comm_s,
-            )
+            times = StepTimes(step=record.step, step_s=step_s, comm_s=comm_s, compute_s=step_s - comm_s)
+            self.emit(times, at=record.time)
 
     def on_checkpoint(self, record: CheckpointRecord) -> None:
+        payload: Payload
         if record.committed:
-            self.write(
-                "checkpoint_committed",
-                time=record.time,
+            payload = CheckpointCommitted(
                 step=record.step,
                 blocked_s=record.blocked_s,
                 save_s=record.save_s,
@@ -190,20 +202,19 @@ class EventsJsonlSink(MetricsSink):
                 stores_failed=list(record.stores_failed),
             )
         else:
-            self.write(
-                "checkpoint_staged", time=record.time, step=record.step, blocked_s=record.blocked_s, bytes=record.bytes
-            )
+            payload = CheckpointStaged(step=record.step, blocked_s=record.blocked_s, bytes=record.bytes)
+        self.emit(payload, at=record.time)
 
     def on_store_failure(self, store: str, error: str) -> None:
-        self.write("store_failure", store=store, error=error)
+        self.emit(StoreFailure(store=store, error=error))
 
     def on_restore(self, record: RestoreRecord) -> None:
-        self.write("restore", step=record.step, store=record.store, seconds=record.seconds, source=record.source)
+        self.emit(Restore(step=record.step, store=record.store, seconds=record.seconds, source=record.source))
 
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
-        self.write("eval", step=step, metrics=metrics)
+        self.emit(Eval(step=step, metrics=metrics))
 
-    def on_event(self, event: str, **fields: Any) -> None:
+    def on_event(self, event: EventKind | str, **fields: Any) -> None:
         self.write(event, **fields)
 
     def close(self) -> None:

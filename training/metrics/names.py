@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Final
 
+from training.contract import EventKind
+
 PREFIX: Final = "torchrig_"
 
 # -- labels -------------------------------------------------------------------------------------------
@@ -78,6 +80,10 @@ STORE_FAILURES: Final = "torchrig_store_failures_total"  # counter by store
 RESTORES: Final = "torchrig_restores_total"  # counter by source
 RESTORE_DURATION: Final = "torchrig_restore_duration_seconds"  # gauge: last restore
 
+# -- stragglers (every logEvery steps, training.metrics.straggler) -----------------------------------
+RANK_SLOWDOWN = "torchrig_rank_slowdown_ratio"  # gauge: this rank's compute time over the median rank's
+STRAGGLER_RANK = "torchrig_straggler_rank"  # gauge: the slowest rank over metrics.stragglerThreshold, else -1
+
 # -- evaluation and events --------------------------------------------------------------------------
 EVAL_METRIC: Final = "torchrig_eval_metric"  # gauge by metric
 EVENTS: Final = "torchrig_events_total"  # counter by event (fixed set)
@@ -91,8 +97,19 @@ GPU_MEMORY_TOTAL: Final = "torchrig_gpu_memory_total_bytes"
 GPU_POWER: Final = "torchrig_gpu_power_watts"
 GPU_TEMPERATURE: Final = "torchrig_gpu_temperature_celsius"
 
-# Events counted in `torchrig_events_total`; anything else counts as `other` (bounded cardinality).
-EVENT_NAMES: Final = frozenset({"watchdog", "fault", "finished", "world_size_change", "other"})
+# Events counted in `torchrig_events_total` under their own name; any other counts as `other`
+# (bounded cardinality). Strings, not `EventKind`s: a set lookup of a plain `str` must find them.
+OTHER_EVENT: Final = "other"
+EVENT_NAMES: Final = frozenset(
+    {
+        str(EventKind.WATCHDOG),
+        str(EventKind.FAULT),
+        str(EventKind.FINISHED),
+        str(EventKind.STRAGGLER),
+        str(EventKind.STACKS),
+        OTHER_EVENT,
+    }
+)
 
 # Histogram buckets. Steps run from milliseconds (tiny models on CPU) to minutes (huge models).
 STEP_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)

@@ -19,15 +19,15 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from training import __version__
+from training.contract import Env, EventKind, WorkerIdentity
 from training.metrics import names
-from training.metrics.base import CheckpointRecord, MetricsSink, RestoreRecord, RunInfo, StepRecord
+from training.metrics.base import CheckpointRecord, MetricsSink, RestoreRecord, SlowdownRecord, StepRecord
 from training.metrics.gpu import GpuCollector, GpuReader
 
-__all__ = ["BIND_ENV", "PORT_ATTEMPTS", "PrometheusSink", "default_bind_address"]
+__all__ = ["PORT_ATTEMPTS", "PrometheusSink", "default_bind_address"]
 
 log = logging.getLogger(__name__)
 
-BIND_ENV = "TORCHRIG_METRICS_BIND"
 PORT_ATTEMPTS = 16  # busy ports tried (port + local_rank + k * local_world_size) before an ephemeral one
 EMA_ALPHA = 0.1  # smoothing of the throughput and communication-share gauges (~10-step memory)
 
@@ -40,14 +40,14 @@ def default_bind_address(configured: str | None) -> str:
     """`metrics.bindAddress`, else `TORCHRIG_METRICS_BIND` (local runs: 127.0.0.1), else all interfaces."""
     if configured:
         return configured
-    return os.environ.get(BIND_ENV, "").strip() or "0.0.0.0"
+    return os.environ.get(Env.METRICS_BIND, "").strip() or "0.0.0.0"
 
 
 class PrometheusSink(MetricsSink):
     """Exports a worker's progress, throughput, checkpoints and GPUs to Prometheus.
 
     Args:
-        info: identity of the worker (labels: training job, rank, node).
+        identity: who the worker is (labels: training job, rank, node).
         port: base port (`metrics.port`); the exporter tries `port + local_rank` first. None: no HTTP
             server (the registry can still be read, e.g. by tests or a push gateway).
         bind_address: address to listen on (see `default_bind_address`).
@@ -61,7 +61,7 @@ class PrometheusSink(MetricsSink):
 
     def __init__(
         self,
-        info: RunInfo,
+        identity: WorkerIdentity,
         port: int | None = None,
         bind_address: str = "127.0.0.1",
         *,
@@ -73,7 +73,7 @@ class PrometheusSink(MetricsSink):
         checkpoint_every_seconds: float | None = None,
         restarts_max: int | None = None,
     ) -> None:
-        self.info = info
+        self.identity = identity
         self.registry = CollectorRegistry(auto_describe=True)
         self.peak_flops = peak_flops if peak_flops and peak_flops > 0 else None
         self.port: int | None = None
@@ -87,9 +87,10 @@ class PrometheusSink(MetricsSink):
         self._closed = False
         self._grad_norm_child: Any = None
         self._mfu_child: Any = None
+        self._slowdown_child: Any = None
 
         base = list(names.BASE_LABELS)
-        self._base_values = [info.job, str(info.rank), info.node]
+        self._base_values = [identity.job, str(identity.rank), identity.node]
         r = self.registry
 
         def gauge(name: str, doc: str, extra: Sequence[str] = ()) -> Gauge:
@@ -168,13 +169,20 @@ class PrometheusSink(MetricsSink):
         self._restore_s = gauge(names.RESTORE_DURATION, "Duration of the last restore.").labels(*v)
         self._eval = gauge(names.EVAL_METRIC, "Held-out evaluation results.", [names.LABEL_METRIC])
         self._events = counter(names.EVENTS, "Worker events (watchdog, fault, finished, ...).", [names.LABEL_EVENT])
+        self._slowdown = gauge(
+            names.RANK_SLOWDOWN, "This rank's compute time over the median rank's, last logEvery window (1 = median)."
+        )
+        self._straggler = gauge(
+            names.STRAGGLER_RANK, "The slowest rank when its slowdown exceeds metrics.stragglerThreshold, else -1."
+        ).labels(*v)
+        self._straggler.set(-1)
 
         now = time.time()
         self._start_time.set(now)
         self._last_step_ts.set(now)
         self._ckpt_ts.set(now)
-        self._world_size.set(info.world_size)
-        self._generation.set(info.generation)
+        self._world_size.set(identity.world_size)
+        self._generation.set(identity.generation)
 
         # Always registered: without a reader it exports `torchrig_gpu_available 0`, which dashboards and
         # alerts can tell apart from an exporter that is down.
@@ -188,13 +196,13 @@ class PrometheusSink(MetricsSink):
     def _candidate_ports(self, base_port: int) -> list[int]:
         if base_port == 0:  # an ephemeral port was asked for (tests, several jobs on one host)
             return [0]
-        first = base_port + self.info.local_rank
-        stride = max(1, self.info.local_world_size)
+        first = base_port + self.identity.local_rank
+        stride = max(1, self.identity.local_world_size)
         ports = [first + k * stride for k in range(PORT_ATTEMPTS)]
         return [p for p in ports if p <= 65535] + [0]
 
     def _serve(self, base_port: int, bind_address: str) -> None:
-        first = base_port + self.info.local_rank
+        first = base_port + self.identity.local_rank
         for candidate in self._candidate_ports(base_port):
             try:
                 self._server, self._thread = start_http_server(candidate, addr=bind_address, registry=self.registry)
@@ -206,7 +214,9 @@ class PrometheusSink(MetricsSink):
                 continue
             self.port = int(self._server.server_port)
             if base_port and self.port != first:
-                log.warning("metrics exporter of rank %d serves on port %d, not %d", self.info.rank, self.port, first)
+                log.warning(
+                    "metrics exporter of rank %d serves on port %d, not %d", self.identity.rank, self.port, first
+                )
             return
         log.error("no port available for the metrics exporter on %s; metrics are not served", bind_address)
 
@@ -215,8 +225,8 @@ class PrometheusSink(MetricsSink):
         self._info_gauge.labels(
             *self._base_values,
             str(self.port if self.port is not None else ""),
-            str(self.info.generation),
-            str(self.info.local_rank),
+            str(self.identity.generation),
+            str(self.identity.local_rank),
             __version__,
         ).set(1)
 
@@ -230,12 +240,12 @@ class PrometheusSink(MetricsSink):
         return f"http://{host}:{self.port}/metrics"
 
     # -- MetricsSink ------------------------------------------------------------------------------
-    def on_start(self, info: RunInfo) -> None:
+    def on_start(self, identity: WorkerIdentity) -> None:
         # Series labels stay those of construction (rank and node identify a worker process); the
         # values that change across restarts are gauges.
-        self.info = info
-        self._world_size.set(info.world_size)
-        self._generation.set(info.generation)
+        self.identity = identity
+        self._world_size.set(identity.world_size)
+        self._generation.set(identity.generation)
         self._set_info()
 
     def on_step(self, record: StepRecord) -> None:
@@ -297,8 +307,15 @@ class PrometheusSink(MetricsSink):
         for key, value in metrics.items():
             self._eval.labels(*self._base_values, key).set(float(value))
 
-    def on_event(self, event: str, **fields: Any) -> None:
-        label = event if event in names.EVENT_NAMES else "other"
+    def on_slowdown(self, record: SlowdownRecord) -> None:
+        if 0 <= self.identity.rank < len(record.ratios):
+            if self._slowdown_child is None:  # no series before the first window
+                self._slowdown_child = self._slowdown.labels(*self._base_values)
+            self._slowdown_child.set(record.ratios[self.identity.rank])
+        self._straggler.set(record.straggler)
+
+    def on_event(self, event: EventKind | str, **fields: Any) -> None:
+        label = str(event) if str(event) in names.EVENT_NAMES else names.OTHER_EVENT
         self._events.labels(*self._base_values, label).inc()
 
     def close(self) -> None:
@@ -315,4 +332,4 @@ class PrometheusSink(MetricsSink):
             self._thread.join(timeout=5)
 
     def __repr__(self) -> str:
-        return f"PrometheusSink(rank={self.info.rank}, port={self.port})"
+        return f"PrometheusSink(rank={self.identity.rank}, port={self.port})"

@@ -60,7 +60,8 @@ strings. Args: dict "value" <map> "shape" <shape from _model.tpl>. Returns JSON.
 {{- if and (lt ($nodes.min | int) ($nodes.max | int)) (not .root.Values.fixedSize) -}}true{{- end -}}
 {{- end -}}
 
-{{- /* Names: the job's, and those derived from it; at most 63 characters (the model keeps them shorter). */ -}}
+{{- /* Names: the job's, and those derived from it; at most 63 characters (each target's name rule keeps
+the job name short enough that only the chart-only dashboard ConfigMap can be cut). */ -}}
 {{- define "torchrig.name" -}}
 {{- .metadata.name | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
@@ -152,16 +153,11 @@ torchrig.metricsPorts: local rank r serves on metrics.port + r, port `metrics` (
   {{- $_ := set $requests $res.gpuResource ($res.gpus | int) -}}
   {{- $_ := set $limits $res.gpuResource ($res.gpus | int) -}}
 {{- end -}}
+{{- /* Ephemeral storage is requested only: the kubelet evicts a pod over its limit. */ -}}
+{{- if hasKey $res "ephemeralStorage" -}}
+  {{- $_ := set $requests "ephemeral-storage" $res.ephemeralStorage -}}
+{{- end -}}
 {{- toJson (dict "requests" $requests "limits" $limits) -}}
-{{- end -}}
-
-{{- /* The `restricted` Pod Security Standard; uid 1000 is the user of every torchrig image (fsGroup makes PVCs writable). */ -}}
-{{- define "torchrig.podSecurityContext" -}}
-{"runAsNonRoot":true,"runAsUser":1000,"runAsGroup":1000,"fsGroup":1000,"seccompProfile":{"type":"RuntimeDefault"}}
-{{- end -}}
-
-{{- define "torchrig.containerSecurityContext" -}}
-{"allowPrivilegeEscalation":false,"runAsNonRoot":true,"runAsUser":1000,"capabilities":{"drop":["ALL"]},"seccompProfile":{"type":"RuntimeDefault"}}
 {{- end -}}
 
 {{- /*
@@ -189,44 +185,6 @@ key order (Helm's maps are sorted; the compiler keeps the job file's order). Arg
   {{- end -}}
 {{- end -}}
 {{- toJson (dict "env" $env) -}}
-{{- end -}}
-
-{{- /*
-torchrig.volumes: volumes of the pod and mounts of the worker container: the spec ConfigMap, the run
-directory, /dev/shm, the node-local checkpoint directory (unless it lies on /dev/shm), PVC-backed stores.
-Arg: the job. Returns JSON {"volumes": [...], "mounts": [...]}.
-*/ -}}
-{{- define "torchrig.volumes" -}}
-{{- $s := .spec -}}
-{{- $volumes := list
-  (dict "name" "torchrig-spec" "configMap" (dict "name" (include "torchrig.configmapName" .) "items" (list (dict "key" "job.yaml" "path" "job.yaml"))))
-  (dict "name" "torchrig-run" "emptyDir" dict) -}}
-{{- $mounts := list
-  (dict "name" "torchrig-spec" "mountPath" "/etc/torchrig" "readOnly" true)
-  (dict "name" "torchrig-run" "mountPath" "/var/run/torchrig") -}}
-{{- $shm := hasKey $s.resources "sharedMemory" -}}
-{{- if $shm -}}
-  {{- $volumes = append $volumes (dict "name" "dshm" "emptyDir" (dict "medium" "Memory" "sizeLimit" $s.resources.sharedMemory)) -}}
-  {{- $mounts = append $mounts (dict "name" "dshm" "mountPath" "/dev/shm") -}}
-{{- end -}}
-{{- $nodeLocal := $s.checkpoint.nodeLocal -}}
-{{- $onShm := and $shm (or (eq $nodeLocal.path "/dev/shm") (hasPrefix "/dev/shm/" $nodeLocal.path)) -}}
-{{- if and $nodeLocal.enabled (not $onShm) -}}
-  {{- $volumes = append $volumes (dict "name" "torchrig-node-local" "emptyDir" dict) -}}
-  {{- $mounts = append $mounts (dict "name" "torchrig-node-local" "mountPath" $nodeLocal.path) -}}
-{{- end -}}
-{{- range $i, $store := $s.checkpoint.stores -}}
-  {{- if $store.pvc -}}
-    {{- $name := printf "store-%d" $i -}}
-    {{- $path := $store.uri -}}
-    {{- if contains "://" $store.uri -}}
-      {{- $path = index (splitn "://" 2 $store.uri) "_1" -}}
-    {{- end -}}
-    {{- $volumes = append $volumes (dict "name" $name "persistentVolumeClaim" (dict "claimName" $store.pvc)) -}}
-    {{- $mounts = append $mounts (dict "name" $name "mountPath" $path) -}}
-  {{- end -}}
-{{- end -}}
-{{- toJson (dict "volumes" $volumes "mounts" $mounts) -}}
 {{- end -}}
 
 {{- /* torchrig.placement: service account, priority class, node selector, tolerations, pull secrets. Arg: the job. Returns JSON. */ -}}

@@ -1,0 +1,206 @@
+"""What a local launch will run (the local backend's dry run), and the free ports it needs.
+
+`LocalPlan` is plain data: the run directory, the c10d rendezvous, each agent's exact command and
+environment. `torchrig run --dry-run` prints it, `LocalRun` starts it, and a detached run stores it
+(`to_json`) for its supervisor process, so what was shown is what runs.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import sys
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from orchestrator.backends.base import NodePlacement, SubmitOptions
+from orchestrator.errors import BackendError
+from orchestrator.spec import JobSpec
+from training.contract import Env, RunFiles
+
+__all__ = ["LOG_LINE_PREFIX", "RDZV_CONF", "LocalPlan", "create_local_plan", "pick_port_block", "placement_from_json"]
+
+# Fast failure detection (ENVIRONMENT.md): with elastic's defaults a survivor waits ~47 s for a dead
+# peer; with these ~6-9 s. keep_alive_max_attempt is 5, not 2: on a loaded machine an agent's keep-alive
+# thread can lag 2 s, the agent then expires ITSELF from the complete round, and a joining node forms
+# a second, separate world (seen here: two world-size-1 groups side by side). `is_host=false`: no agent
+# hosts the store, the store process does.
+RDZV_CONF: dict[str, str] = {
+    "is_host": "false",
+    "last_call_timeout": "2",
+    "keep_alive_interval": "1",
+    "keep_alive_max_attempt": "5",
+    "join_timeout": "600",
+}
+# Every rank's line in logs/node<i>.log starts with its global rank: `torchrig logs --rank R` greps it.
+LOG_LINE_PREFIX = "[rank${rank}]:"
+_DEFAULT_PLACEMENT = NodePlacement()
+
+
+def _port_block_free(start: int, count: int) -> bool:
+    for port in range(start, start + count):
+        if port > 65535:
+            return False
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+    return True
+
+
+def pick_port_block(preferred: int, count: int, taken: set[int]) -> int:
+    """`preferred` if `count` ports from it are free (and not given to another node), else a free block.
+
+    Raises:
+        BackendError: no free block was found.
+    """
+    if _port_block_free(preferred, count) and not taken & set(range(preferred, preferred + count)):
+        return preferred
+    for _ in range(50):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            start = int(sock.getsockname()[1])
+        if start + count <= 65000 and _port_block_free(start, count) and not taken & set(range(start, start + count)):
+            return start
+    raise BackendError(f"spec.metrics.port: no {count} free consecutive ports on 127.0.0.1")
+
+
+def placement_from_json(data: dict[str, Any]) -> NodePlacement:
+    """A `NodePlacement` from its `dataclasses.asdict` form (JSON turns the prefix into a list)."""
+    ifname = data.get("ifname")
+    return NodePlacement(
+        prefix=tuple(str(p) for p in data.get("prefix") or ()),
+        addr=str(data.get("addr", "127.0.0.1")),
+        ifname=None if ifname is None else str(ifname),
+    )
+
+
+@dataclass
+class LocalPlan:
+    """What a local launch will run (the dry run): the run directory, the rendezvous, each agent's command.
+
+    Attributes:
+        run_dir: The run directory (absolute).
+        rdzv_id: The rendezvous id every agent joins.
+        nodes: Emulated nodes (agents) started at launch.
+        nnodes: torchrun's `--nnodes` (`min:max`).
+        procs_per_node: Workers per agent.
+        max_restarts: torchrun's `--max-restarts`.
+        worker: What each agent runs: `-m MODULE` or a script path.
+        env: The workers' extra environment (the backend -> worker contract, drill faults).
+        resume: The run directory holds an earlier attempt of the same job.
+        placements: Where each node runs (the partition drill puts each in its own network
+            namespace); a replacement node takes the last one.
+    """
+
+    run_dir: str
+    rdzv_id: str
+    nodes: int
+    nnodes: str
+    procs_per_node: int
+    max_restarts: int
+    worker: list[str]
+    env: dict[str, str]
+    resume: bool = False
+    placements: list[NodePlacement] = field(default_factory=list)
+
+    def placement(self, node: int) -> NodePlacement:
+        """Where node `node` runs; a replacement node takes the last placement (the lost node's place)."""
+        if not self.placements:
+            return _DEFAULT_PLACEMENT
+        return self.placements[min(node, len(self.placements) - 1)]
+
+    @property
+    def store_host(self) -> str:
+        return self.placement(0).addr
+
+    def agent_command(self, node: int, store_port: int | str, spec_file: str) -> list[str]:
+        """Agent `node`'s `python -m torch.distributed.run ...` command line."""
+        conf = ",".join(f"{k}={v}" for k, v in RDZV_CONF.items())
+        place = self.placement(node)
+        return [
+            *place.prefix,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={self.nnodes}",
+            f"--nproc-per-node={self.procs_per_node}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={self.store_host}:{store_port}",
+            f"--rdzv-id={self.rdzv_id}",
+            f"--rdzv-conf={conf}",
+            f"--max-restarts={self.max_restarts}",
+            f"--local-addr={place.addr}",
+            f"--log-dir={RunFiles(self.run_dir).node_log_dir(node)}",
+            "--tee=3",
+            *self.worker,
+            "--spec",
+            spec_file,
+        ]
+
+    def __str__(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as `torchrig run --dry-run` shows it (commands as shell lines)."""
+        spec_file = str(RunFiles(self.run_dir).job)
+        return {
+            "backend": "local",
+            "runDir": self.run_dir,
+            "resume": self.resume,
+            "rendezvous": {
+                "backend": "c10d",
+                "id": self.rdzv_id,
+                "store": "127.0.0.1:<port chosen at launch, own process>",
+                "conf": dict(RDZV_CONF),
+            },
+            "env": dict(self.env),
+            "agents": [
+                {"node": i, "command": shlex.join(self.agent_command(i, "<store-port>", spec_file))}
+                for i in range(self.nodes)
+            ],
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """Every field, for `from_json` (a detached run's supervisor starts exactly this plan)."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LocalPlan:
+        fields = dict(data)
+        fields["placements"] = [placement_from_json(p) for p in data.get("placements") or []]
+        return cls(**fields)
+
+
+def create_local_plan(spec: JobSpec, options: SubmitOptions, run_dir: Path, *, resume: bool) -> LocalPlan:
+    """The plan of a local launch of `spec` into `run_dir` (nothing is started or written)."""
+    local = options.local
+    worker = local.worker or "training"
+    worker_args = [worker] if worker.endswith(".py") else ["-m", worker]
+    env = {
+        Env.RUN_DIR: str(run_dir.resolve()),
+        Env.METRICS_BIND: "127.0.0.1",
+        # Elastic's shared rendezvous store leaves stale keys that hang restarts (pytorch#135712).
+        Env.DISABLE_SHARED_RDZV_STORE: "1",
+        Env.GLOO_SOCKET_IFNAME: os.environ.get(Env.GLOO_SOCKET_IFNAME, "lo"),
+        "PYTHONUNBUFFERED": "1",
+        **options.env,
+    }
+    return LocalPlan(
+        run_dir=str(run_dir.resolve()),
+        rdzv_id=f"{spec.name}-{uuid.uuid4().hex[:8]}",
+        nodes=local.nodes if local.nodes is not None else spec.spec.nodes.min,
+        nnodes=f"{spec.spec.nodes.min}:{spec.spec.nodes.max}",
+        procs_per_node=spec.spec.procs_per_node,
+        max_restarts=spec.spec.restarts.max,
+        worker=worker_args,
+        env=env,
+        resume=resume,
+        placements=list(local.placements),
+    )

@@ -1,0 +1,66 @@
+"""May a run go into an existing directory? (`--run-dir` of a local run.)
+
+An empty or new directory is fine; a directory holding an earlier attempt of the same job is a resume
+(its checkpoints are picked up, its summary kept under another name); anything else is refused
+before a process starts, so one run never overwrites another's files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from orchestrator.backends.base import RunState
+from orchestrator.errors import BackendError, SpecError
+from orchestrator.rundir import run_state
+from orchestrator.spec import JobSpec
+from training.contract import RunFiles
+
+__all__ = ["check_reuse", "same_job"]
+
+
+def same_job(old: dict[str, Any], new: JobSpec) -> bool:
+    """A resume: same name, task and training loop (ports and node counts may differ)."""
+    from orchestrator.loader import validate_document
+
+    try:
+        before = validate_document(old).to_yaml_dict()
+    except SpecError:
+        return False
+    now = new.to_yaml_dict()
+    return bool(
+        before["metadata"]["name"] == now["metadata"]["name"]
+        and before["spec"]["task"] == now["spec"]["task"]
+        and before["spec"]["training"] == now["spec"]["training"]
+    )
+
+
+def check_reuse(run_dir: Path, spec: JobSpec) -> bool:
+    """May `run_dir` take this run? True when it is a resume of the same job there.
+
+    Raises:
+        BackendError: a live run owns the directory.
+        SpecError: the directory holds another job's run, or a summary without its job.yaml.
+    """
+    files = RunFiles(run_dir)
+    if not run_dir.exists() or not any(run_dir.iterdir()):
+        return False
+    state, _, _ = run_state(run_dir)
+    if state is RunState.RUNNING:
+        raise BackendError(f"--run-dir: {run_dir} belongs to a run that is still going")
+    if not files.job.exists():
+        if files.summary.exists():
+            raise SpecError(f"--run-dir: {run_dir} holds a summary but no job.yaml; use another directory")
+        return False
+    try:
+        old = yaml.safe_load(files.job.read_text()) or {}
+    except yaml.YAMLError:
+        old = {}
+    if not same_job(old if isinstance(old, dict) else {}, spec):
+        raise SpecError(
+            f"--run-dir: {run_dir} holds a run of a different job (name, task or training differ); "
+            "use another directory"
+        )
+    return True

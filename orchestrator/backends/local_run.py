@@ -1,0 +1,350 @@
+"""`LocalRun`: a local run in flight, supervised from this process (a `SupervisedRun`).
+
+It starts the c10d rendezvous store (`_local_store`, a process of its own) and one torchrun agent per
+emulated node, records itself in `supervisor.json` (how `torchrig status` knows it is alive), watches
+the agents until the run ends, and writes `summary.json`. `kill_node` and `add_node` are what the
+drills use to take a node away and bring a replacement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orchestrator.backends._local_procs import find_marked, kill_pids, process_start_ticks, spawn, terminate_then_kill
+from orchestrator.backends._local_view import LiveProgress, QuietView, RunView
+from orchestrator.backends.base import RunState
+from orchestrator.backends.local_plan import LOG_LINE_PREFIX, LocalPlan, pick_port_block
+from orchestrator.errors import BackendError, UnsupportedFeature
+from orchestrator.loader import dump_spec
+from orchestrator.rundir import build_summary, latest_failure_log
+from orchestrator.spec import JobSpec
+from training.contract import Env, RunFiles, Summary, write_json
+
+__all__ = ["DEFAULT_GRACE_S", "LocalRun"]
+
+DEFAULT_GRACE_S = 10.0
+STORE_START_TIMEOUT_S = 60.0
+_STORE_NODE = "store"  # the store process's node marker (never a node index)
+
+
+@dataclass
+class _Agent:
+    node: int
+    proc: subprocess.Popen[bytes]
+    killed: bool = False
+
+
+@dataclass
+class LocalRun:
+    """A local run in flight, supervised from this process (`LocalBackend.launch` starts it).
+
+    The `SupervisedRun` surface: `run_dir`, `poll`, `wait`, `kill_node`, `add_node`, `stop`. The drills
+    also read `agent_pids`, `node_pids`, `worker_pids` and `store_address`; `torchrig run` passes a live
+    view to `wait` and calls `request_cancel` from its signal handler.
+    """
+
+    spec: JobSpec
+    plan: LocalPlan
+    run_dir: Path = field(init=False)
+    token: str = field(default_factory=lambda: uuid.uuid4().hex)
+    endpoints: list[str] = field(default_factory=list)
+    summary: Summary | None = None
+    _agents: list[_Agent] = field(default_factory=list)
+    _store: subprocess.Popen[bytes] | None = None
+    _store_port: int = 0
+    _metrics_ports: dict[int, int] = field(default_factory=dict)
+    _started: float = 0.0
+    _cancel_requested: bool = False
+    _force: bool = False
+
+    def __post_init__(self) -> None:
+        self.run_dir = Path(self.plan.run_dir)
+
+    @property
+    def files(self) -> RunFiles:
+        return RunFiles(self.run_dir)
+
+    # -- start ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Prepare the run directory, start the rendezvous store and one agent per node."""
+        self._started = time.monotonic()
+        self._prepare_run_dir()
+        try:
+            self._start_store()
+            for node in range(self.plan.nodes):
+                self._start_agent(node)
+        except BaseException:
+            self._kill_everything()
+            raise
+        self._write_supervisor()
+
+    def _prepare_run_dir(self) -> None:
+        files = self.files
+        files.logs.mkdir(parents=True, exist_ok=True)
+        if self.plan.resume and files.summary.exists():
+            # Never delete what a previous attempt wrote: its summary is kept under another name.
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(files.summary.stat().st_mtime))
+            os.replace(files.summary, files.archived_summary(stamp))
+        files.job.write_text(dump_spec(self.spec))
+
+    def _spawn(
+        self, cmd: list[str], *, node: str, log: Path, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start one process of this run: its own session, output to `log`, the run's markers in its env."""
+        marked = {**(env or {}), Env.RUN_TOKEN: self.token, Env.LOCAL_NODE: node}
+        return spawn(cmd, log=log, env=marked, cwd=os.getcwd())
+
+    def _start_store(self) -> None:
+        port_file = self.files.store_port
+        with contextlib.suppress(FileNotFoundError):
+            port_file.unlink()
+        cmd = [*self.plan.placement(0).prefix, sys.executable, "-m", "orchestrator.backends._local_store"]
+        self._store = self._spawn(
+            [*cmd, str(port_file), self.plan.store_host], node=_STORE_NODE, log=self.files.store_log
+        )
+        deadline = time.monotonic() + STORE_START_TIMEOUT_S
+        while not port_file.exists():
+            if self._store.poll() is not None:
+                raise BackendError(
+                    f"the rendezvous store exited with {self._store.returncode}; see {self.files.store_log}"
+                )
+            if time.monotonic() > deadline:
+                raise BackendError(f"the rendezvous store did not start in {STORE_START_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
+        self._store_port = int(port_file.read_text())
+        port_file.unlink()
+
+    def _node_spec_file(self, node: int) -> Path:
+        """job.yaml for node 0; other nodes get a copy whose metrics port does not collide on this host."""
+        metrics = self.spec.spec.metrics
+        procs = self.plan.procs_per_node
+        spec = self.spec
+        if metrics.enabled:
+            taken = {p + r for p in self._metrics_ports.values() for r in range(procs)}
+            port = pick_port_block(metrics.port + node * procs, procs, taken)
+            self._metrics_ports[node] = port
+            self.endpoints.extend(f"http://127.0.0.1:{port + r}/metrics" for r in range(procs))
+            if node == 0 and port == metrics.port:
+                return self.files.job
+            spec = spec.model_copy(deep=True)
+            spec.spec.metrics.port = port
+        elif node == 0:
+            return self.files.job
+        path = self.files.node_spec(node)
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(dump_spec(spec))
+        return path
+
+    def _start_agent(self, node: int) -> _Agent:
+        spec_file = self._node_spec_file(node)
+        env = {**self.plan.env, Env.SPEC: str(spec_file), Env.LOG_LINE_PREFIX_TEMPLATE: LOG_LINE_PREFIX}
+        if ifname := self.plan.placement(node).ifname:
+            env[Env.GLOO_SOCKET_IFNAME] = ifname
+        cmd = self.plan.agent_command(node, self._store_port, str(spec_file))
+        agent = _Agent(node=node, proc=self._spawn(cmd, node=str(node), log=self.files.node_log(node), env=env))
+        self._agents.append(agent)
+        return agent
+
+    def _write_supervisor(self) -> None:
+        write_json(
+            self.files.supervisor,
+            {
+                "pid": os.getpid(),
+                "start_ticks": process_start_ticks(os.getpid()),
+                "started_at": time.time(),
+                "backend": "local",
+                "run_token": self.token,
+                "rdzv_id": self.plan.rdzv_id,
+                "resumed": self.plan.resume,
+                "store": {"pid": self._store.pid if self._store else None, "port": self._store_port},
+                "agents": [{"node": a.node, "pid": a.proc.pid, "killed": a.killed} for a in self._agents],
+                "metrics_endpoints": self.endpoints,
+            },
+        )
+
+    # -- what the drills use ----------------------------------------------------------------------
+    @property
+    def store_address(self) -> str:
+        """`host:port` of the run's rendezvous store."""
+        return f"{self.plan.store_host}:{self._store_port}"
+
+    def agent_pids(self) -> dict[int, int]:
+        """Node index -> pid of its (live) agent. Each agent leads its own process group."""
+        return {a.node: a.proc.pid for a in self._agents if not a.killed and a.proc.poll() is None}
+
+    def node_pids(self, node: int) -> list[int]:
+        """Every live process of emulated node `node`: its agent, its workers and their children."""
+        pids = set(find_marked(self.token, node))
+        for a in self._agents:
+            if a.node == node and a.proc.poll() is None:
+                pids.add(a.proc.pid)
+        return sorted(pids)
+
+    def worker_pids(self, node: int | None = None) -> list[int]:
+        """Live worker processes (not agents, not the store), of one node or of all."""
+        agents = {a.proc.pid for a in self._agents}
+        store = {self._store.pid} if self._store else set()
+        return sorted(set(find_marked(self.token, node)) - agents - store)
+
+    def kill_node(self, node: int, sig: signal.Signals = signal.SIGKILL) -> list[int]:
+        """Kill emulated node `node` like a machine dying: its agent and all its workers. Returns the pids."""
+        agent = next((a for a in self._agents if a.node == node and not a.killed), None)
+        if agent is None:
+            raise BackendError(f"node {node}: no such live node (nodes: {sorted(self.agent_pids())})")
+        agent.killed = True
+        pids = self.node_pids(node)
+        # The agent first, so it cannot restart the workers we are about to kill.
+        kill_pids([agent.proc.pid], sig)
+        kill_pids([p for p in pids if p != agent.proc.pid], sig)
+        # A worker the agent was starting at that instant may have been missed: scan again.
+        time.sleep(0.1)
+        late = [p for p in find_marked(self.token, node) if p not in pids]
+        kill_pids(late, sig)
+        pids += late
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            agent.proc.wait(timeout=10)
+        self._write_supervisor()
+        return pids
+
+    def add_node(self) -> int:
+        """Start one more agent that joins the running rendezvous (a replacement node). Returns its index."""
+        live = len(self.agent_pids())
+        if live >= self.spec.spec.nodes.max:
+            raise UnsupportedFeature(f"spec.nodes.max: the job already runs on {live} of at most {live} nodes")
+        node = max((a.node for a in self._agents), default=-1) + 1
+        self._start_agent(node)
+        self._write_supervisor()
+        return node
+
+    # -- supervision ------------------------------------------------------------------------------
+    def request_cancel(self) -> None:
+        """Signal-safe: ask `wait` to stop the run (a second call skips the grace period)."""
+        if self._cancel_requested:
+            self._force = True
+        self._cancel_requested = True
+
+    def poll(self) -> RunState:
+        """RUNNING while any (not deliberately killed) agent runs; else how the run ended."""
+        if self.summary is not None:
+            return RunState(self.summary.status)
+        live = [a for a in self._agents if not a.killed]
+        if any(a.proc.poll() is None for a in live):
+            return RunState.RUNNING
+        if self._cancel_requested:
+            return RunState.CANCELLED
+        if live and all(a.proc.returncode == 0 for a in live):
+            return RunState.SUCCEEDED
+        return RunState.FAILED
+
+    def wait(self, timeout_s: float | None = None, *, view: RunView | None = None, interval_s: float = 0.25) -> Summary:
+        """Supervise until the run ends (or is cancelled, or `timeout_s` passes: then it is cancelled).
+
+        Args:
+            timeout_s: Cancel the run when it has not ended after this many seconds.
+            view: What to show meanwhile (`torchrig run`'s live view); default nothing.
+            interval_s: Seconds between two looks at the agents.
+
+        Returns:
+            The summary, also written to summary.json.
+        """
+        view = view or QuietView(LiveProgress(self.run_dir, self.spec.spec.training.steps), self.endpoints)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        view.start()
+        state: RunState | None = None
+        try:
+            while True:
+                view.refresh(self._note())
+                state = self.poll()
+                if state.terminal:
+                    break
+                if self._cancel_requested or (deadline is not None and time.monotonic() > deadline):
+                    state = RunState.CANCELLED
+                    break
+                time.sleep(interval_s)
+        finally:
+            if state is None:  # an exception in the loop: take everything down
+                self._kill_everything()
+            view.stop()
+        return self.finish(state)
+
+    def _note(self) -> str:
+        return "" if self.files.events.exists() else "starting agents and rendezvous"
+
+    def finish(self, state: RunState | str, grace_s: float | None = None) -> Summary:
+        """Stop what is left, write summary.json and return it (once: later calls return the same).
+
+        Args:
+            state: How the run ended; CANCELLED stops the agents with a grace period first.
+            grace_s: That grace period (default 10 s; none after a second Ctrl-C).
+        """
+        if self.summary is not None:
+            return self.summary
+        state = RunState(state)
+        reason = None
+        if state is RunState.CANCELLED:
+            self._terminate(grace_s if grace_s is not None else 0.0 if self._force else DEFAULT_GRACE_S)
+            reason = "cancelled by the user"
+        else:
+            self._kill_everything()
+        log = latest_failure_log(self.run_dir) if state is RunState.FAILED else None
+        if state is RunState.FAILED:
+            codes = {a.node: a.proc.returncode for a in self._agents if not a.killed}
+            reason = (
+                f"restarts exhausted (spec.restarts.max={self.spec.spec.restarts.max}); agent exit codes {codes}"
+                + (f"; failing rank's log: {log}" if log else "")
+            )
+        stores = [
+            {"name": s.display_name, "uri": s.resolved_uri(self.run_dir)} for s in self.spec.spec.checkpoint.stores
+        ]
+        summary = build_summary(
+            self.run_dir,
+            status=state.value,
+            wall_s=time.monotonic() - self._started,
+            stores=stores,
+            total_steps=self.spec.spec.training.steps,
+            reason=reason,
+        )
+        if log is not None:
+            summary.failure_log = str(log)
+        summary.write(self.files.summary)
+        self.summary = summary
+        return summary
+
+    def stop(self, grace_s: float = DEFAULT_GRACE_S) -> None:
+        """Stop the run now: SIGTERM the agents (they stop their workers), SIGKILL whatever is left after
+        `grace_s`; the summary says `cancelled` (unless the run had already ended)."""
+        state = self.poll()
+        self._cancel_requested = True
+        self.finish(state if state.terminal else RunState.CANCELLED, grace_s)
+
+    def _terminate(self, grace_s: float) -> None:
+        pids = [a.proc.pid for a in self._agents if a.proc.poll() is None]
+        terminate_then_kill(pids, grace_s, token=None)
+        self._kill_everything()
+
+    def _kill_everything(self) -> None:
+        for a in self._agents:
+            if a.proc.poll() is None:
+                kill_pids([a.proc.pid], signal.SIGKILL)
+        # Workers outlive their agents (own sessions): find them by the run's marker.
+        terminate_then_kill([], 0.0, token=self.token)
+        if self._store is not None and self._store.poll() is None:
+            self._store.terminate()
+            try:
+                self._store.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._store.kill()
+        for a in self._agents:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                a.proc.wait(timeout=5)
+        if self._store is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._store.wait(timeout=5)

@@ -1,0 +1,170 @@
+"""Detached runs: `schedule` returns at once, a supervisor process of its own runs the plan.
+
+`torchrig submit --backend local` (and `--backend ray` without a Jobs API address) must not block
+until the job ends, yet a local run needs a process that watches it and writes summary.json. So
+`start_detached` stores the dry run in the run directory (job.yaml, launch.json: backend, options,
+plan) and starts `python -m orchestrator.backends.supervise RUN_DIR` in a session of its own. That
+process starts exactly the stored plan (`Backend.launch_dry_run`), supervises it (`SupervisedRun.wait`)
+and so writes summary.json; SIGTERM (`torchrig cancel`) or SIGINT cancel it like Ctrl-C cancels
+`torchrig run`. No backend starts the `torchrig` CLI.
+
+Exit codes of the supervisor: 0 succeeded, 1 failed, 2 bad launch request, 130 cancelled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any, Protocol, runtime_checkable
+
+from orchestrator.backends._local_procs import alive, find_marked, spawn, terminate_then_kill
+from orchestrator.backends.base import (
+    DryRun,
+    KubernetesOptions,
+    LocalOptions,
+    RayOptions,
+    RunHandle,
+    RunState,
+    SubmitOptions,
+    SupervisedRun,
+)
+from orchestrator.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, BackendError
+from orchestrator.loader import dump_spec
+from orchestrator.rundir import run_state
+from training.contract import RunFiles, Summary, read_json, write_json
+
+__all__ = ["DetachableBackend", "cancel_detached", "main", "options_from_json", "start_detached"]
+
+SUPERVISOR_START_TIMEOUT_S = 60.0
+CANCEL_GRACE_S = 40.0  # the supervisor's own grace period (10 s) plus the time to write its summary
+EXIT_CANCELLED = 130
+
+
+@runtime_checkable
+class DetachableBackend(Protocol):
+    """A backend whose dry-run request survives JSON (what a detached supervisor starts)."""
+
+    name: str
+
+    def request_from_json(self, data: Any) -> Any:
+        """The dry run's request from the JSON that `start_detached` stored."""
+        ...
+
+    def launch_dry_run(self, dryrun: DryRun) -> SupervisedRun: ...
+
+
+def options_from_json(data: dict[str, Any]) -> SubmitOptions:
+    """`SubmitOptions` from its `dataclasses.asdict` form."""
+    from orchestrator.backends.local_plan import placement_from_json
+
+    local = dict(data.get("local") or {})
+    local["placements"] = [placement_from_json(p) for p in local.get("placements") or []]
+    return SubmitOptions(
+        **{
+            **data,
+            "local": LocalOptions(**local),
+            "ray": RayOptions(**(data.get("ray") or {})),
+            "kubernetes": KubernetesOptions(**(data.get("kubernetes") or {})),
+        }
+    )
+
+
+def start_detached(dryrun: DryRun, run_dir: Path, request: Any) -> RunHandle:
+    """Store the dry run in `run_dir` and start its supervisor process; return once it is recorded.
+
+    Args:
+        dryrun: What to run (its spec and options).
+        run_dir: The run directory.
+        request: The dry run's request as JSON data (the backend's `request_from_json` reads it back).
+
+    Raises:
+        BackendError: the supervisor exited before it recorded the run.
+    """
+    files = RunFiles(run_dir)
+    files.logs.mkdir(parents=True, exist_ok=True)
+    files.job.write_text(dump_spec(dryrun.spec))
+    write_json(
+        files.launch, {"backend": dryrun.backend, "options": dataclasses.asdict(dryrun.options), "request": request}
+    )
+    cmd = [sys.executable, "-m", "orchestrator.backends.supervise", str(run_dir)]
+    proc = spawn(cmd, log=files.supervisor_log, env=dryrun.options.env)
+    # Wait until it has recorded itself, so `status` right after `submit` says running.
+    deadline = time.monotonic() + SUPERVISOR_START_TIMEOUT_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (read_json(files.supervisor) or {}).get("pid") == proc.pid:
+            break
+        time.sleep(0.1)
+    if proc.poll() not in (None, 0) and not files.summary.exists():
+        raise BackendError(f"the background run exited with {proc.returncode}; see {files.supervisor_log}")
+    return RunHandle(dryrun.backend, str(run_dir), info={"pid": proc.pid})
+
+
+def cancel_detached(run_dir: Path) -> None:
+    """Cancel the run supervised in `run_dir` (detached or `torchrig run`): SIGTERM its supervisor,
+    which stops the run and writes summary.json; kill what it left; record `cancelled` if it could not."""
+    files = RunFiles(run_dir)
+    state, _, _ = run_state(run_dir)
+    if state.terminal:
+        return
+    sup = read_json(files.supervisor) or {}
+    pid = int(sup.get("pid", -1))
+    if state is RunState.RUNNING and alive(pid, sup.get("start_ticks")):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + CANCEL_GRACE_S
+        while time.monotonic() < deadline and alive(pid):
+            time.sleep(0.2)
+    token = sup.get("run_token")
+    if token:
+        terminate_then_kill(find_marked(str(token)), 5.0, token=str(token))
+    if not files.summary.exists():
+        Summary(status=RunState.CANCELLED.value, run_dir=str(run_dir), reason="cancelled").write(files.summary)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Supervise the detached run stored in RUN_DIR (see the module docstring)."""
+    from orchestrator.backends import get_backend
+    from orchestrator.errors import TorchrigError
+    from orchestrator.loader import load_spec
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m orchestrator.backends.supervise RUN_DIR", file=sys.stderr)
+        return EXIT_USAGE
+    files = RunFiles(args[0])
+    try:
+        launch = read_json(files.launch)
+        if launch is None:
+            raise BackendError(f"{files.launch}: missing or not JSON")
+        backend = get_backend(str(launch["backend"]))
+        if not isinstance(backend, DetachableBackend):
+            raise BackendError(f"backend {backend.name!r} cannot run detached")
+        spec = load_spec(files.job)
+        options = options_from_json(dict(launch["options"]))
+        request = backend.request_from_json(launch["request"])
+        run = backend.launch_dry_run(DryRun(backend=backend.name, spec=spec, options=options, request=request))
+    except TorchrigError as exc:
+        for line in exc.lines():
+            print(f"error: {line}", file=sys.stderr)
+        return exc.exit_code
+
+    def _on_signal(signum: int, frame: FrameType | None) -> None:
+        run.request_cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _on_signal)
+    summary = run.wait()
+    from orchestrator.summary_text import final_line
+
+    print(f"{final_line(summary)}; summary: {files.summary}")
+    return {RunState.SUCCEEDED.value: EXIT_OK, RunState.CANCELLED.value: EXIT_CANCELLED}.get(
+        summary.status, EXIT_FAILED
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""What a Kubernetes target refuses before anything is rendered or submitted, with the field and the fix.
+
+- the operator's limit on `metadata.name` (`orchestrator.naming`);
+- what the target cannot express (`trainjob.check_trainjob`: elastic specs, gang with a user runtime);
+- checkpoint stores that all live inside one pod while the job can span several: the default
+  `file://./checkpoints` is the pod's emptyDir run directory, so rank 0 would commit manifests over
+  shards other pods hold and lose with them. Downgraded to a warning by `allow_pod_local_stores`
+  (`--allow-pod-local-stores`; the chart's `allowPodLocalStores`);
+- credentials written into `stores[].options` or `initFrom.options`: they would be stored in the spec
+  ConfigMap and the job object, readable by anyone who can read those; `stores[].secretRef` names a
+  Secret instead;
+- a RayJob whose `spec.ray.rayVersion` is older than Ray's token authentication (2.52): the RayJob
+  turns it on (`authOptions`), and KubeRay refuses token mode on an older Ray. Refused rather than
+  rendered without `authOptions`: the Jobs API of such a cluster would run anyone's code.
+
+The launch-plan targets (`torchrun`, `raytrain`) run where a path may well be shared (NFS on bare
+metal), so only the Kubernetes targets apply these rules. The Helm chart applies the same ones with the
+same messages (helm/torchrig/templates/_checks.tpl).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from orchestrator.errors import UnsupportedFeature
+from orchestrator.naming import target_name_rule
+from orchestrator.spec import JobSpec
+
+__all__ = [
+    "KUBERNETES_TARGETS",
+    "SECRET_OPTION_RE",
+    "check_name",
+    "check_target",
+    "inline_credentials_problem",
+    "pod_local_stores_problem",
+    "ray_version_problem",
+]
+
+KUBERNETES_TARGETS = ("pytorchjob", "trainjob", "rayjob")
+# The first Ray with token authentication (KubeRay ray-operator/controllers/ray/utils/validation.go,
+# ValidateRayClusterSpec: "minimum Ray version is 2.52.0" for authOptions.mode token).
+MIN_RAY_VERSION_WITH_AUTH = (2, 52)
+_RAY_VERSION_RE = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?(?:[-+.].*)?$")
+# Option keys of fsspec stores that hold a credential (s3fs `key`/`secret`/`token`, botocore's
+# `aws_*` in `client_kwargs`, adlfs `account_key`/`sas_token`/`connection_string`, passwords). RE2 and
+# Python read it alike (the chart uses it too).
+SECRET_OPTION_RE = re.compile(
+    r"(?i)^key$|secret|passw|token|credential|private_key|account_key|connection_string|api_key|access_key"
+)
+# gcsfs's `token` may name an authentication method instead of holding one.
+_TOKEN_METHODS = ("anon", "google_default", "cache", "cloud", "browser")
+
+
+def check_name(spec: JobSpec, target: str, *, fixed_size: bool = False) -> None:
+    """Raise UnsupportedFeature when the target's operator would reject `metadata.name` (orchestrator.naming).
+
+    The job model takes any DNS-1035 name up to 63 characters; each Kubernetes target's operator derives
+    longer names from it (Services, pods, the RayCluster), so its limit applies only to that target.
+    """
+    elastic = spec.spec.nodes.elastic and not fixed_size
+    rule = target_name_rule(target, spec.spec.nodes.max, elastic=elastic)
+    problem = rule.problem(spec.name) if rule else None
+    if problem:
+        raise UnsupportedFeature(problem)
+
+
+def pod_local_stores_problem(spec: JobSpec) -> str | None:
+    """The problem when the job can span several pods and no store is shared between them, else None.
+
+    Shared: an object store, or a `file://` store on a PersistentVolumeClaim (`pvc:`). A `file://`
+    store without one is the pod's own filesystem; `memory://` is the process's memory.
+    """
+    s = spec.spec
+    if s.nodes.max <= 1:
+        return None
+    if any(st.scheme not in ("file", "memory") or st.pvc is not None for st in s.checkpoint.stores):
+        return None
+    return (
+        "spec.checkpoint.stores: every store is pod-local (a file:// store without pvc is the pod's own "
+        f"filesystem) and spec.nodes.max is {s.nodes.max}, so rank 0 would commit checkpoints whose shards "
+        "other pods hold and lose; add a shared store: pvc: on a ReadWriteMany PersistentVolumeClaim, or an "
+        "s3:// store (to accept it anyway: --allow-pod-local-stores, or the chart value allowPodLocalStores)"
+    )
+
+
+def _secret_keys(options: Mapping[str, Any], prefix: str) -> Iterator[str]:
+    """Dotted paths of credential-like keys in `options`, depth first in key order (as Helm walks maps)."""
+    for key in sorted(options):
+        value = options[key]
+        path = f"{prefix}.{key}"
+        if isinstance(value, Mapping):
+            yield from _secret_keys(value, path)
+        elif SECRET_OPTION_RE.search(key) and not (key == "token" and value in _TOKEN_METHODS):
+            yield path
+
+
+def inline_credentials_problem(spec: JobSpec) -> str | None:
+    """The first credential written inline in a store's options (or initFrom's), else None."""
+    ckpt = spec.spec.checkpoint
+    sources = [(f"spec.checkpoint.stores[{i}]", st.options) for i, st in enumerate(ckpt.stores)]
+    if ckpt.init_from is not None:
+        sources.append(("spec.checkpoint.initFrom", ckpt.init_from.options))
+    for where, options in sources:
+        for path in _secret_keys(options, f"{where}.options"):
+            store = where if where.startswith("spec.checkpoint.stores[") else "spec.checkpoint.stores[]"
+            return (
+                f"{path}: credentials must not be inline for Kubernetes targets (they would be stored in the "
+                f"spec ConfigMap); put them in a Secret and name it in {store}.secretRef: its keys (e.g. "
+                "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) become the pods' environment, which fsspec reads"
+            )
+    return None
+
+
+def ray_version_problem(spec: JobSpec) -> str | None:
+    """The problem when `spec.ray.rayVersion` cannot run the RayJob's token authentication, else None."""
+    version = spec.spec.ray.ray_version
+    match = _RAY_VERSION_RE.match(version.strip())
+    minimum = ".".join(map(str, MIN_RAY_VERSION_WITH_AUTH))
+    if match and (int(match.group(1)), int(match.group(2))) >= MIN_RAY_VERSION_WITH_AUTH:
+        return None
+    why = f"{version!r} is older than {minimum}" if match else f"{version!r} is not a Ray version (like 2.60.0)"
+    return (
+        f"spec.ray.rayVersion: {why}; the RayJob turns on Ray's token authentication (authOptions mode token), "
+        f"which needs Ray >= {minimum} (and KubeRay >= 1.5.1): use an image with Ray >= {minimum} "
+        "(spec.ray.image) and set spec.ray.rayVersion to its version"
+    )
+
+
+def check_target(
+    spec: JobSpec, target: str, *, fixed_size: bool = False, allow_pod_local_stores: bool = False
+) -> list[str]:
+    """Everything `target` refuses in `spec`, in the order the chart checks it; returns warnings.
+
+    Args:
+        spec: the validated job.
+        target: any target; only the Kubernetes ones have rules here.
+        fixed_size: run an elastic spec at `nodes.max` nodes.
+        allow_pod_local_stores: warn about pod-local stores on a multi-node job instead of refusing it.
+
+    Returns:
+        `path: message` lines to print as warnings.
+
+    Raises:
+        UnsupportedFeature: naming the field to change and how.
+    """
+    if target not in KUBERNETES_TARGETS:
+        return []
+    check_name(spec, target, fixed_size=fixed_size)
+    if target == "trainjob":
+        from orchestrator.compile.trainjob import check_trainjob
+
+        check_trainjob(spec, fixed_size=fixed_size)
+    warnings: list[str] = []
+    pod_local = pod_local_stores_problem(spec)
+    if pod_local and not allow_pod_local_stores:
+        raise UnsupportedFeature(pod_local)
+    if pod_local:
+        warnings.append(pod_local)
+    credentials = inline_credentials_problem(spec)
+    if credentials:
+        raise UnsupportedFeature(credentials)
+    if target == "rayjob":
+        old_ray = ray_version_problem(spec)
+        if old_ray:
+            raise UnsupportedFeature(old_ray)
+    return warnings

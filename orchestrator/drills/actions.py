@@ -1,0 +1,222 @@
+"""Carrying out a drill's planned outside actions on a running job.
+
+The scenario decided what to do (`orchestrator.drills.plan`); this module does it to a
+`SupervisedRun` of any backend, from a thread beside the one waiting for the run, and records what it
+did and where the fault struck in the drill's `Outcome`. It reads the job's progress from its run
+directory (`RunHistory`), the way an operator would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from orchestrator.backends.base import NodePlacement, SupervisedRun
+from orchestrator.drills.damage import committed_steps, corrupt_newest, make_store_unreachable
+from orchestrator.drills.history import RunHistory
+from orchestrator.drills.plan import (
+    Action,
+    AwaitCommit,
+    AwaitProgress,
+    AwaitStep,
+    AwaitWorldSize,
+    DrillPlan,
+    LinkCut,
+    LinkHeal,
+    NodeAdd,
+    NodeKill,
+    Outcome,
+    RankKill,
+    StoreCorrupt,
+    StoreLoss,
+)
+from orchestrator.errors import UnsupportedFeature
+from orchestrator.spec import JobSpec
+from training.contract import DrillEventKind, Summary
+
+if TYPE_CHECKING:
+    from orchestrator.drills.netns import NetnsPair
+
+__all__ = ["ActionRunner", "emulated_network", "placements", "supervise", "wait_for"]
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, run: SupervisedRun, poll_s: float = 0.1) -> bool:
+    """Poll `predicate` until it holds, the run ends (one last look) or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        if run.poll().terminal:
+            return bool(predicate())
+        time.sleep(poll_s)
+    return False
+
+
+@dataclass(frozen=True)
+class _Store:
+    name: str
+    uri: str  # resolved against the run directory
+    options: dict[str, Any]
+
+
+class ActionRunner:
+    """Carries out one plan's actions in order; an `AwaitCommit(required=True)` that times out stops them."""
+
+    def __init__(
+        self,
+        run: SupervisedRun,
+        spec: JobSpec,
+        outcome: Outcome,
+        *,
+        timeout_s: float,
+        network: NetnsPair | None = None,
+        lose_store_hook: Callable[[str], None] | None = None,
+    ) -> None:
+        self.run = run
+        self.outcome = outcome
+        self.timeout_s = timeout_s
+        self.network = network
+        self.lose_store_hook = lose_store_hook
+        self.stores = [
+            _Store(s.display_name, s.resolved_uri(run.run_dir), dict(s.options)) for s in spec.spec.checkpoint.stores
+        ]
+
+    def run_all(self, actions: Sequence[Action]) -> None:
+        for action in actions:
+            if not self.do(action):
+                return
+
+    # -- what the job shows -------------------------------------------------------------------------
+    def _history(self) -> RunHistory:
+        return RunHistory.load(self.run.run_dir)
+
+    def _latest_step(self) -> int:
+        return self._history().latest_step()
+
+    def _wait(self, predicate: Callable[[], bool]) -> bool:
+        return wait_for(predicate, self.timeout_s, self.run)
+
+    def _strike(self, kind: str, **where: Any) -> None:
+        """Record the fault at the step the job had actually reached (later than planned, from outside)."""
+        self.outcome.fault_step = self._latest_step()
+        self.outcome.record(DrillEventKind.FAULT_INJECTED, kind=kind, **where, step=self.outcome.fault_step)
+
+    # -- one action ---------------------------------------------------------------------------------
+    def do(self, action: Action) -> bool:
+        """Carry out one action; False when the rest of the plan must not run."""
+        match action:
+            case AwaitStep(step=step):
+                self._wait(lambda: self._latest_step() >= step)
+            case AwaitProgress(steps=steps):
+                target = self._latest_step() + steps
+                self._wait(lambda: self._latest_step() >= target)
+            case AwaitCommit(store=index, step=step, required=required):
+                store = self.stores[index]
+                done = self._wait(lambda: any(s >= step for s in committed_steps(store.uri, store.options)))
+                if not done and required:
+                    reason = f"no checkpoint >= step {step} was committed in {store.name}"
+                    self.outcome.record(DrillEventKind.DAMAGE_SKIPPED, reason=reason)
+                    return False
+            case AwaitWorldSize(size=size):
+                shrunk = self._wait(lambda: self._history().world_sizes()[-1:] == [size])
+                self.outcome.record(DrillEventKind.SHRUNK if shrunk else DrillEventKind.DID_NOT_SHRINK)
+            case StoreCorrupt(store=index, kind=kind):
+                store = self.stores[index]
+                damage = corrupt_newest(store.uri, kind, store.options)
+                self.outcome.damage = {**damage.to_dict(), "store_name": store.name}
+                self.outcome.record(DrillEventKind.CHECKPOINT_DAMAGED, **damage.to_dict())
+            case StoreLoss(store=index):
+                self._lose_store(self.stores[index])
+            case RankKill(rank=rank):
+                pids = self._history().worker_pids(rank)
+                if pids:
+                    self._strike("kill", rank=rank)
+                    for pid in pids:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+            case NodeKill(node=node, fault=fault):
+                if fault:
+                    self._strike("kill-node", node=node)
+                self.run.kill_node(node)
+                if fault:
+                    self.outcome.fault_rank = node
+            case LinkCut(node=node):
+                network = self._network()
+                self._strike("partition", node=node)
+                self.outcome.fault_rank = node
+                network.cut(node)
+            case LinkHeal(node=node):
+                self._network().heal(node)
+            case NodeAdd():
+                self.outcome.record(DrillEventKind.NODE_ADDED)
+                self.run.add_node()
+        return True
+
+    def _lose_store(self, store: _Store) -> None:
+        if not store.uri.startswith("file://"):
+            if self.lose_store_hook is None:
+                raise UnsupportedFeature(
+                    f"lose-store: store {store.name!r} is not a local path; pass a hook to stop it"
+                )
+            self.lose_store_hook(store.name)
+        else:
+            aside = make_store_unreachable(store.uri[len("file://") :])
+            self.outcome.damage = {"store_name": store.name, "uri": store.uri, "moved_aside_to": aside}
+        self._strike("lose-store", store=store.name)
+
+    def _network(self) -> NetnsPair:
+        if self.network is None:
+            raise UnsupportedFeature("this drill's plan cuts a link but its nodes share one network")
+        return self.network
+
+
+@contextlib.contextmanager
+def emulated_network(plan: DrillPlan, outcome: Outcome) -> Iterator[NetnsPair | None]:
+    """Network namespaces for the emulated nodes when the plan needs them (destroyed on exit)."""
+    if not plan.network:
+        yield None
+        return
+    from orchestrator.drills.netns import NetnsPair, netns_supported
+
+    reason = netns_supported()
+    if reason:
+        raise UnsupportedFeature(f"partition: {reason}")
+    pair = NetnsPair().create()
+    try:
+        outcome.record(DrillEventKind.NETNS_CREATED, namespaces=list(pair.names), addrs=list(pair.addrs))
+        yield pair
+    finally:
+        pair.destroy()
+
+
+def placements(network: NetnsPair | None) -> list[NodePlacement]:
+    """Where each emulated node runs: node i inside namespace i (none: all on this host's network)."""
+    if network is None:
+        return []
+    return [
+        NodePlacement(prefix=tuple(network.exec_prefix(i)), addr=network.addrs[i], ifname=network.links[i])
+        for i in (0, 1)
+    ]
+
+
+def supervise(run: SupervisedRun, runner: ActionRunner, actions: Sequence[Action], timeout_s: float) -> Summary:
+    """Wait for the run while the actions run in a thread; an action's exception lands in the outcome
+    (reported, never swallowed: the verdict fails)."""
+
+    def _act() -> None:
+        try:
+            runner.run_all(actions)
+        except BaseException as exc:
+            runner.outcome.errors.append(exc)
+
+    actor = threading.Thread(target=_act, name="drill-actions", daemon=True)
+    actor.start()
+    summary = run.wait(timeout_s)
+    actor.join(timeout=5)
+    return summary

@@ -1,0 +1,245 @@
+"""What a drill decides before anything runs, as plain typed values.
+
+A scenario (`orchestrator.drills.scenarios`) turns a `DrillContext` into a `DrillPlan`: the patched
+spec, the faults the workers inject into themselves (`training.faults.Fault`, carried in `Env.FAULTS`),
+and the outside actions below, in order. `orchestrator.drills.actions` carries the actions out on the
+running job and records what happened in an `Outcome`. Nothing here runs anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.drills.damage import CorruptionKind
+from orchestrator.spec import JobSpec
+from training.contract import DrillEventKind, Env
+from training.faults import Fault
+
+__all__ = [
+    "Action",
+    "AwaitCommit",
+    "AwaitProgress",
+    "AwaitStep",
+    "AwaitWorldSize",
+    "DrillContext",
+    "DrillEvent",
+    "DrillOptions",
+    "DrillPlan",
+    "Fault",
+    "LinkCut",
+    "LinkHeal",
+    "NodeAdd",
+    "NodeKill",
+    "Outcome",
+    "RankKill",
+    "StoreCorrupt",
+    "StoreLoss",
+    "fault_dicts",
+    "faults_env",
+]
+
+
+@dataclass(frozen=True)
+class DrillOptions:
+    """How to run a drill (the CLI flags)."""
+
+    backend: str = "local"
+    seed: int = 0
+    at_step: int | None = None  # the fault's step (default: drawn from the seed)
+    rank: int | None = None  # the rank hit (default: drawn from the seed)
+    nodes: int | None = None  # emulated nodes (default: what the scenario needs)
+    reference: bool = True  # also run the uninterrupted reference (the bit-exactness check)
+    drill_dir: str | None = None
+    timeout_s: float = 600.0  # per run, and per wait of an outside action
+    quiet: bool = True
+    corruption: CorruptionKind | None = None  # corrupt-checkpoint: which damage (default: drawn from the seed)
+    hang_timeout_s: float = 10.0  # hang, partition: spec.restarts.stepTimeoutSeconds is at most this
+    slow_s: float = 0.05  # straggler: seconds added to every step of the slow rank
+    pace_s: float = 0.05  # kill-node, partition: seconds every rank sleeps per step (0: no pacing)
+    repeat: int = 1  # kill-worker: kills in a row, one after each checkpoint
+    lose_store_hook: Callable[[str], None] | None = None  # lose-store: makes a non-file store unreachable
+
+
+@dataclass(frozen=True)
+class DrillContext:
+    """What a scenario decides from: the job's shape and the fault drawn for this seed."""
+
+    scenario: str
+    seed: int
+    steps: int
+    world_size: int
+    nodes: int
+    checkpoint_every: int
+    fault_step: int
+    fault_rank: int
+    options: DrillOptions = field(default_factory=DrillOptions)
+    rng: random.Random = field(default_factory=random.Random, compare=False, repr=False)
+
+    @property
+    def checkpoint_at_fault(self) -> int:
+        """The newest checkpoint step at or before the planned fault (at least the first one)."""
+        every = self.checkpoint_every
+        return max(every, (self.fault_step // every) * every)
+
+
+# -- outside actions: what the drill does to the running job, in order --------------------------------
+@dataclass(frozen=True)
+class AwaitStep:
+    """Wait until the job has reached `step`."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class AwaitProgress:
+    """Wait until the job has made `steps` more steps than when this action starts."""
+
+    steps: int
+
+
+@dataclass(frozen=True)
+class AwaitCommit:
+    """Wait until store `store` (an index into the spec's stores) holds a committed step >= `step`.
+
+    When `required` and it never does, the drill records `damage_skipped` and stops its actions.
+    """
+
+    store: int
+    step: int
+    required: bool = False
+
+
+@dataclass(frozen=True)
+class AwaitWorldSize:
+    """Wait until the newest world size is `size`; records `shrunk` or `did_not_shrink`."""
+
+    size: int
+
+
+@dataclass(frozen=True)
+class StoreCorrupt:
+    """Damage the newest committed checkpoint of store `store`."""
+
+    store: int
+    kind: CorruptionKind
+
+
+@dataclass(frozen=True)
+class StoreLoss:
+    """Make store `store` unreachable (the fault of lose-store)."""
+
+    store: int
+
+
+@dataclass(frozen=True)
+class RankKill:
+    """SIGKILL the live worker holding `rank`, from outside (a fault)."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class NodeKill:
+    """Kill emulated node `node` (agent and workers); `fault`: this is the drill's fault, not cleanup."""
+
+    node: int
+    fault: bool = True
+
+
+@dataclass(frozen=True)
+class LinkCut:
+    """Take the network link of emulated node `node` down (a partition; the drill's fault)."""
+
+    node: int
+
+
+@dataclass(frozen=True)
+class LinkHeal:
+    """Bring the link of emulated node `node` back up."""
+
+    node: int
+
+
+@dataclass(frozen=True)
+class NodeAdd:
+    """Start a replacement node that joins the running job."""
+
+
+Action = (
+    AwaitStep
+    | AwaitProgress
+    | AwaitCommit
+    | AwaitWorldSize
+    | StoreCorrupt
+    | StoreLoss
+    | RankKill
+    | NodeKill
+    | LinkCut
+    | LinkHeal
+    | NodeAdd
+)
+
+
+@dataclass(frozen=True)
+class DrillPlan:
+    """A scenario's decisions for one drill."""
+
+    spec: JobSpec  # the faulted run's spec (validated)
+    faults: tuple[Fault, ...] = ()  # injected by the workers themselves
+    actions: tuple[Action, ...] = ()  # carried out from outside, in order, while the job runs
+    fault_step: int = 0  # where the fault is aimed (outside faults record the step actually reached)
+    fault_rank: int = 0
+    network: bool = False  # the emulated nodes need their own network namespaces (partition)
+
+
+def fault_dicts(faults: Sequence[Fault]) -> list[dict[str, Any]]:
+    """The faults as `Env.FAULTS` lists them (`seconds` only where it matters)."""
+    entries = []
+    for fault in faults:
+        entry = dataclasses.asdict(fault)
+        if not fault.seconds:
+            del entry["seconds"]
+        entries.append(entry)
+    return entries
+
+
+def faults_env(faults: Sequence[Fault]) -> dict[str, str]:
+    """The worker environment that carries `faults`: `Env.FAULTS`, the JSON list `training.faults` parses."""
+    return {Env.FAULTS: json.dumps(fault_dicts(faults))} if faults else {}
+
+
+# -- what happened ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DrillEvent:
+    """One entry of the drill's own timeline (merged with the job's events in the report)."""
+
+    time: float
+    kind: DrillEventKind
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"time": self.time, "event": str(self.kind), **self.data}
+
+
+@dataclass
+class Outcome:
+    """What the drill did and where its fault struck (updated by the actions as they run)."""
+
+    fault_step: int
+    fault_rank: int
+    timeline: list[DrillEvent] = field(default_factory=list)
+    damage: dict[str, Any] | None = None
+    errors: list[BaseException] = field(default_factory=list)
+
+    def record(self, event: DrillEventKind, /, *, at: float | None = None, **data: Any) -> None:
+        """Add `event` to the timeline, now or `at` a time the job's own records give."""
+        self.timeline.append(DrillEvent(time.time() if at is None else at, event, data))
+
+    def times(self, event: DrillEventKind) -> list[float]:
+        return [e.time for e in self.timeline if e.kind is event]

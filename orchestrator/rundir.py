@@ -1,0 +1,221 @@
+"""Reading and naming run directories: where new runs go, what state a run is in, its summary and logs.
+
+The layout itself is `training.contract.RunFiles` (docs/architecture.md, "Worker -> run directory");
+every backend writes it, so `torchrig status/list/logs/report`, the drills and the benchmarks read
+any run through these functions.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from orchestrator.backends._local_procs import alive
+from orchestrator.backends.base import RunState
+from training.contract import (
+    Env,
+    Event,
+    EventKind,
+    FinalCheckpoint,
+    RunFiles,
+    Summary,
+    read_events,
+    read_json,
+    read_jsonl,
+)
+
+__all__ = [
+    "build_summary",
+    "find_run_dirs",
+    "iter_rank_lines",
+    "latest_failure_log",
+    "new_run_dir",
+    "rank_of_line",
+    "run_state",
+    "runs_root",
+    "world_sizes_from_events",
+]
+
+_RANK_PREFIX_RE = re.compile(r"^\[rank(\d+)\]:")
+
+
+def runs_root() -> Path:
+    """Where new local runs go and `torchrig list` looks: `$TORCHRIG_RUNS_DIR`, default `./runs`."""
+    return Path(os.environ.get(Env.RUNS_DIR, "runs"))
+
+
+def new_run_dir(name: str, root: Path | None = None) -> Path:
+    """`runs/<name>/<YYYYmmdd-HHMMSS>` (a `-N` suffix when two runs start in the same second); not created."""
+    base = (root or runs_root()) / name
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    candidate = base / stamp
+    n = 1
+    while candidate.exists():
+        candidate = base / f"{stamp}-{n}"
+        n += 1
+    return candidate
+
+
+def _as_event(event: Event | Mapping[str, Any]) -> Event:
+    return event if isinstance(event, Event) else Event.from_dict(dict(event))
+
+
+def world_sizes_from_events(events: Iterable[Event | Mapping[str, Any]]) -> list[int]:
+    """World sizes in the order the run went through them (one entry per change), from `start` events."""
+    starts = sorted(
+        (e for e in map(_as_event, events) if e.kind is EventKind.START and isinstance(e.get("world_size"), int)),
+        key=lambda e: e.time,
+    )
+    out: list[int] = []
+    for size in (int(e.get("world_size")) for e in starts):
+        if not out or out[-1] != size:
+            out.append(size)
+    return out
+
+
+def build_summary(
+    run_dir: Path,
+    *,
+    status: str,
+    wall_s: float,
+    stores: list[dict[str, str]],
+    total_steps: int | None = None,
+    reason: str | None = None,
+) -> Summary:
+    """summary.json from the files the workers wrote (result.json, events.jsonl, metrics.jsonl).
+
+    A run whose processes all succeeded but whose final checkpoint no store committed has `failed`:
+    its last steps exist nowhere (result.json's `final_checkpoint`; the reason names each store's error).
+
+    Args:
+        run_dir: The run directory.
+        status: `succeeded`, `failed` or `cancelled` (a `RunState` value) as the processes ended.
+        wall_s: Seconds from launch to the end, measured by the supervisor.
+        stores: `{name, uri}` of each checkpoint store (uri resolved against the run directory).
+        total_steps: The steps the job asked for.
+        reason: Why it failed or was cancelled.
+    """
+    files = RunFiles(run_dir)
+    result = read_json(files.result) or {}
+    events = read_events(files.events)
+    metrics = read_jsonl(files.metrics)
+    last_metric = metrics[-1] if metrics else {}
+
+    restored_from: list[dict[str, Any]] = []
+    seen_restores: set[tuple[Any, ...]] = set()
+    for e in events:
+        if e.kind is not EventKind.RESTORE or e.rank != 0:
+            continue
+        key = (e.generation, e.get("store"), e.get("step"))
+        if key not in seen_restores:
+            seen_restores.add(key)
+            restored_from.append({"store": e.get("store"), "step": e.get("step")})
+
+    committed = [e for e in events if e.kind is EventKind.CHECKPOINT_COMMITTED and e.step is not None]
+    checkpoints: list[dict[str, Any]] = []
+    for store in stores:
+        steps = [
+            int(e.step)
+            for e in committed
+            if e.step is not None and store["name"] in (e.get("stores_ok") or [store["name"]])
+        ]
+        checkpoints.append({**store, "last_committed_step": max(steps) if steps else None})
+
+    final = FinalCheckpoint.from_dict(result.get("final_checkpoint"))
+    if final is not None and final.lost and status == RunState.SUCCEEDED.value:
+        status, reason = RunState.FAILED.value, final.reason()
+
+    return Summary(
+        status=status,
+        steps=result.get("steps", last_metric.get("step")),
+        total_steps=total_steps,
+        final_loss=result.get("final_loss", last_metric.get("loss")),
+        eval=result.get("eval", {}),
+        restarts=max((e.generation for e in events), default=0),
+        restored_from=restored_from,
+        samples_per_s=result.get("samples_per_s", last_metric.get("samples_per_s")),
+        wall_s=round(wall_s, 3),
+        world_sizes=world_sizes_from_events(events),
+        params_sha256=result.get("params_sha256"),
+        run_dir=str(run_dir),
+        checkpoints=checkpoints,
+        reason=reason or None,
+        final_checkpoint=final,
+    )
+
+
+def run_state(run_dir: Path) -> tuple[RunState, str, dict[str, Any]]:
+    """State of a run from its directory: summary.json if finished, else the supervisor's liveness.
+
+    Returns:
+        The state, a message (why it failed or is unknown) and details (the summary, or the live
+        supervisor's pid and the last metrics line).
+    """
+    files = RunFiles(run_dir)
+    summary = read_json(files.summary)
+    supervisor = read_json(files.supervisor) or {}
+    running = bool(supervisor) and alive(int(supervisor.get("pid", -1)), supervisor.get("start_ticks"))
+    if summary is not None and not (running and supervisor.get("resumed")):
+        try:
+            state = RunState(summary.get("status", "unknown"))
+        except ValueError:
+            state = RunState.UNKNOWN
+        return state, str(summary.get("reason", "")), summary
+    if running:
+        details = {"supervisor_pid": supervisor.get("pid"), "run_dir": str(run_dir)}
+        metrics = read_jsonl(files.metrics)
+        if metrics:
+            details.update({k: metrics[-1].get(k) for k in ("step", "loss", "world_size", "samples_per_s")})
+        return RunState.RUNNING, "", details
+    if supervisor:
+        return RunState.UNKNOWN, "the supervising process is gone and wrote no summary", {}
+    if files.job.exists():
+        return RunState.PENDING, "", {}
+    return RunState.UNKNOWN, "not a run directory (no job.yaml)", {}
+
+
+def find_run_dirs(root: Path | None = None) -> list[Path]:
+    """Run directories under `runs/` (those holding a job.yaml), oldest first."""
+    base = root or runs_root()
+    if not base.is_dir():
+        return []
+    found = [p.parent for p in base.glob("*/*/job.yaml")]
+    return sorted(found, key=lambda p: (p.stat().st_mtime, str(p)))
+
+
+def iter_rank_lines(run_dir: Path, rank: int | None) -> Iterator[str]:
+    """Lines of the agents' logs, optionally only global rank `rank`'s (prefix `[rank<R>]:`), node by node."""
+    files = RunFiles(run_dir)
+    for log in sorted(files.logs.glob("node*.log"), key=lambda p: int(re.sub(r"\D", "", p.stem) or 0)):
+        with log.open(errors="replace") as fh:
+            for line in fh:
+                if rank is None:
+                    yield line.rstrip("\n")
+                    continue
+                match = _RANK_PREFIX_RE.match(line)
+                if match and int(match.group(1)) == rank:
+                    yield line.rstrip("\n")
+
+
+def rank_of_line(line: str) -> int | None:
+    """The global rank of a `[rank<R>]:`-prefixed log line, None for an agent's own line."""
+    match = _RANK_PREFIX_RE.match(line)
+    return int(match.group(1)) if match else None
+
+
+def latest_failure_log(run_dir: Path) -> Path | None:
+    """The log of the rank that failed last: its elastic error.json's stderr, else the newest non-empty stderr.log."""
+    logs = RunFiles(run_dir).logs
+    errors = sorted(logs.glob("node*/*/attempt_*/*/error.json"), key=lambda p: p.stat().st_mtime)
+    if errors:
+        stderr = errors[-1].parent / "stderr.log"
+        return stderr if stderr.exists() else errors[-1]
+    stderrs = [p for p in logs.glob("node*/*/attempt_*/*/stderr.log") if p.stat().st_size > 0]
+    if stderrs:
+        return max(stderrs, key=lambda p: p.stat().st_mtime)
+    node_logs = list(logs.glob("node*.log"))
+    return max(node_logs, key=lambda p: p.stat().st_mtime) if node_logs else None

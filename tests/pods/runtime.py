@@ -1,0 +1,376 @@
+"""Pods as process trees: one network namespace per pod on a private bridge, the kubelet's files.
+
+`PodCluster(root, objects, pods)` gives every pod a network namespace with one veth to a bridge that
+lives in a namespace of its own (nothing is added to the host's network namespace); the addresses
+come from a /24 in 10.214.0.0/16 that only these namespaces hold. `start(pod)` runs the pod's init
+containers, then its container through podinit.py (new mount/UTS/IPC/PID namespaces) with:
+
+- /etc/hosts: the kubelet's line for the pod itself plus the cluster DNS names of every pod of the
+  job (the harness's stand-in for cluster DNS); /etc/resolv.conf pointing at 127.0.0.1 (nothing
+  answers, so no lookup ever leaves the namespace);
+- each volumeMount bound at its mountPath: a ConfigMap volume is a read-only directory with its
+  items (from the rendered ConfigMap), an emptyDir a directory of the pod (kept across container
+  restarts, new when the pod is recreated; `medium: Memory` a tmpfs of its sizeLimit, fresh at
+  each start), a PVC a directory shared by every pod that claims it;
+- /dev/shm a 64 MiB tmpfs unless a volume is mounted there; /tmp a new directory per start (the
+  container's writable layer) unless `readOnlyRootFilesystem`, which makes the root read-only;
+- the image replaced by this repository's virtualenv: PATH starts with its bin/, the rest of the
+  image's ENV, HOME and WORKDIR as images/cpu/Dockerfile sets them (IMAGE_ENV);
+- processes run as root: `runAsUser`/`fsGroup` are not applied (the interpreter lives under /root).
+
+Env from `secretKeyRef` is read from the Secrets among `objects` (the rendered ones plus those an
+operator makes, such as KubeRay's auth token Secret; kubelet.py `secret_data`).
+
+Mount points missing on the host (e.g. /etc/torchrig) are created as empty directories and
+removed at teardown when no other harness is running. Everything is torn down by `close()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.pods.kubelet import Pod, container_argv, resolve_env, secret_data
+
+__all__ = ["IMAGE_ENV", "NS_PREFIX", "PodCluster", "PodState", "netns_reason"]
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = REPO / ".venv" / "bin"
+NS_PREFIX = "trpod"
+PODINIT = Path(__file__).with_name("podinit.py")
+START_FAILED = 197  # podinit.START_FAILED
+# What the image (images/cpu/Dockerfile, final stage) provides, its /opt/torchrig virtualenv replaced
+# by this repository's: its ENV, HOME of its user (1000, `useradd --create-home torchrig`) and WORKDIR.
+# The two RAY_ settings are this machine's rules (no usage stats, no auth token file), not the image's.
+IMAGE_WORKDIR = "/home/torchrig"
+IMAGE_ENV = {
+    "PATH": f"{VENV_BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "PYTHONUNBUFFERED": "1",
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    "TORCHRIG_RUN_DIR": "/var/run/torchrig",
+    "HOME": IMAGE_WORKDIR,
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "disabled",
+}
+DEFAULT_SHM = "64m"  # the container runtime's default /dev/shm
+
+
+def netns_reason() -> str | None:
+    """None when this machine can run the harness, else why not (for a skip)."""
+    if not sys.platform.startswith("linux"):
+        return "pods harness: needs Linux network namespaces"
+    if os.geteuid() != 0:
+        return "pods harness: needs root (network, mount and PID namespaces)"
+    for tool in ("ip", "nsenter", "mount"):
+        if shutil.which(tool) is None:
+            return f"pods harness: `{tool}` is not installed"
+    probe = f"{NS_PREFIX}probe{uuid.uuid4().hex[:6]}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, check=False)
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
+    if made.returncode != 0:
+        return f"pods harness: `ip netns add` fails here: {made.stderr.strip()}"
+    return None
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=20)
+
+
+@dataclass
+class PodState:
+    """A pod of the cluster and what happened to it."""
+
+    pod: Pod
+    netns: str
+    ip: str
+    dir: Path
+    incarnation: int = 0
+    starts: int = 0
+    restarts: int = 0  # container restarts in this pod incarnation (kubelet restartCount)
+    exit_codes: list[int] = field(default_factory=list)
+    proc: subprocess.Popen[bytes] | None = None
+    killed: bool = False
+
+    @property
+    def log(self) -> Path:
+        return self.dir / "logs" / f"{self.pod.container['name']}-{self.starts}.log"
+
+    def logs(self) -> str:
+        out = []
+        for path in sorted((self.dir / "logs").glob("*.log"), key=lambda p: p.stat().st_mtime):
+            out.append(f"== {path.name}\n{path.read_text(errors='replace')}")
+        return "\n".join(out)
+
+
+class PodCluster:
+    """The pods of one rendered job, as processes. Use as a context manager (always cleans up)."""
+
+    def __init__(self, root: Path, objects: list[dict[str, Any]], pods: list[Pod]) -> None:
+        self.root = root
+        self.objects = objects
+        self.prefix = f"{NS_PREFIX}{uuid.uuid4().hex[:5]}"
+        self.octet = uuid.uuid4().int % 250 + 1
+        self.hub = f"{self.prefix}-hub"
+        self.pods: dict[str, PodState] = {}
+        self._made_dirs: list[Path] = []
+        for i, pod in enumerate(pods):
+            self.pods[pod.name] = PodState(pod, f"{self.prefix}-{i}", f"10.214.{self.octet}.{i + 2}", root / pod.name)
+
+    # -- setup / teardown -------------------------------------------------------------------------
+    def __enter__(self) -> PodCluster:
+        try:
+            self._network()
+            for state in self.pods.values():
+                self._pod_dirs(state)
+            self._hosts()
+            self._mount_points()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _network(self) -> None:
+        _ip("netns", "add", self.hub)
+        _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.hub, "addr", "add", f"10.214.{self.octet}.1/24", "dev", "br0")
+        _ip("-n", self.hub, "link", "set", "br0", "up")
+        for i, state in enumerate(self.pods.values()):
+            _ip("netns", "add", state.netns)
+            _ip("-n", self.hub, "link", "add", f"p{i}", "type", "veth", "peer", "name", "eth0", "netns", state.netns)
+            _ip("-n", self.hub, "link", "set", f"p{i}", "master", "br0", "up")
+            _ip("-n", state.netns, "addr", "add", f"{state.ip}/24", "dev", "eth0")
+            _ip("-n", state.netns, "link", "set", "eth0", "up")
+            _ip("-n", state.netns, "link", "set", "lo", "up")
+            # A default route, as a pod has (Ray finds its own address by routing towards 8.8.8.8);
+            # it ends in the hub namespace, which has no route anywhere: nothing leaves the machine.
+            _ip("-n", state.netns, "route", "add", "default", "via", f"10.214.{self.octet}.1")
+
+    def _pod_dirs(self, state: PodState) -> None:
+        base = state.dir / f"pod-{state.incarnation}"
+        (state.dir / "logs").mkdir(parents=True, exist_ok=True)
+        for vol in state.pod.volumes:
+            path = base / "volumes" / vol["name"]
+            if "configMap" in vol:
+                cm = self._configmap(vol["configMap"]["name"])
+                path.mkdir(parents=True, exist_ok=True)
+                items = vol["configMap"].get("items") or [{"key": k, "path": k} for k in cm.get("data", {})]
+                for item in items:
+                    (path / item["path"]).write_text(cm["data"][item["key"]])
+            elif "emptyDir" in vol:
+                path.mkdir(parents=True, exist_ok=True)
+            elif "persistentVolumeClaim" in vol:
+                (self.root / "pvc" / vol["persistentVolumeClaim"]["claimName"]).mkdir(parents=True, exist_ok=True)
+            else:
+                raise NotImplementedError(f"volume {vol['name']!r}: only configMap, emptyDir and PVC are emulated")
+
+    def _configmap(self, name: str) -> dict[str, Any]:
+        for obj in self.objects:
+            if obj.get("kind") == "ConfigMap" and obj["metadata"]["name"] == name:
+                return obj
+        raise ValueError(f"ConfigMap {name!r} is not among the rendered objects")
+
+    def _hosts(self) -> None:
+        for state in self.pods.values():
+            lines = ["# Kubernetes-managed hosts file (pods harness).", "127.0.0.1\tlocalhost"]
+            lines.append("\t".join([state.ip, *state.pod.own_hosts_names(), *state.pod.dns_names]))
+            for other in self.pods.values():
+                if other is not state and other.pod.dns_names:
+                    lines.append("\t".join([other.ip, *other.pod.dns_names]))
+            (state.dir / "hosts").write_text("\n".join(lines) + "\n")
+            (state.dir / "resolv.conf").write_text(
+                f"nameserver 127.0.0.1\nsearch {state.pod.namespace}.svc.cluster.local svc.cluster.local\n"
+            )
+
+    def _mount_points(self) -> None:
+        """Create on the host the mount points that neither exist nor lie inside an earlier mount
+        (podinit creates those inside their volume), and the image's WORKDIR."""
+        targets: list[Path] = [Path(IMAGE_WORKDIR)]
+        for state in self.pods.values():
+            for c in [state.pod.container, *state.pod.init_containers]:
+                earlier: list[Path] = [Path("/tmp"), Path("/dev/shm")]
+                for m in c.get("volumeMounts", []):
+                    target = Path(m["mountPath"])
+                    if not any(target.is_relative_to(e) for e in earlier):
+                        targets.append(target)
+                    earlier.append(target)
+        for target in targets:
+            if target.exists():
+                continue
+            top = target
+            while not top.parent.exists():
+                top = top.parent
+            target.mkdir(parents=True)
+            self._made_dirs.append(top)
+
+    def close(self) -> None:
+        for state in self.pods.values():
+            self._kill(state)
+        for state in self.pods.values():
+            subprocess.run(["ip", "netns", "del", state.netns], capture_output=True, check=False)
+        subprocess.run(["ip", "netns", "del", self.hub], capture_output=True, check=False)
+        others = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+        if not any(line.startswith(NS_PREFIX) for line in others.splitlines()):
+            for top in reversed(self._made_dirs):
+                _remove_empty_dirs(top)
+        self._made_dirs.clear()
+
+    # -- containers -------------------------------------------------------------------------------
+    def _mounts(self, state: PodState, container: dict[str, Any], tmp: Path) -> list[dict[str, Any]]:
+        base = state.dir / f"pod-{state.incarnation}" / "volumes"
+        vols = {v["name"]: v for v in state.pod.volumes}
+        mounts: list[dict[str, Any]] = []
+        if not _readonly_root(container):  # the container's writable layer: a fresh /tmp per start
+            mounts.append({"type": "bind", "src": str(tmp), "dst": "/tmp"})
+        mounts.append({"type": "tmpfs", "size": DEFAULT_SHM, "dst": "/dev/shm"})  # the runtime's default
+        mounts.append({"type": "bind", "src": str(state.dir / "hosts"), "dst": "/etc/hosts"})
+        mounts.append({"type": "bind", "src": str(state.dir / "resolv.conf"), "dst": "/etc/resolv.conf"})
+        for m in container.get("volumeMounts", []):
+            vol = vols[m["name"]]
+            if "emptyDir" in vol and vol["emptyDir"].get("medium") == "Memory":
+                size = vol["emptyDir"].get("sizeLimit", "50%")
+                mounts.append({"type": "tmpfs", "size": _tmpfs_size(size), "dst": m["mountPath"]})
+            elif "persistentVolumeClaim" in vol:
+                src = self.root / "pvc" / vol["persistentVolumeClaim"]["claimName"]
+                mounts.append({"type": "bind", "src": str(src), "dst": m["mountPath"], "ro": m.get("readOnly")})
+            else:
+                ro = m.get("readOnly") or "configMap" in vol
+                mounts.append({"type": "bind", "src": str(base / m["name"]), "dst": m["mountPath"], "ro": ro})
+        return mounts
+
+    def _launch(self, state: PodState, container: dict[str, Any], tag: str) -> subprocess.Popen[bytes]:
+        tmp = state.dir / f"pod-{state.incarnation}" / f"tmp-{tag}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        env = resolve_env(state.pod, state.ip, container, secret_data(self.objects))
+        argv = container_argv(state.pod, env, container)
+        full_env = {**IMAGE_ENV, "HOSTNAME": state.pod.hostname, **dict(env)}
+        cfg = {
+            "mounts": self._mounts(state, container, tmp),
+            "readonly_root": _readonly_root(container),
+            "hostname": state.pod.hostname,
+            "cwd": container.get("workingDir") or IMAGE_WORKDIR,
+            "argv": argv,
+            "env": full_env,
+        }
+        cfg_path = state.dir / f"podinit-{tag}.json"
+        cfg_path.write_text(json.dumps(cfg, indent=1))
+        log = (state.dir / "logs" / f"{tag}.log").open("wb")
+        cmd = ["nsenter", f"--net=/run/netns/{state.netns}", "--", sys.executable, "-I", str(PODINIT), str(cfg_path)]
+        try:
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        finally:
+            log.close()
+
+    def argv_env(self, name: str) -> tuple[list[str], dict[str, str]]:
+        """The main container's argv and env (kubelet-resolved), as `start` would run them."""
+        state = self.pods[name]
+        env = resolve_env(state.pod, state.ip, secrets=secret_data(self.objects))
+        return container_argv(state.pod, env), dict(env)
+
+    def start(self, name: str, init_timeout_s: float = 120) -> None:
+        """Run the pod's init containers to completion, then start its container."""
+        state = self.pods[name]
+        for i, init in enumerate(state.pod.init_containers):
+            proc = self._launch(state, init, f"init{i}-{init['name']}-{state.incarnation}-{state.starts}")
+            try:
+                code = proc.wait(timeout=init_timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise TimeoutError(f"{name}: init container {init['name']} did not finish") from None
+            if code != 0:
+                raise RuntimeError(f"{name}: init container {init['name']} exited {code}\n{state.logs()}")
+        state.starts += 1
+        state.killed = False
+        state.proc = self._launch(state, state.pod.container, f"{state.pod.container['name']}-{state.starts}")
+
+    def poll(self, name: str) -> int | None:
+        """The container's exit code once it has exited (recorded once), else None."""
+        state = self.pods[name]
+        if state.proc is None:
+            return None
+        code = state.proc.poll()
+        if code is None:
+            return None
+        if code == START_FAILED:
+            state.proc = None
+            raise RuntimeError(f"pods harness: could not start {name}'s container:\n{state.logs()[-2000:]}")
+        code = 137 if state.killed else (128 - code if code < 0 else code)
+        state.exit_codes.append(code)
+        state.proc = None
+        return code
+
+    def _kill(self, state: PodState) -> None:
+        if state.proc is not None and state.proc.poll() is None:
+            state.killed = True
+            state.proc.send_signal(signal.SIGKILL)  # podinit's PID 1 dies with it (PDEATHSIG)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                state.proc.wait(timeout=20)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL the pod's whole process tree (its PID namespace), like a lost node. The exit (137)
+        is left for `poll`, so whoever supervises the pod sees it and reacts."""
+        self._kill(self.pods[name])
+
+    def recreate(self, name: str) -> None:
+        """The controller deletes the pod and creates one of the same name: new emptyDirs, restart count 0."""
+        state = self.pods[name]
+        self._kill(state)
+        self.poll(name)
+        state.incarnation += 1
+        state.restarts = 0
+        self._pod_dirs(state)
+
+    def exec(self, name: str, argv: list[str], timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+        """Run a command in the pod's network namespace only (like a probe from the node)."""
+        state = self.pods[name]
+        cmd = ["nsenter", f"--net=/run/netns/{state.netns}", "--", *argv]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+
+    def volume(self, name: str, volume: str) -> Path:
+        """The host directory of a pod's emptyDir or ConfigMap volume (current incarnation)."""
+        state = self.pods[name]
+        return state.dir / f"pod-{state.incarnation}" / "volumes" / volume
+
+    def pvc(self, claim: str) -> Path:
+        return self.root / "pvc" / claim
+
+
+def _readonly_root(container: dict[str, Any]) -> bool:
+    return bool((container.get("securityContext") or {}).get("readOnlyRootFilesystem"))
+
+
+def _remove_empty_dirs(top: Path) -> None:
+    """rmdir `top` and the directories below it, bottom-up, if none holds a file (mount points only)."""
+    for dirpath, _dirs, _files in sorted(os.walk(top), key=lambda w: -len(w[0])):
+        with contextlib.suppress(OSError):
+            os.rmdir(dirpath)
+
+
+def _tmpfs_size(quantity: str) -> str:
+    units = {"Ki": "k", "Mi": "m", "Gi": "g", "Ti": "t"}
+    for k, v in units.items():
+        if str(quantity).endswith(k):
+            return str(quantity)[: -len(k)] + v
+    return str(quantity)
+
+
+def wait_until(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval_s)
+    raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")

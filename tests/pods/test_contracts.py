@@ -1,0 +1,212 @@
+"""The operators' contracts (operators.py, kubelet.py) applied to the rendered manifests, no processes.
+
+Fast checks of what each operator would run: names and DNS, the injected env, the kubelet-expanded
+command (no `$(VAR)` left unresolved), the spec ConfigMap at the path the command reads, and the
+restart decisions. The end-to-end runs are in test_pods.py (`-m pods`).
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import pytest
+
+from tests.pods.kubelet import Pod, container_argv, expand, resolve_env, secret_data, strategic_merge
+from tests.pods.operators import go_quote, operator_action, pytorchjob_pods, rayjob_pods, trainjob_pods
+from tests.pods.scenario import one, render
+
+Secrets = dict[str, dict[str, str]]
+
+
+def _env(pod: Pod, secrets: Secrets | None = None, container: dict[str, Any] | None = None) -> dict[str, str]:
+    return dict(resolve_env(pod, "10.214.0.2", container, secrets))
+
+
+def _argv(pod: Pod, secrets: Secrets | None = None) -> list[str]:
+    return container_argv(pod, resolve_env(pod, "10.214.0.2", secrets=secrets))
+
+
+def _names(pods: list[Pod]) -> dict[str, str]:
+    """DNS name -> pod name, over every pod (what the cluster DNS would answer)."""
+    return {n: p.name for p in pods for n in [*p.dns_names, *p.own_hosts_names()]}
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("--node-rank=$(RANK)", "--node-rank=1"),
+        ("$(UNDEFINED)", "$(UNDEFINED)"),
+        ("$$(RANK)", "$(RANK)"),
+        ("$$", "$"),
+        ("a$b", "a$b"),
+        ("$(RANK", "$(RANK"),
+        ("$", "$"),
+        ("$(RANK)$(RANK)", "11"),
+    ],
+)
+def test_kubelet_expansion_follows_expand_go(text: str, expected: str) -> None:
+    assert expand(text, {"RANK": "1"}) == expected
+
+
+def test_strategic_merge_merges_keyed_lists_and_replaces_others() -> None:
+    base = {"containers": [{"name": "node", "env": [{"name": "A", "value": "1"}]}], "tolerations": [{"k": 1}]}
+    patch = {"containers": [{"name": "node", "env": [{"name": "B", "value": "2"}]}], "tolerations": [{"k": 2}]}
+    merged = strategic_merge(base, patch)
+    assert merged["containers"] == [{"name": "node", "env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]}]
+    assert merged["tolerations"] == [{"k": 2}]
+
+
+def _assert_runnable(objects: list[dict[str, Any]], pods: list[Pod]) -> None:
+    """Every `$(VAR)` resolves, every mount names a volume, the spec file the command reads is in
+    the ConfigMap mounted at its directory, and every host the env names resolves to a pod."""
+    names = _names(pods)
+    secrets = secret_data(objects)
+    for pod in pods:
+        env, argv = _env(pod, secrets), _argv(pod, secrets)
+        assert not [a for a in argv if "$(" in a], f"{pod.name}: unresolved $(VAR) in {argv}"
+        volumes = {v["name"]: v for v in pod.volumes}
+        mounts = {m["mountPath"]: volumes[m["name"]] for m in pod.container.get("volumeMounts", [])}
+        spec_path = env.get("TORCHRIG_SPEC")
+        if spec_path:
+            directory, _, key = spec_path.rpartition("/")
+            cm_volume = mounts[directory]["configMap"]
+            cm = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == cm_volume["name"])
+            item = next(i for i in cm_volume["items"] if i["path"] == key)
+            assert "kind: TrainingJob" in cm["data"][item["key"]]
+        for var in ("MASTER_ADDR", "PET_MASTER_ADDR", "PET_RDZV_ENDPOINT", "FQ_RAY_IP"):
+            if var in env:
+                host = env[var].rsplit(":", 1)[0] if var == "PET_RDZV_ENDPOINT" else env[var]
+                assert host in names, f"{pod.name}: {var}={env[var]} names no pod"
+
+
+def test_pytorchjob_fixed_master_and_worker_get_the_operator_env() -> None:
+    objects = render("pytorchjob", fixed_size=True)
+    master, worker = pytorchjob_pods(objects)
+    assert (master.name, worker.name) == ("digits-ddp-master-0", "digits-ddp-worker-0")
+    for pod, rank in ((master, "0"), (worker, "1")):
+        env = _env(pod)
+        assert env["MASTER_ADDR"] == env["PET_MASTER_ADDR"] == "digits-ddp-master-0"
+        assert env["MASTER_PORT"] == "23456" and env["WORLD_SIZE"] == "4"
+        assert env["RANK"] == env["PET_NODE_RANK"] == rank and env["PET_NNODES"] == "2"
+        assert env["PET_NPROC_PER_NODE"] == "2"
+        argv = _argv(pod)
+        assert argv[argv.index("--node-rank") + 1] == rank
+    _assert_runnable(objects, [master, worker])
+
+
+def test_pytorchjob_elastic_workers_rendezvous_at_worker_0() -> None:
+    objects = render("pytorchjob")
+    pods = pytorchjob_pods(objects)
+    assert [p.name for p in pods] == ["digits-ddp-worker-0", "digits-ddp-worker-1"]
+    for pod in pods:
+        env = _env(pod)
+        assert env["PET_RDZV_ENDPOINT"] == "digits-ddp-worker-0:23456"
+        assert (env["PET_RDZV_BACKEND"], env["PET_NNODES"], env["PET_RDZV_ID"]) == ("c10d", "1:2", "digits-ddp")
+        assert env["PET_MAX_RESTARTS"] == "3" and "MASTER_ADDR" not in env and "RANK" not in env
+    _assert_runnable(objects, pods)
+
+
+@pytest.mark.parametrize(
+    ("replica_policy", "code", "action"),
+    [
+        ("ExitCode", 0, "done"),
+        ("ExitCode", 2, "fail-job"),
+        ("ExitCode", 127, "fail-job"),
+        ("ExitCode", 137, "recreate"),
+        ("OnFailure", 1, "kubelet-restart"),
+        ("Always", 1, "kubelet-restart"),
+        ("Never", 137, "fail-job"),
+    ],
+)
+def test_operator_restart_decisions(replica_policy: str, code: int, action: str) -> None:
+    pod = Pod(name="p", namespace="d", hostname="p", container={}, replica_policy=replica_policy)
+    pod.restart_policy = "Never" if replica_policy == "ExitCode" else replica_policy
+    assert operator_action(pod, code) == action
+
+
+def test_trainjob_pods_are_indexed_jobset_pods_with_the_torch_plugin_env() -> None:
+    objects = render("trainjob", "spec.nodes.min=2")
+    pods = trainjob_pods(objects)
+    assert [(p.hostname, p.subdomain) for p in pods] == [
+        ("digits-ddp-node-0-0", "digits-ddp"),
+        ("digits-ddp-node-0-1", "digits-ddp"),
+    ]
+    trainer = one(objects, "TrainJob")["spec"]["trainer"]
+    for index, pod in enumerate(pods):
+        env = _env(pod)
+        assert env["PET_NODE_RANK"] == env["JOB_COMPLETION_INDEX"] == str(index)
+        assert (env["PET_NNODES"], env["PET_NPROC_PER_NODE"]) == ("2", "2")
+        assert (env["PET_MASTER_ADDR"], env["PET_MASTER_PORT"]) == ("digits-ddp-node-0-0.digits-ddp", "29500")
+        assert _argv(pod) == trainer["command"]
+    _assert_runnable(objects, pods)
+
+
+def test_rayjob_head_worker_and_submitter_commands() -> None:
+    objects = render("rayjob", "spec.nodes.max=1", "spec.ray.runtimeEnv={env_vars: {A: 'x \"y\"'}}")
+    ray = rayjob_pods(objects)
+    head_args = ray.head.container["args"][0]
+    assert head_args.startswith("ulimit -n ${RAY_START_ULIMIT_OPEN_FILES:-65536}; ray start --head ")
+    assert " --num-cpus=0 " in head_args and " --dashboard-host=0.0.0.0 " in head_args and " --block " in head_args
+    (worker,) = ray.workers
+    fqdn = "digits-ddp-x7b4q-head-svc.default.svc.cluster.local"
+    assert f" --address={fqdn}:6379 " in worker.container["args"][0] and fqdn in ray.head.dns_names
+    script = ray.submitter.container["args"][0]
+    entrypoint = one(objects, "RayJob")["spec"]["entrypoint"]
+    assert f"ray job submit --address http://{fqdn}:8265 --no-wait" in script
+    assert f"--submission-id {ray.submission_id} -- {entrypoint} ; fi ;" in script
+    assert "--runtime-env-json " + go_quote('{"env_vars":{"A":"x \\"y\\""}}') in script
+    secrets = secret_data(ray.secrets)
+    assert _env(ray.head, secrets)["RAY_ADDRESS"] == "127.0.0.1:6379"
+    assert _env(worker, secrets)["RAY_ADDRESS"] == f"{fqdn}:6379"
+    _assert_runnable([*objects, *ray.secrets], [ray.head, worker, ray.submitter])
+
+
+def test_rayjob_token_auth_reaches_every_ray_process_and_the_submitter() -> None:
+    """authOptions mode token: KubeRay's Secret (named after the cluster) feeds RAY_AUTH_TOKEN to the head,
+    the workers, their wait-gcs-ready init container and the submitter; without the Secret no pod starts."""
+    ray = rayjob_pods(render("rayjob", "spec.nodes.max=1"))
+    ((secret_name, data),) = secret_data(ray.secrets).items()
+    assert secret_name == ray.cluster == "digits-ddp-x7b4q" and data == {"auth_token": ray.auth_token}
+    assert ray.auth_token and len(base64.b64decode(ray.auth_token)) == 32
+    (worker,) = ray.workers
+    containers = [(ray.head, None), (worker, None), (worker, worker.init_containers[0]), (ray.submitter, None)]
+    for pod, container in containers:
+        env = _env(pod, secret_data(ray.secrets), container)
+        assert (env["RAY_AUTH_MODE"], env["RAY_AUTH_TOKEN"]) == ("token", ray.auth_token), pod.name
+        with pytest.raises(ValueError, match="couldn't find key auth_token in Secret digits-ddp-x7b4q"):
+            _env(pod, {}, container)
+    # A RayJob rendered without authOptions gets none of it (what the harness ran before).
+    objects = render("rayjob", "spec.nodes.max=1")
+    del one(objects, "RayJob")["spec"]["rayClusterSpec"]["authOptions"]
+    bare = rayjob_pods(objects)
+    assert bare.secrets == [] and bare.auth_token is None and "RAY_AUTH_MODE" not in _env(bare.head)
+
+
+def test_image_env_mirrors_the_cpu_image() -> None:
+    """The harness stands in for images/cpu/Dockerfile: same ENV (PATH aside), HOME and WORKDIR."""
+    import re
+
+    from tests.fixtures.common import REPO
+    from tests.pods.runtime import IMAGE_ENV, IMAGE_WORKDIR
+
+    final = (REPO / "images" / "cpu" / "Dockerfile").read_text().rsplit("\nFROM ", 1)[1]
+    env_block = re.search(r"^ENV (.*?)(?<!\\)$", final, re.S | re.M)
+    assert env_block is not None
+    pairs = dict(re.findall(r"(\w+)=(\S+)", env_block.group(1).replace("\\\n", " ")))
+    assert {k: v for k, v in pairs.items() if k != "PATH"} == {
+        k: v for k, v in IMAGE_ENV.items() if k not in ("PATH", "HOME") and not k.startswith("RAY_")
+    }
+    assert f"WORKDIR {IMAGE_WORKDIR}\n" in final and "useradd --uid 1000 --create-home" in final
+
+
+def test_trainjob_failures_follow_pod_failure_policy_then_jobset_restarts() -> None:
+    """A permanent code fails the JobSet at once; another failure (backoffLimit 0) restarts the whole
+    JobSet until failurePolicy.maxRestarts is spent."""
+    objects = render("trainjob", "spec.nodes.min=2")
+    pod = trainjob_pods(objects)[0]
+    jobset = one(objects, one(objects, "TrainJob")["spec"]["runtimeRef"]["kind"])["spec"]["template"]["spec"]
+    permanent = jobset["replicatedJobs"][0]["template"]["spec"]["podFailurePolicy"]["rules"][0]["onExitCodes"]["values"]
+    max_restarts = jobset["failurePolicy"]["maxRestarts"]
+    assert all(operator_action(pod, code) == "fail-job" for code in permanent)
+    assert [operator_action(pod, 137) for _ in range(max_restarts + 1)] == ["restart-all"] * max_restarts + ["fail-job"]

@@ -1,0 +1,136 @@
+"""The bench's plumbing without running a benchmark: the section registry, `run_sections`, the report
+writer (latest.json / latest.md / scaling.png) and the digits job file with `--set` overrides."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import report
+from bench.__main__ import main, run_sections
+from bench.common import digits_spec_file
+from bench.sections import SECTIONS, Section
+from bench.sections.exporter import publish as publish_exporter
+from orchestrator.loader import load_spec
+
+# latest.json's keys, in the order docs/performance.md and earlier runs know them.
+SECTION_NAMES = ["overhead", "checkpoint_stall", "mttr", "exporter", "scaling", "gpu"]
+
+
+def fake_results() -> dict[str, Any]:
+    spread = {"median": 1.0, "min": 0.9, "max": 1.1, "spread_pct": 10.0, "n": 2.0}
+    return {
+        "timestamp": "2026-01-01T00:00:00Z",
+        "machine": {"cpus": 2, "gpu": None, "python": "3.11.7"},
+        "quick": True,
+        "errors": {"gpu": "Traceback ...\nRuntimeError: boom"},
+        "exporter_overhead_ratio": 0.0042,
+        "overhead": {
+            "torchrig_samples_per_s": 990.0,
+            "bare_ddp_samples_per_s": 1000.0,
+            "ratio": 0.99,
+            "ratio_stats": spread,
+        },
+        "checkpoint_stall": {
+            "50MB": {
+                "torchrig_blocked_s": 0.03,
+                "torch_save_s": 0.04,
+                "dcp_save_s": 0.1,
+                "dcp_async_blocked_s": 0.02,
+                "memcpy_s": 0.025,
+                "ratio_vs_torch_save": 0.75,
+                "ratio_vs_memcpy": 1.2,
+                "torchrig_write_MBps": 300.0,
+                "dd_write_MBps": 600.0,
+                "write_ratio_vs_dd": 0.5,
+            }
+        },
+        "mttr": {
+            "torchrig_s": 2.0,
+            "torchrun_naive_s": 3.0,
+            "ray_train_s": None,
+            "speedup_vs_fastest_peer": 1.5,
+            "lost_steps": {"torchrig": 5, "torchrun_naive": 5, "ray_train": None},
+        },
+        "scaling": {"world_sizes": [2, 4], "save_s": [0.1, 0.2], "restore_s": [0.05, 0.1], "mttr_s": [3.0, 6.0]},
+    }
+
+
+def test_registry_has_every_section_in_run_order() -> None:
+    assert list(SECTIONS) == SECTION_NAMES
+    assert all(name == section.name for name, section in SECTIONS.items())
+
+
+def test_exporter_publishes_its_headline_at_the_top_level() -> None:
+    results: dict[str, Any] = {}
+    SECTIONS["exporter"].store(results, {"overhead_ratio": 0.003, "on_step_us": 11.0})
+    assert results == {"exporter_overhead_ratio": 0.003, "exporter": {"overhead_ratio": 0.003, "on_step_us": 11.0}}
+    assert SECTIONS["exporter"].publish is publish_exporter
+    results = {}
+    SECTIONS["scaling"].store(results, {"world_sizes": [2]})
+    assert results == {"scaling": {"world_sizes": [2]}}
+
+
+def test_run_sections_records_values_and_failures(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(quick: bool) -> dict[str, Any]:
+        raise RuntimeError("no disk")
+
+    monkeypatch.setitem(SECTIONS, "ok", Section("ok", lambda quick: {"quick_seen": quick}))
+    monkeypatch.setitem(SECTIONS, "bad", Section("bad", boom))
+    previous = {"errors": {"ok": "an old failure"}, "mttr": {"kept": True}}
+    results = run_sections(["ok", "bad"], True, previous)
+    assert results["ok"] == {"quick_seen": True}
+    assert "ok" not in results["errors"] and "RuntimeError: no disk" in results["errors"]["bad"]
+    assert results["mttr"] == {"kept": True}  # sections not run keep their last figures
+    assert results["quick"] is True and set(results["machine"]) == {"cpus", "gpu", "python"}
+
+
+def test_unknown_section_is_refused_with_the_valid_names(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--only", "overhead,nope"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown sections ['nope']" in err and "valid: " + ", ".join(SECTION_NAMES) in err
+
+
+def test_report_writes_json_markdown_and_plot(tmp_path: Path) -> None:
+    results = fake_results()
+    md_path = report.write_report(results, tmp_path)
+    assert json.loads((tmp_path / "latest.json").read_text()) == results
+    assert report.read_previous(tmp_path) == results
+    md = md_path.read_text()
+    assert md.startswith("# torchrig benchmarks (2026-01-01T00:00:00Z, 2 CPUs)\n")
+    for row in (
+        "| 2 ranks, gloo | 990 | 1000 | 0.990 (spread 10.0%) |",
+        "| 50MB | 0.030 s | 0.040 s | 0.100 s | 0.020 s | 0.025 s | 0.750 | 1.20 |",
+        "| 50MB | 300 | 600 | 0.50 |",
+        "| torchrig local | 2.00 s | 5 |",
+        "| Ray Train FailureConfig | n/a | None |",
+        "Speed-up against the fastest peer: 1.50x (target >= 2x).",
+        "Exporter overhead: 0.420% of step time (target < 0.5%).",
+        "| 4 | 0.200 | 0.100 | 6.00 |",
+        "- section `gpu` failed: `RuntimeError: boom`",
+    ):
+        assert row in md, row
+    assert (tmp_path / "scaling.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_report_of_an_empty_run_has_only_its_header(tmp_path: Path) -> None:
+    results = {"timestamp": "t", "machine": {"cpus": 1}, "errors": {}}
+    report.write_report(results, tmp_path)
+    assert (tmp_path / "latest.md").read_text() == "# torchrig benchmarks (t, 1 CPUs)\n\n"
+    assert not (tmp_path / "scaling.png").exists()
+
+
+def test_digits_spec_file_applies_overrides_like_the_cli(tmp_path: Path) -> None:
+    path = digits_spec_file(
+        tmp_path, ["spec.training.steps=7", "spec.metrics.enabled=false", "spec.checkpoint.every.steps=70"]
+    )
+    assert path == tmp_path / "bench-digits.yaml"
+    spec = load_spec(path)
+    assert spec.name == "bench-digits"
+    assert spec.spec.training.steps == 7 and spec.spec.metrics.enabled is False
+    assert spec.spec.checkpoint.every.steps == 70

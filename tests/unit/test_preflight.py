@@ -1,0 +1,110 @@
+"""`training.preflight` and the launcher's check mode (issue 15 point 3): deterministic startup errors end
+the job at once with a permanent exit code and one line naming the field, before torchrun starts."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from training.config import WorkerSpec, load_worker_spec
+from training.contract import ExitCode
+from training.launch import main as launch
+from training.preflight import PreflightError, check_gpus, preflight
+
+BASE: dict[str, Any] = {
+    "apiVersion": "torchrig/v1",
+    "kind": "TrainingJob",
+    "metadata": {"name": "pf"},
+    "spec": {
+        "task": {"entrypoint": "training.examples.digits:task", "args": {"hidden": 8}},
+        "training": {"steps": 1},
+        "checkpoint": {"stores": [{"uri": "file://./checkpoints"}]},
+    },
+}
+
+
+def spec_file(tmp_path: Path, **spec: Any) -> Path:
+    doc = copy.deepcopy(BASE)
+    doc["spec"].update(spec)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def worker_spec(tmp_path: Path, **spec: Any) -> WorkerSpec:
+    return load_worker_spec(spec_file(tmp_path, **spec))
+
+
+def verdict(spec: WorkerSpec, run_dir: Path) -> tuple[ExitCode, str]:
+    with pytest.raises(PreflightError) as info:
+        preflight(spec, run_dir=run_dir, check_gpu=False)
+    return info.value.exit_code, str(info.value)
+
+
+def test_a_runnable_job_passes_and_its_stores_exist(tmp_path: Path) -> None:
+    preflight(worker_spec(tmp_path), run_dir=tmp_path / "run")
+    assert (tmp_path / "run" / "checkpoints").is_dir()
+    assert not list((tmp_path / "run" / "checkpoints").iterdir())  # the probe file is gone
+
+
+def test_an_entrypoint_typo_is_permanent(tmp_path: Path) -> None:
+    spec = worker_spec(tmp_path, task={"entrypoint": "training.examples.digitz:task"})
+    code, msg = verdict(spec, tmp_path / "run")
+    assert code == ExitCode.TASK_INVALID
+    assert msg.startswith("spec.task.entrypoint: cannot import 'training.examples.digitz'")
+
+
+@pytest.mark.parametrize(
+    ("args", "start"),
+    [
+        ({"hiddn": 3}, "spec.task.args: training.examples.digits:task rejected the arguments"),
+        ({"hidden": -1}, "spec.task.args: training.examples.digits:task rejected them: ValueError: hidden must be > 0"),
+    ],
+)
+def test_bad_task_args_are_permanent(tmp_path: Path, args: dict[str, Any], start: str) -> None:
+    code, msg = verdict(
+        worker_spec(tmp_path, task={"entrypoint": "training.examples.digits:task", "args": args}), tmp_path
+    )
+    assert code == ExitCode.TASK_INVALID and msg.startswith(start)
+
+
+def test_an_unwritable_store_is_an_environment_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    spec = worker_spec(tmp_path, checkpoint={"stores": [{"uri": f"file://{tmp_path}/file/ckpt"}]})
+    code, msg = verdict(spec, tmp_path / "run")
+    assert code == ExitCode.ENVIRONMENT
+    assert msg.startswith(f"spec.checkpoint.stores[0].uri (file://{tmp_path}/file/ckpt): cannot create or write")
+
+
+def test_object_stores_are_not_contacted(tmp_path: Path) -> None:
+    spec = worker_spec(tmp_path, checkpoint={"stores": [{"uri": "s3://no-such-bucket/x"}]})
+    preflight(spec, run_dir=tmp_path / "run", check_gpu=False)
+
+
+def test_a_gpu_job_without_cuda_is_an_environment_error(tmp_path: Path) -> None:
+    spec = worker_spec(tmp_path, resources={"gpus": 2})
+    assert spec.spec.resources.gpus == 2
+    with pytest.raises(PreflightError) as info:
+        check_gpus(spec, probe=lambda: (False, 0))
+    assert info.value.exit_code == ExitCode.ENVIRONMENT
+    assert str(info.value).startswith("spec.resources.gpus: the job needs 2 GPU(s) per node but CUDA is not available")
+    with pytest.raises(PreflightError, match="only 1 are visible"):
+        check_gpus(spec, probe=lambda: (True, 1))
+    check_gpus(spec, probe=lambda: (True, 2))
+    check_gpus(worker_spec(tmp_path), probe=lambda: (False, 0))  # a CPU job needs no CUDA
+
+
+def test_launcher_check_mode_exits_with_the_code_and_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    good = spec_file(tmp_path)
+    assert launch(["--spec", str(good), "--run-dir", str(tmp_path / "run"), "--no-gpu-check"]) == 0
+    bad = spec_file(tmp_path, task={"entrypoint": "training.examples.digitz:task"})
+    assert launch(["--spec", str(bad), "--run-dir", str(tmp_path / "run"), "--", "false"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [err[0]] and err[0].startswith("torchrig: error: spec.task.entrypoint: cannot import")
+    assert launch(["--spec", str(tmp_path / "missing.yaml")]) == ExitCode.TASK_INVALID

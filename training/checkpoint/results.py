@@ -1,0 +1,36 @@
+"""What the checkpoint manager hands back: its error, a restore's origin and a save's outcome."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["CheckpointError", "RestoreResult", "SaveOutcome"]
+
+
+class CheckpointError(Exception):
+    """No valid checkpoint where one was required, or a checkpoint could not be loaded."""
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    """Where the restored state came from."""
+
+    step: int
+    store: str  # store name, or "node-local"
+    uri: str  # the checkpoint's location (store URI + step directory, or the local directory)
+    world_size: int  # world size that wrote the checkpoint
+    seconds: float
+    source: str  # "store" | "node-local" | "init" (a `checkpoint.initFrom` warm start)
+
+
+@dataclass
+class SaveOutcome:
+    """The result of one save, the same on every rank once committed (see `CheckpointManager.history`)."""
+
+    step: int
+    blocked_s: float
+    save_s: float = 0.0
+    bytes: int = 0
+    committed: bool = False
+    stores_ok: list[str] = field(default_factory=list)
+    stores_failed: dict[str, str] = field(default_factory=dict)  # store name -> error

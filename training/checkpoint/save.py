@@ -1,0 +1,316 @@
+"""The save pipeline: staging, the background DCP save, the upload to every store, the commit.
+
+1. *staging* (`stage`, the only part training waits for): the state is copied to CPU memory;
+2. in a background thread (`SavePipeline.run`): `dcp.save` of the copy into a node-local staging
+   directory, sha256 of this rank's files (computed once, here), upload of those files to every store
+   in parallel;
+3. the ranks exchange their file lists; rank 0 writes, per store where every rank's upload succeeded
+   and the fence still names this writer, `step-N/manifest.json` LAST: the commit marker (signed when a
+   key is configured), looks at the fence once more (a writer that lost it in between takes its
+   manifest back), then applies retention to this job's checkpoints. One store failing never stops
+   training or the other stores.
+
+Shards go under `step-N/gen-G/`, G being the writer generation the fence gave rank 0, broadcast to every
+rank at each save (a writer that could reach no store when it started takes one at its first save).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils._pytree import tree_map
+
+from training.checkpoint.collectives import Collectives
+from training.checkpoint.fence import Fence
+from training.checkpoint.manifest import (
+    DCP_METADATA,
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    gen_dir,
+    parse_step_dir,
+    read_manifest,
+    step_dir,
+)
+from training.checkpoint.results import CheckpointError, SaveOutcome
+from training.checkpoint.retention import apply_retention
+from training.checkpoint.storage import CheckpointStorage, sha256_file
+from training.config import CheckpointConfig
+from training.contract import EventKind, WorkerIdentity
+from training.metrics.base import CheckpointRecord, MetricsSink
+
+__all__ = ["SavePipeline", "stage"]
+
+log = logging.getLogger(__name__)
+
+
+def _copy_leaf(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        # A DTensor copies its local shard only: no collective, so staging never waits for other ranks.
+        return value.detach().to("cpu", copy=True)
+    return copy.deepcopy(value)
+
+
+def stage(state: dict[str, Any]) -> dict[str, Any]:
+    """Copy the state to CPU memory: the floor of what training must wait for."""
+    flat = {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()}
+    staged: dict[str, Any] = tree_map(_copy_leaf, flat)
+    return staged
+
+
+class SavePipeline:
+    """Writes staged copies to every store and commits them (run in the manager's background thread).
+
+    Args:
+        config: the `spec.checkpoint` section.
+        identity: this rank.
+        sink: receives the checkpoint, store-failure and fenced records.
+        stores: the stores, in `config.stores` order.
+        collectives: the manager's gloo groups.
+        fence: this writer's fence (checked by rank 0 before each commit).
+        node_dir: this node's staging (and node-local copy) directory.
+        key: the manifest signing key (None: manifests are not signed).
+    """
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        identity: WorkerIdentity,
+        sink: MetricsSink,
+        stores: list[CheckpointStorage],
+        collectives: Collectives,
+        fence: Fence,
+        node_dir: str,
+        key: bytes | None = None,
+    ) -> None:
+        self.config = config
+        self.identity = identity
+        self.sink = sink
+        self.stores = stores
+        self.coll = collectives
+        self.fence = fence
+        self.node_dir = node_dir
+        self.key = key
+        self._uploaders = ThreadPoolExecutor(max_workers=max(1, len(stores)), thread_name_prefix="torchrig-up")
+
+    def close(self) -> None:
+        self._uploaders.shutdown(wait=True)
+
+    def run(
+        self, step: int, staged: dict[str, Any], start: float, blocked_s: float, *, synchronous: bool, final: bool
+    ) -> SaveOutcome:
+        """Save, upload and commit one staged copy (collective); never raises."""
+        outcome = SaveOutcome(step=step, blocked_s=blocked_s)
+        try:
+            self._save(step, staged, outcome, final)
+        except Exception as exc:
+            # A failed save must not take training down: the next one is a fresh attempt.
+            log.exception("checkpoint at step %d failed", step)
+            outcome.committed = False
+            outcome.stores_failed.setdefault("*", f"{type(exc).__name__}: {exc}")
+        outcome.save_s = time.perf_counter() - start
+        if synchronous:
+            outcome.blocked_s = outcome.save_s
+        return outcome
+
+    def report(self, outcome: SaveOutcome) -> None:
+        """Hand the outcome of a save to the sink: one record per failed store, then the checkpoint."""
+        for name, error in outcome.stores_failed.items():
+            self.sink.on_store_failure(name, error)
+        self.sink.on_checkpoint(
+            CheckpointRecord(
+                step=outcome.step,
+                blocked_s=outcome.blocked_s,
+                save_s=outcome.save_s,
+                bytes=outcome.bytes,
+                committed=outcome.committed,
+                stores_ok=list(outcome.stores_ok),
+                stores_failed=sorted(outcome.stores_failed),
+                time=time.time(),
+            )
+        )
+
+    def _generation(self) -> tuple[int, str]:
+        """Collective: rank 0's writer generation and id (it takes a generation now if it could not at start)."""
+        generation = None
+        if self.identity.rank == 0:
+            generation = self.fence.generation
+            if generation is None:
+                try:
+                    generation = self.fence.acquire(self.stores)
+                except Exception as exc:
+                    log.warning("checkpoint: cannot take a writer generation: %s", exc)
+        generation, writer = self.coll.broadcast_obj((generation, self.fence.writer))
+        if generation is None:
+            raise CheckpointError("no checkpoint store could be reached to take a writer generation")
+        return int(generation), str(writer)
+
+    def _save(self, step: int, staged: dict[str, Any], outcome: SaveOutcome, final: bool) -> None:
+        ident = self.identity
+        generation, writer = self._generation()
+        local_step = os.path.join(self.node_dir, step_dir(step))
+        local_dcp = os.path.join(local_step, gen_dir(generation))
+        if ident.local_rank == 0 and os.path.exists(local_step):
+            # Left over by a crashed save of this step: stale shard files must not join this checkpoint.
+            shutil.rmtree(local_step, ignore_errors=True)
+        self.coll.barrier()
+        with self.coll.quiet_single_process():
+            metadata = dcp_save(
+                staged,
+                storage_writer=FileSystemWriter(local_dcp, sync_files=False),
+                process_group=self.coll.group,
+                no_dist=not self.coll.distributed,
+            )
+        del staged
+        # Every rank knows every file from the metadata; it hashes and uploads only its own.
+        all_files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
+        mine = [f for f in all_files if f.startswith(f"__{ident.rank}_")]
+        if ident.rank == 0:
+            mine.append(DCP_METADATA)
+        entries: list[FileEntry] = []
+        for name in mine:
+            digest, size = sha256_file(os.path.join(local_dcp, name))
+            entries.append(FileEntry(f"{gen_dir(generation)}/{name}", size, digest, ident.rank, ident.node_rank))
+        uploads = {
+            i: self._uploaders.submit(self._upload, store, step, local_step, entries)
+            for i, store in enumerate(self.stores)
+        }
+        errors: dict[int, str] = {}
+        for i, fut in uploads.items():
+            err = fut.result()
+            if err is not None:
+                errors[i] = err
+        gathered = self.coll.all_gather_obj((entries, errors), ident.world_size)
+        all_entries = [e for ents, _ in gathered for e in ents]
+        manifest = Manifest(
+            step=step,
+            world_size=ident.world_size,
+            generation=generation,
+            job=ident.job,
+            time=time.time(),
+            torch_version=torch.__version__,
+            files=sorted(all_entries, key=lambda e: e.path),
+            num_nodes=ident.num_nodes,
+            run_id=ident.run_id,
+            final=final,
+            restart_count=ident.generation,
+            writer=writer,
+        )
+        result: dict[str, Any] = {"ok": [], "failed": {}}
+        if ident.rank == 0:
+            result = self._commit(manifest, [errs for _, errs in gathered])
+        result = self.coll.broadcast_obj(result)
+        outcome.bytes = manifest.total_bytes
+        outcome.stores_ok = list(result["ok"])
+        outcome.stores_failed = dict(result["failed"])
+        outcome.committed = bool(outcome.stores_ok)
+        if ident.local_rank == 0:
+            self._after_commit_local(manifest, local_step, outcome)
+        self.coll.barrier()
+
+    @staticmethod
+    def _upload(store: CheckpointStorage, step: int, local_step: str, entries: list[FileEntry]) -> str | None:
+        try:
+            for entry in entries:
+                rel = f"{step_dir(step)}/{entry.path}"
+                store.put_file(os.path.join(local_step, entry.path), rel)
+                size = store.size(rel)
+                if size != entry.size:
+                    return f"{rel}: uploaded {size} bytes, expected {entry.size}"
+            return None
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    def _commit(self, manifest: Manifest, per_rank_errors: list[dict[int, str]]) -> dict[str, Any]:
+        """Rank 0: write the manifest to every store where all ranks uploaded, then apply retention."""
+        ok: list[str] = []
+        failed: dict[str, str] = {}
+        committed: list[CheckpointStorage] = []
+        for i, store in enumerate(self.stores):
+            errs = [e[i] for e in per_rank_errors if i in e]
+            if errs:
+                failed[store.name] = errs[0]
+                log.warning("checkpoint step %d: store %s failed: %s", manifest.step, store.name, errs[0])
+                continue
+            try:
+                stale = self.fence.check(store, manifest)
+                if not stale:
+                    store.write_bytes_atomic(f"{step_dir(manifest.step)}/{MANIFEST_NAME}", manifest.to_json(self.key))
+                    stale = self._lost_fence_since(store, manifest)
+                if stale:
+                    failed[store.name] = f"fenced: {stale}"
+                    log.error("checkpoint step %d NOT committed to %s: %s", manifest.step, store.name, stale)
+                    self.sink.on_event(EventKind.CHECKPOINT_FENCED, step=manifest.step, store=store.name, reason=stale)
+                    continue
+                ok.append(store.name)
+                committed.append(store)
+            except Exception as exc:
+                failed[store.name] = f"{type(exc).__name__}: {exc}"
+                log.warning("checkpoint step %d: commit to %s failed: %s", manifest.step, store.name, exc)
+        # Retention only after the commit round, so an old checkpoint goes only once the new one is
+        # committed everywhere it could be.
+        for store in committed:
+            try:
+                apply_retention(
+                    store,
+                    self.config.keep,
+                    committed_step=manifest.step,
+                    job=manifest.job,
+                    job_of_generation=self.fence.job_of,
+                    key=self.key,
+                )
+            except Exception as exc:
+                log.warning("retention in %s failed: %s", store.name, exc)
+        return {"ok": ok, "failed": failed}
+
+    def _lost_fence_since(self, store: CheckpointStorage, manifest: Manifest) -> str | None:
+        """After writing `manifest`: if a newer writer took the fence meanwhile, take the manifest back."""
+        try:
+            newer = self.fence.newer_holder(store)
+        except Exception as exc:  # the check before the write passed: the commit stands
+            log.warning("checkpoint step %d: fence re-check in %s failed: %s", manifest.step, store.name, exc)
+            return None
+        if newer is None:
+            return None
+        rel = f"{step_dir(manifest.step)}/{MANIFEST_NAME}"
+        try:
+            if read_manifest(store, manifest.step).writer == manifest.writer:
+                store.delete_file(rel)
+        except (FileNotFoundError, ValueError):
+            pass
+        return f"a newer writer took the store while this one committed ({newer.describe()}); manifest withdrawn"
+
+    def _after_commit_local(self, manifest: Manifest, local_step: str, outcome: SaveOutcome) -> None:
+        """Local rank 0: keep (and complete) the node-local copy, or drop the staging directory."""
+        if not self.config.node_local.enabled or not outcome.committed:
+            # Without node-local copies the staging directory is done; a save that was never committed
+            # is not a valid node-local copy either (the previous one stays).
+            shutil.rmtree(local_step, ignore_errors=True)
+            return
+        ident = self.identity
+        if self.config.node_local.replicate_to_peer and ident.num_nodes > 1:
+            peer = (ident.node_rank + 1) % ident.num_nodes
+            source = next(s for s in self.stores if s.name in outcome.stores_ok)
+            try:
+                for entry in manifest.files:
+                    local = os.path.join(local_step, entry.path)
+                    if (entry.node_rank == peer or entry.path.endswith(DCP_METADATA)) and not os.path.exists(local):
+                        source.get_file(f"{step_dir(manifest.step)}/{entry.path}", local)
+            except Exception as exc:
+                log.warning("peer replication of step %d from %s failed: %s", manifest.step, source.name, exc)
+        with open(os.path.join(local_step, MANIFEST_NAME), "wb") as fh:
+            fh.write(manifest.to_json(self.key))
+        for name in os.listdir(self.node_dir):
+            step = parse_step_dir(name)
+            if step is not None and step != manifest.step:
+                shutil.rmtree(os.path.join(self.node_dir, name), ignore_errors=True)

@@ -1,0 +1,326 @@
+"""`events.jsonl`: the run's history, one JSON object a line, written by every rank.
+
+Each line is `{"time", "rank", "generation", "event", ...payload}`. `EventKind` names every kind the
+worker writes and `DrillEventKind` every kind a drill adds to its report's timeline; the payload of
+each worker kind is a dataclass below (its fields are the line's extra keys), so writers and readers
+agree on one definition. Readers get `Event` objects from `read_events`, never raw strings to compare.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from training.contract.files import read_jsonl
+
+__all__ = [
+    "CheckpointCommitted",
+    "CheckpointCorrupt",
+    "CheckpointFenced",
+    "CheckpointSkipped",
+    "CheckpointStaged",
+    "DrillEventKind",
+    "Eval",
+    "Event",
+    "EventKind",
+    "Fault",
+    "Finished",
+    "FirstStep",
+    "MetricsExporter",
+    "Restore",
+    "Stacks",
+    "Start",
+    "StepTimes",
+    "StoreFailure",
+    "Straggler",
+    "Watchdog",
+    "read_events",
+]
+
+
+class EventKind(str, enum.Enum):
+    """What a worker writes into events.jsonl (the value is the line's `event`)."""
+
+    START = "start"  # the process joined its group (every rank, every generation)
+    RESTORE = "restore"  # state restored from a checkpoint
+    CHECKPOINT_STAGED = "checkpoint_staged"  # a save was copied off the training state (training resumes)
+    CHECKPOINT_COMMITTED = "checkpoint_committed"  # the manifest is written on every store that could take it
+    CHECKPOINT_SKIPPED = "checkpoint_skipped"  # a save was skipped (the previous one still in flight)
+    CHECKPOINT_FENCED = "checkpoint_fenced"  # a stale writer refused to commit
+    CHECKPOINT_CORRUPT = "checkpoint_corrupt"  # a restore candidate failed verification
+    STORE_FAILURE = "store_failure"  # one store failed; training goes on
+    FIRST_STEP = "first_step"  # the first step this process completed: after a restart, the end of recovery
+    STEP_TIMES = "step_times"  # every logEvery steps: this rank's window means
+    STRAGGLER = "straggler"  # rank 0: the slowest rank crossed metrics.stragglerThreshold (or fell back: -1)
+    STACKS = "stacks"  # this rank dumped its Python stacks (the watchdog; before it exits)
+    WATCHDOG = "watchdog"  # no step within stepTimeoutSeconds: the worker exits to be restarted
+    FAULT = "fault"  # a drill fault fired inside the worker
+    METRICS_EXPORTER = "metrics_exporter"  # the Prometheus exporter listens (port, url)
+    EVAL = "eval"  # held-out metrics
+    FINISHED = "finished"  # training reached its last step on this rank
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class DrillEventKind(str, enum.Enum):
+    """What a drill records in its report's timeline (not in events.jsonl)."""
+
+    DRILL_STARTED = "drill_started"
+    SUBMITTED = "submitted"  # kubernetes drill: the job was submitted
+    RUNNING = "running"  # kubernetes drill: the job reached Running
+    FAULT_INJECTED = "fault_injected"
+    CHECKPOINT_DAMAGED = "checkpoint_damaged"
+    DAMAGE_SKIPPED = "damage_skipped"
+    SHRUNK = "shrunk"
+    DID_NOT_SHRINK = "did_not_shrink"
+    NODE_ADDED = "node_added"
+    NETNS_CREATED = "netns_created"
+    RECOVERED = "recovered"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# -- payloads: the keys each kind adds to its line -------------------------------------------------
+@dataclass(frozen=True)
+class Start:
+    pid: int
+    world_size: int
+    node_rank: int
+    local_rank: int
+    node: str = ""
+    kind: EventKind = field(default=EventKind.START, init=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Restore:
+    step: int
+    store: str
+    seconds: float
+    source: str = "store"  # "store" | "node-local"
+    kind: EventKind = field(default=EventKind.RESTORE, init=False, repr=False)
+
+
+@dataclass(frozen=True)
+class CheckpointStaged:
+    step: int
+    blocked_s: float
+    bytes: int = 0
+    kind: EventKind = field(default=EventKind.CHECKPOINT_STAGED, init=False, repr=False)
+
+
+@dataclass(frozen=True)
+class CheckpointCommitted:
+    step: int
+    blocked_s: float
+    save_s: float | None
+    bytes: int = 0
+    stores_ok: list[str] = field(default_factory=list)
+    stores_failed: list[str] = field(default_factory=list)
+    kind: EventKind = field(default=EventKind.CHECKPOINT_COMMITTED, init=False, repr=False)
+
+
+@dataclass(frozen=True)
+class CheckpointSkipped:
+    step: int
+    reason: str
+    kind: EventKind = field(default=EventKind.CHECKPOINT_SKIPPED, init=False, repr=False)
+
+
+@dataclass(frozen=True)
+class CheckpointFenced:
+    step: int
+    store: str
+    reason: str
+    kind: EventKind = field(default=EventKind.CHECKPOINT_FENCED, init=False, repr=False)
+
+
+@dataclass(frozen=True)
+class CheckpointCorrupt:
+    step: int
+    store: str
+    detail: str
+    kind: EventKind = field(default=EventKind.CHECKPOINT_CORRUPT, init=False, repr=False)
+
+
+@dataclass(frozen=True)
+class StoreFailure:
+    store: str
+    error: str
+    kind: EventKind = field(default=EventKind.STORE_FAILURE, init=False, repr=False)
+
+
+@dataclass(frozen=True)
+class FirstStep:
+    step: int
+    world_size: int
+    kind: EventKind = field(default=EventKind.FIRST_STEP, init=False, repr=False)
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Window means of this rank: a straggler has the largest `compute_s`, the ranks waiting for it
+    the largest `comm_s`."""
+
+    step: int
+    step_s: float
+    comm_s: float
+    compute_s: float
+    kind: EventKind = field(default=EventKind.STEP_TIMES, init=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """Rank 0, when the straggler changes: `slow_rank` (-1: none any more) and its slowdown.
+
+    A rank's slowdown is its compute time over the median rank's (`training.metrics.straggler`), in the
+    window of `logEvery` steps that ends at `step`; `ratios` holds every rank's, by rank.
+    """
+
+    step: int
+    slow_rank: int
+    slowdown_ratio: float
+    threshold: float
+    ratios: list[float] = field(default_factory=list)
+    kind: EventKind = field(default=EventKind.STRAGGLER, init=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Stacks:
+    """This rank dumped its Python stacks into `path` (`RunFiles.stack_file`), e.g. before the watchdog
+    exits; `py_spy` and `flight_recorder` are the other dumps of the same moment, when there are."""
+
+    step: int
+    reason: str  # "watchdog" (no step for most of stepTimeoutSeconds)
+    path: str
+    py_spy: str | None = None
+    flight_recorder: str | None = None
+    kind: EventKind = field(default=EventKind.STACKS, init=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Watchdog:
+    step: int
+    silent_s: float
+    timeout_s: float
+    phase: str = "step"  # "step", or "checkpoint_io" under `checkpoint.ioTimeoutSeconds` (`StepWatchdog.io`)
+    kind: EventKind = field(default=EventKind.WATCHDOG, init=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Fault:
+    fault: str  # the fault kind (kill, hang, slow, slow_backward, exit, kill_during_checkpoint)
+    step: int
+    pid: int | None = None
+    seconds: float | None = None
+    kind: EventKind = field(default=EventKind.FAULT, init=False, repr=False)
+
+
+@dataclass(frozen=True)
+class MetricsExporter:
+    port: int
+    url: str
+    local_rank: int
+    kind: EventKind = field(default=EventKind.METRICS_EXPORTER, init=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Eval:
+    step: int
+    metrics: dict[str, float]
+    kind: EventKind = field(default=EventKind.EVAL, init=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Finished:
+    step: int
+    final_loss: float | None
+    wall_s: float
+    kind: EventKind = field(default=EventKind.FINISHED, init=False, repr=False)
+
+
+Payload = (
+    Start
+    | Restore
+    | CheckpointStaged
+    | CheckpointCommitted
+    | CheckpointSkipped
+    | CheckpointFenced
+    | CheckpointCorrupt
+    | StoreFailure
+    | FirstStep
+    | StepTimes
+    | Straggler
+    | Stacks
+    | Watchdog
+    | Fault
+    | MetricsExporter
+    | Eval
+    | Finished
+)
+
+
+def payload_fields(payload: Payload) -> dict[str, Any]:
+    """The keys a payload adds to its events.jsonl line (its `kind` is the line's `event`)."""
+    data = asdict(payload)
+    data.pop("kind", None)
+    if isinstance(payload, Fault):
+        # On the line the fault kind is `kind`, next to `event: fault` (the format readers know).
+        data["kind"] = data.pop("fault")
+        data = {k: v for k, v in data.items() if v is not None}
+    return data
+
+
+@dataclass(frozen=True)
+class Event:
+    """One line of events.jsonl as a reader sees it."""
+
+    time: float
+    rank: int
+    generation: int
+    kind: EventKind | str  # an unknown kind (a newer worker) stays a plain string
+    data: dict[str, Any]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.data.get(key, default)
+
+    @property
+    def step(self) -> int | None:
+        value = self.data.get("step")
+        return value if isinstance(value, int) else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "time": self.time,
+            "rank": self.rank,
+            "generation": self.generation,
+            "event": str(self.kind),
+            **self.data,
+        }
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> Event:
+        data = {k: v for k, v in obj.items() if k not in ("time", "rank", "generation", "event")}
+        raw = str(obj.get("event", ""))
+        kind: EventKind | str
+        try:
+            kind = EventKind(raw)
+        except ValueError:
+            kind = raw
+        rank = obj.get("rank", 0)
+        generation = obj.get("generation", 0)
+        return cls(
+            time=float(obj.get("time") or 0.0),
+            rank=rank if isinstance(rank, int) else 0,
+            generation=generation if isinstance(generation, int) else 0,
+            kind=kind,
+            data=data,
+        )
+
+
+def read_events(path: str | os.PathLike[str]) -> list[Event]:
+    """Every complete line of an events.jsonl, in time order."""
+    return sorted((Event.from_dict(o) for o in read_jsonl(path)), key=lambda e: e.time)

@@ -1,0 +1,59 @@
+"""What a torchrig process's exit code means to whoever restarts it: one convention for every backend.
+
+Kubeflow's (training-operator v1 `restartPolicy: ExitCode`, `IsRetryableExitCode`): a code from 1 to 127
+is a permanent error, never retried; 128 and above is retryable (a signal death is `128 + signal`: 137
+for SIGKILL, an OOM kill or a lost node; 143 for SIGTERM, a preemption). torchrig's own codes:
+
+- `TASK_INVALID` (2): the job cannot run as written: the spec, `task.entrypoint` (import error) or
+  `task.args` (the factory rejects them). Retrying changes nothing.
+- `ENVIRONMENT` (3): this machine cannot run the job: a GPU job where CUDA is not available, a file
+  checkpoint store that cannot be created or written, a command that cannot be executed. Deterministic
+  for this pod or host, so not retried either; fix the image, the node pool or the volume.
+- `TRAINING_FAILED` (200): an exception during training. Retryable: a survivor of a lost peer raises a
+  gloo/NCCL error it cannot tell from a bug of its own (torchelastic restarts the group on any worker
+  failure for the same reason), and the deterministic causes are found before training starts (by
+  `training.preflight` in every compiled command), so what is left is bounded by `restarts.max`.
+- `HUNG` (201): the step watchdog ended a rank that completed no step for `restarts.stepTimeoutSeconds`.
+
+200 and 201 lie above 128 + 64 (the highest signal), so they are never mistaken for a signal death.
+`torchrun` itself exits 1 when its worker group failed and it has no restart left: under a PyTorchJob
+(where torchrun owns the restart budget) that is permanent, as it should be; the TrainJob, whose restarts
+belong to its JobSet, fails its Job only on `PERMANENT` codes and restarts on the rest.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+__all__ = ["PERMANENT", "ExitCode", "is_retryable"]
+
+
+class ExitCode(IntEnum):
+    """Exit codes of the worker (`python -m training`) and the launcher (`python -m training.launch`)."""
+
+    OK = 0
+    # Permanent (1-127): never retried.
+    FAILED = 1  # generic failure (torchrun: the worker group failed with no restart left)
+    TASK_INVALID = 2  # spec, task.entrypoint or task.args cannot give a job
+    ENVIRONMENT = 3  # this machine cannot run the job (CUDA, a store, the command)
+    # Retryable (>= 128, above every signal death).
+    TRAINING_FAILED = 200  # an exception during training (a lost peer, transient I/O, a device error)
+    HUNG = 201  # the step watchdog ended a silent rank
+
+    @property
+    def retryable(self) -> bool:
+        return is_retryable(int(self))
+
+
+# The codes torchrig's commands exit with on a deterministic startup error, plus the shell's "cannot
+# execute" (126) and "not found" (127): what a Kubernetes pod failure policy fails the job on at once.
+PERMANENT: tuple[int, ...] = (int(ExitCode.TASK_INVALID), int(ExitCode.ENVIRONMENT), 126, 127)
+
+
+def is_retryable(returncode: int) -> bool:
+    """Whether a process that ended with `returncode` may be retried (Kubeflow's rule).
+
+    A negative code is how `subprocess` reports a death by signal (-9: SIGKILL): retryable, like 128 + 9.
+    0 is success, not a failure to retry.
+    """
+    return returncode < 0 or returncode >= 128

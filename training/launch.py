@@ -1,0 +1,76 @@
+"""`python -m training.launch [--spec PATH] [--run-dir DIR] [--no-gpu-check] -- COMMAND [ARGS...]`.
+
+The first program of every compiled container command and launch line (PyTorchJob, TrainJob runtime,
+RayJob entrypoint, the `torchrun` target): it runs `training.preflight` and then replaces itself with
+COMMAND (`os.execvp`: same PID, signals go straight to torchrun). A deterministic startup error exits
+with a permanent code (`ExitCode.TASK_INVALID` 2, `ExitCode.ENVIRONMENT` 3) and one line on stderr, so
+the operator fails the job at once instead of restarting it (`restartPolicy: ExitCode`, a pod failure
+policy). Without COMMAND it only checks (exit 0 when the job can start here).
+
+The spec and run directory default to `TORCHRIG_SPEC` and `TORCHRIG_RUN_DIR` (else `runs/<job name>`,
+as the worker does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from training.contract import Env, ExitCode
+
+__all__ = ["main"]
+
+
+def _fail(code: ExitCode, message: str) -> int:
+    print(f"torchrig: error: {message}", file=sys.stderr, flush=True)
+    return int(code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Check, then exec the command. Returns an exit code only when it does not exec."""
+    args_in = sys.argv[1:] if argv is None else list(argv)
+    command: list[str] = []
+    if "--" in args_in:
+        split = args_in.index("--")
+        args_in, command = args_in[:split], args_in[split + 1 :]
+    parser = argparse.ArgumentParser(prog="python -m training.launch", description=__doc__.split("\n\n")[1])
+    parser.add_argument("--spec", default=os.environ.get(Env.SPEC), help=f"resolved job file ({Env.SPEC})")
+    parser.add_argument("--run-dir", default=os.environ.get(Env.RUN_DIR), help=f"run directory ({Env.RUN_DIR})")
+    parser.add_argument(
+        "--no-gpu-check", action="store_true", help="skip the CUDA check (a Ray head: Ray places the GPU workers)"
+    )
+    args = parser.parse_args(args_in)
+    if not args.spec:
+        return _fail(ExitCode.TASK_INVALID, f"no job file: pass --spec PATH or set {Env.SPEC}")
+
+    from training.config import load_worker_spec
+    from training.preflight import PreflightError, preflight
+
+    try:
+        spec = load_worker_spec(args.spec)
+    except FileNotFoundError as exc:
+        return _fail(ExitCode.TASK_INVALID, f"{args.spec}: {exc.strerror}")
+    except ValueError as exc:
+        return _fail(ExitCode.TASK_INVALID, f"{args.spec}: " + "; ".join(str(exc).splitlines()))
+    run_dir = args.run_dir or os.path.join("runs", spec.name)
+    try:
+        preflight(spec, run_dir=run_dir, check_gpu=not args.no_gpu_check)
+    except PreflightError as exc:
+        return _fail(exc.exit_code, str(exc))
+    except Exception as exc:  # not a verdict (say the factory met a network error): let the run meet it
+        first = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        print(f"torchrig: warning: preflight could not finish ({first}); starting anyway", file=sys.stderr)
+    if not command:
+        return int(ExitCode.OK)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execvp(command[0], command)
+    except OSError as exc:  # not found or not executable: the image cannot run the job
+        return _fail(ExitCode.ENVIRONMENT, f"cannot execute {command[0]!r}: {exc.strerror or exc}")
+    return int(ExitCode.OK)  # pragma: no cover - execvp does not return
+
+
+if __name__ == "__main__":
+    sys.exit(main())

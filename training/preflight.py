@@ -1,0 +1,150 @@
+"""Checks that fail a job at once, before any restart is spent on an error no restart can fix.
+
+A typo in `task.entrypoint` or a GPU job on a node without CUDA fails the same way on every attempt;
+under torchrun each attempt costs a rendezvous and a restart, and the cause ends up in a worker log. So
+every compiled command starts with `python -m training.launch` (`training.launch`), which runs
+`preflight` and only then execs torchrun (or the Ray entry): a deterministic error exits the container
+with a permanent code (`training.contract.ExitCode`: 2 or 3) and one line naming the field.
+
+What is checked, in this order, cheapest first:
+
+1. the run directory and every `file://` store root (and the node-local directory) can be created and
+   written: `ENVIRONMENT`. Object stores are not contacted (a network call at start-up is neither cheap
+   nor deterministic);
+2. `task.entrypoint` imports and `task.args` build a Task: `TASK_INVALID`;
+3. with `resources.gpus > 0`, CUDA is available with that many devices: `ENVIRONMENT`.
+
+Anything else a check raises is not a verdict: it propagates, and the launcher lets the job start (the
+worker meets the same error and the launcher's restarts handle it as any other failure).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from training.config import WorkerSpec
+from training.contract import ExitCode
+
+__all__ = ["PreflightError", "check_gpus", "check_stores", "check_task", "preflight"]
+
+
+class PreflightError(Exception):
+    """A deterministic startup error: the job cannot run as written, or not on this machine.
+
+    Attributes:
+        exit_code: `ExitCode.TASK_INVALID` or `ExitCode.ENVIRONMENT` (both permanent).
+    """
+
+    def __init__(self, exit_code: ExitCode, message: str) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _check_writable(directory: Path, field: str) -> None:
+    probe = directory / f".torchrig-preflight-{uuid.uuid4().hex[:8]}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise PreflightError(
+            ExitCode.ENVIRONMENT, f"{field}: cannot create or write {str(directory)!r} here: {reason}"
+        ) from None
+
+
+def check_stores(spec: WorkerSpec, run_dir: str | None) -> None:
+    """The run directory, each `file://` store root and the node-local directory are writable.
+
+    Raises:
+        PreflightError: `ENVIRONMENT`, naming the store's field.
+    """
+    if run_dir is not None:
+        _check_writable(Path(run_dir), "run directory")
+    ckpt = spec.spec.checkpoint
+    for i, store in enumerate(ckpt.stores):
+        if store.scheme == "file":
+            path = store.resolved_uri(run_dir).removeprefix("file://")
+            _check_writable(Path(path), f"spec.checkpoint.stores[{i}].uri ({store.uri})")
+    if ckpt.node_local.enabled:
+        _check_writable(Path(ckpt.node_local.path), "spec.checkpoint.nodeLocal.path")
+
+
+def check_task(spec: WorkerSpec) -> None:
+    """`task.entrypoint` imports and returns a Task for `task.args`.
+
+    Raises:
+        PreflightError: `TASK_INVALID`, with `training.task.load_task`'s message; the factory raising
+            ValueError, TypeError or LookupError for the given arguments counts too.
+    """
+    from training.task import TaskLoadError, load_task
+
+    task = spec.spec.task
+    try:
+        load_task(task.entrypoint, task.args)
+    except TaskLoadError as exc:
+        # The job file's path to the field (the loader's message names it relative to `spec`).
+        message = str(exc)
+        raise PreflightError(
+            ExitCode.TASK_INVALID, message if message.startswith("spec.") else f"spec.{message}"
+        ) from None
+    except (ValueError, TypeError, LookupError) as exc:
+        raise PreflightError(
+            ExitCode.TASK_INVALID, f"spec.task.args: {task.entrypoint} rejected them: {type(exc).__name__}: {exc}"
+        ) from None
+
+
+def _torch_cuda() -> tuple[bool, int]:
+    import torch
+
+    available = torch.cuda.is_available()
+    return available, torch.cuda.device_count() if available else 0
+
+
+def check_gpus(spec: WorkerSpec, probe: Callable[[], tuple[bool, int]] = _torch_cuda) -> None:
+    """With `resources.gpus > 0`, CUDA is available and shows at least that many devices.
+
+    Args:
+        spec: the job.
+        probe: returns (CUDA available, device count); tests pass a fake.
+
+    Raises:
+        PreflightError: `ENVIRONMENT`.
+    """
+    wanted = spec.spec.resources.gpus
+    if wanted <= 0:
+        return
+    available, count = probe()
+    if not available:
+        raise PreflightError(
+            ExitCode.ENVIRONMENT,
+            f"spec.resources.gpus: the job needs {wanted} GPU(s) per node but CUDA is not available here "
+            "(no GPU, no driver, or a CPU-only torch); run it where GPUs are, or set spec.resources.gpus: 0",
+        )
+    if count < wanted:
+        raise PreflightError(
+            ExitCode.ENVIRONMENT,
+            f"spec.resources.gpus: the job needs {wanted} GPU(s) per node but only {count} are visible here",
+        )
+
+
+def preflight(spec: WorkerSpec, *, run_dir: str | os.PathLike[str] | None = None, check_gpu: bool = True) -> None:
+    """Fail fast on what no restart can fix: unwritable stores, a task that does not load, no CUDA.
+
+    Args:
+        spec: the job (`training.config.load_worker_spec`).
+        run_dir: the run directory (relative `file://` stores resolve against it); None: the working
+            directory, as the worker does without one.
+        check_gpu: check CUDA. False where this process is not where the GPUs are: the head of a Ray
+            cluster, whose GPU workers Ray places only on nodes that advertise GPUs.
+
+    Raises:
+        PreflightError: with a permanent `exit_code` and one line naming the field to change.
+    """
+    check_stores(spec, None if run_dir is None else os.fspath(run_dir))
+    check_task(spec)
+    if check_gpu:
+        check_gpus(spec)

@@ -1,0 +1,337 @@
+"""The training loop of one rank: `Trainer` takes a built model, optimizer and checkpoint manager and
+runs them to `training.steps`.
+
+`Trainer.run` is restore -> train (steps with metrics, drill faults, the step watchdog and checkpoint
+saves) -> evaluate -> result. Setting up the process group and building the pieces is
+`training.worker.run_worker`'s job; what makes a resume bit-identical is in `training.determinism`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as tdist
+from torch.utils.data import DataLoader
+
+from training.config import WorkerSpec
+from training.contract import RunFiles, WorkerIdentity
+from training.contract.events import Finished
+from training.contract.records import FinalCheckpoint, Result
+from training.data import BatchIndices, GlobalOrder, StepPlan, to_device
+from training.determinism import seed_step_rng, step_seed
+from training.evaluation import evaluate
+from training.faults import FaultInjector
+from training.metrics.base import MetricsSink, StepRecord
+from training.metrics.straggler import create_straggler_detector
+from training.state import ModelOptimizerState, TrainerProgress, full_params_sha256
+from training.strategies import Parallel, clip_grad_norm, lr_at
+from training.task import Task
+from training.watchdog import StepWatchdog
+
+__all__ = ["CheckpointManagerLike", "Trainer"]
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointManagerLike(Protocol):
+    """The part of `training.checkpoint.CheckpointManager` the loop uses (docs/architecture.md)."""
+
+    def restore(self, state: dict[str, Any]) -> Any: ...
+
+    def should_save(self, step: int) -> bool: ...
+
+    def save(self, step: int, state: dict[str, Any], *, final: bool = False) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class _Feed:
+    """What every step of one `train` call consumes: the batches and this rank's share of the step."""
+
+    batches: Iterator[Any]
+    plan: StepPlan
+    samples: int  # samples this rank processes per step (all micro-batches)
+    tokens_per_sample: int
+    flops_per_sample: float
+
+
+class Trainer:
+    """One rank's training of one job.
+
+    Args:
+        spec: The resolved job.
+        identity: This rank's coordinates (`job` and `run_dir` set).
+        task: The user's task.
+        par: The task's model, parallelized (`training.strategies.parallelize`).
+        optimizer: The optimizer over `par.model`'s parameters.
+        checkpoints: The checkpoint manager (None: no checkpoints).
+        sink: Where metrics and events go.
+        faults: The drill's faults for this rank and generation.
+        watchdog: The step watchdog, started.
+    """
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        identity: WorkerIdentity,
+        task: Task,
+        par: Parallel,
+        optimizer: torch.optim.Optimizer,
+        *,
+        checkpoints: CheckpointManagerLike | None,
+        sink: MetricsSink,
+        faults: FaultInjector,
+        watchdog: StepWatchdog,
+    ) -> None:
+        self.spec = spec
+        self.cfg = spec.spec.training
+        self.identity = identity
+        self.task = task
+        self.par = par
+        self.optimizer = optimizer
+        self.progress = TrainerProgress(par.scaler)
+        # What a checkpoint holds (DCP Statefuls).
+        self.state: dict[str, Any] = {"app": ModelOptimizerState(par.model, optimizer), "trainer": self.progress}
+        self.checkpoints = checkpoints
+        self.sink = sink
+        self.faults = faults
+        self.watchdog = watchdog
+        self.io_timeout_s = spec.spec.checkpoint.io_timeout_seconds  # the watchdog's limit for checkpoint I/O
+        self.final_checkpoint: FinalCheckpoint | None = None  # the final save's outcome, once made
+        metrics = spec.spec.metrics
+        self.straggler = create_straggler_detector(
+            identity, sink, every=metrics.log_every, threshold=metrics.straggler_threshold, device=par.device
+        )
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def run(self, wall_start: float) -> Result:
+        """Restore, train to `training.steps`, evaluate and report (`result.json` on rank 0).
+
+        Args:
+            wall_start: `time.perf_counter()` when the worker started (for `wall_s`).
+        """
+        self.restore()
+        self.watchdog.beat(self.progress.step)
+        final_loss, samples_per_s = self.train()
+        self.watchdog.beat(self.progress.step)
+        eval_metrics = self.evaluate() if self.cfg.eval_at_end else {}
+        self.watchdog.beat(self.progress.step)
+        self.close()
+        result = Result(
+            steps=self.progress.step,
+            final_loss=final_loss,
+            eval=eval_metrics,
+            params_sha256=full_params_sha256(self.par),
+            world_size=self.identity.world_size,
+            samples_per_s=samples_per_s,
+            wall_s=time.perf_counter() - wall_start,
+            final_checkpoint=self.final_checkpoint,
+        )
+        self.report(result)
+        return result
+
+    def restore(self) -> None:
+        """Load the newest checkpoint the manager finds into `state` (nothing when there is none)."""
+        if self.checkpoints is None:
+            return
+        with self.watchdog.io(self.io_timeout_s):
+            restored = self.checkpoints.restore(self.state)
+        if restored is None:
+            return
+        log.info(
+            "rank %d: resumed at step %d (saved at world size %d, now %d)",
+            self.identity.rank,
+            self.progress.step,
+            self.progress.world_size,
+            self.identity.world_size,
+        )
+
+    def close(self) -> None:
+        """Wait for the last checkpoint to commit and release the manager (idempotent)."""
+        checkpoints, self.checkpoints = self.checkpoints, None
+        if checkpoints is not None:
+            with self.watchdog.io(self.io_timeout_s):
+                checkpoints.close()
+
+    # -- training ---------------------------------------------------------------------------------
+    def train(self) -> tuple[float | None, float | None]:
+        """Train from the restored step to `training.steps`.
+
+        Returns:
+            The final loss (mean over ranks of the last step; None when not finite) and the global
+            samples per second of the steps this process ran (None when it ran none).
+        """
+        feed = self._feed()
+        self.par.model.train()
+        first_step = self.progress.step
+        train_s = 0.0
+        for step in range(first_step + 1, self.cfg.steps + 1):
+            record = self.step(step, feed)
+            train_s += record.step_s
+            self.after_step(record)
+        steps_run = self.progress.step - first_step
+        samples_per_s = steps_run * feed.plan.global_batch / train_s if train_s > 0 else None
+        return self._final_loss(), samples_per_s
+
+    def _feed(self) -> _Feed:
+        cfg, identity, progress = self.cfg, self.identity, self.progress
+        dataset = self.task.train_dataset()
+        order = GlobalOrder(len(dataset), cfg.seed)  # type: ignore[arg-type]
+        plan = StepPlan(identity.world_size, cfg.batch_size, cfg.grad_accumulation)
+        if progress.world_size and progress.world_size != identity.world_size:
+            log.info(
+                "rank %d: world size changed %d -> %d at step %d",
+                identity.rank,
+                progress.world_size,
+                identity.world_size,
+                progress.step,
+            )
+        progress.world_size = identity.world_size
+        loader = DataLoader(
+            dataset,
+            batch_sampler=BatchIndices(order, plan, identity.rank, progress.cursor),
+            collate_fn=self.task.collate,
+            num_workers=cfg.num_workers,
+            persistent_workers=False,
+        )
+        return _Feed(
+            batches=iter(loader),
+            plan=plan,
+            samples=cfg.batch_size * cfg.grad_accumulation,
+            tokens_per_sample=self.task.tokens_per_sample(),
+            flops_per_sample=self.task.flops_per_sample(),
+        )
+
+    def step(self, step: int, feed: _Feed) -> StepRecord:
+        """Optimizer step `step` (every micro-batch, then a drill's delay); returns what it measured."""
+        cfg, par, progress = self.cfg, self.par, self.progress
+        t0 = time.perf_counter()
+        lr = lr_at(step - 1, self.identity.world_size, cfg.optimizer.lr, cfg.steps, cfg.lr_schedule)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        seed_step_rng(step_seed(cfg.seed, step, self.identity.rank), par.device)
+        data_wait = 0.0
+        loss_sum = torch.zeros((), device=par.device)
+        par.comm.take()
+        par.comm.take_first_gradient()
+        for micro in range(cfg.grad_accumulation):
+            td = time.perf_counter()
+            batch = to_device(next(feed.batches), par.device)
+            data_wait += time.perf_counter() - td
+            with par.micro_step(sync=micro == cfg.grad_accumulation - 1):
+                loss = self.task.loss(par.model, batch) / cfg.grad_accumulation
+                self.faults.before_backward(loss, step)
+                if par.scaler is not None:
+                    par.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
+                else:
+                    loss.backward()  # type: ignore[no-untyped-call]
+            loss_sum += loss.detach().float()
+        grad_norm = self._apply_gradients()
+        loss_value = progress.loss = float(loss_sum)
+        delay = self.faults.step_delay(step)
+        if delay:
+            time.sleep(delay)
+        progress.step = step
+        progress.cursor += feed.plan.global_batch
+        step_s = time.perf_counter() - t0
+        first_gradient = par.comm.take_first_gradient()
+        return StepRecord(
+            step=step,
+            loss=loss_value,
+            samples=feed.samples,
+            tokens=feed.samples * feed.tokens_per_sample,
+            step_s=step_s,
+            data_wait_s=data_wait,
+            comm_s=par.comm.take(),
+            world_size=self.identity.world_size,
+            lr=lr,
+            time=time.time(),
+            flops=feed.samples * feed.flops_per_sample,
+            grad_norm=grad_norm,
+            pre_comm_s=None if first_gradient is None else max(0.0, first_gradient - t0 - data_wait),
+        )
+
+    def _apply_gradients(self) -> float | None:
+        """Unscale (fp16), clip, step the optimizer and clear the gradients; the norm before clipping."""
+        par, optimizer = self.par, self.optimizer
+        grad_norm: float | None = None
+        if par.scaler is not None:
+            par.scaler.unscale_(optimizer)
+        if self.cfg.grad_clip is not None:
+            grad_norm = clip_grad_norm(par, self.cfg.grad_clip)
+        if par.scaler is not None:
+            par.scaler.step(optimizer)
+            par.scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def after_step(self, record: StepRecord) -> None:
+        """Report a completed step, fire the drill's faults, and save a checkpoint when one is due."""
+        step, cfg = record.step, self.cfg
+        self.watchdog.beat(step)
+        self.sink.on_step(record)
+        if self.straggler is not None:
+            self.straggler.observe(record)  # a collective every logEvery steps, on every rank
+        if self.identity.is_leader and (step % self.spec.spec.metrics.log_every == 0 or step == cfg.steps):
+            print(
+                f"torchrig: step {step}/{cfg.steps} loss {record.loss:.4f} lr {record.lr:.3g} "
+                f"{record.step_s * 1000:.0f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.faults.after_step(step)
+        if self.checkpoints is not None:
+            final = step == cfg.steps and self.spec.spec.checkpoint.save_final
+            if final or self.checkpoints.should_save(step):
+                with self.watchdog.io(self.io_timeout_s):  # a synchronous save, or one waiting for the last
+                    outcome = self.checkpoints.save(step, self.state, final=final)
+                if final and outcome is not None:
+                    self.final_checkpoint = FinalCheckpoint(
+                        outcome.step, outcome.committed, list(outcome.stores_ok), dict(outcome.stores_failed)
+                    )
+                self.faults.after_save_staged(step)
+                self.watchdog.beat(step)
+
+    def _final_loss(self) -> float | None:
+        # The reported loss is the mean over ranks of the last step (one collective, at the end only).
+        loss_value = self.progress.loss
+        final_loss = torch.tensor([loss_value], dtype=torch.float64)
+        world_size = self.identity.world_size
+        if world_size > 1 and tdist.is_initialized():
+            final_loss = final_loss.to(self.par.device)
+            tdist.all_reduce(final_loss)
+            final_loss /= world_size
+        return float(final_loss.item()) if math.isfinite(loss_value) else None
+
+    # -- evaluation and the result ----------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        """Held-out metrics of the current model (every rank takes part), reported to the sink."""
+        metrics = evaluate(self.task, self.par, self.identity, self.cfg.eval_batch_size)
+        if metrics:
+            self.sink.on_eval(self.progress.step, metrics)
+        return metrics
+
+    def report(self, result: Result) -> None:
+        """`result.json` (rank 0, when there is a run directory), the `finished` event, the last line."""
+        if self.identity.is_leader and self.identity.run_dir is not None:
+            result.write(RunFiles(self.identity.run_dir).result)
+        self.sink.emit(Finished(step=result.steps, final_loss=result.final_loss, wall_s=result.wall_s))
+        if self.identity.is_leader and result.final_checkpoint is not None and result.final_checkpoint.lost:
+            print(f"torchrig: {result.final_checkpoint.reason()}", file=sys.stderr, flush=True)
+        if self.identity.is_leader:
+            print(
+                f"torchrig: finished {result.steps} steps, loss {result.final_loss}, eval {result.eval}, "
+                f"params_sha256 {result.params_sha256[:16]}",
+                file=sys.stderr,
+                flush=True,
+            )
