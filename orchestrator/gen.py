@@ -195,9 +195,45 @@ def spec_reference() -> str:
     return "\n".join(lines)
 
 
+DRILLS_BEGIN = "<!-- generated from orchestrator/drills/scenarios.py by `make manifests`: drills -->"
+DRILLS_END = "<!-- end of generated drills -->"
+
+
+def drill_table() -> str:
+    """The scenarios as docs/drills.md lists them: name, fault, what a pass proves."""
+    from orchestrator.drills.scenarios import SCENARIOS
+
+    rows = ["| scenario | fault | a pass proves |", "|---|---|---|"]
+    rows += [f"| `{name}` | {cls.summary} | {cls.proves} |" for name, cls in SCENARIOS.items()]
+    return "\n".join(rows)
+
+
+def drill_list() -> str:
+    """The scenarios as the README names them."""
+    from orchestrator.drills.scenarios import SCENARIOS
+
+    names = ", ".join(f"`{name}`" for name in SCENARIOS)
+    return (
+        f"- **Drills** ({len(SCENARIOS)}): {names} — each with a verdict, MTTR, lost steps and a bit-for-bit "
+        "comparison with a reference."
+    )
+
+
+def _splice(path: Path, body: str) -> str:
+    """`path`'s text with the part between the drills markers replaced by `body`."""
+    text = path.read_text()
+    if DRILLS_BEGIN not in text or DRILLS_END not in text:
+        raise SystemExit(f"{path}: the generated-drills markers are missing")
+    head, rest = text.split(DRILLS_BEGIN, 1)
+    _, tail = rest.split(DRILLS_END, 1)
+    return f"{head}{DRILLS_BEGIN}\n{body}\n{DRILLS_END}{tail}"
+
+
 def generate(repo: Path = REPO) -> dict[str, str]:
     """Every generated file: repository-relative path -> content."""
     out: dict[str, str] = {}
+    out["README.md"] = _splice(repo / "README.md", drill_list())
+    out["docs/drills.md"] = _splice(repo / "docs" / "drills.md", drill_table())
     for example in sorted((repo / "examples").glob("*.yaml")):
         out.update(_example_manifests(example))
     out["docs/spec.md"] = spec_reference()

@@ -8,22 +8,23 @@ from typing import TYPE_CHECKING
 import click
 
 from orchestrator.cli._common import emit_json, handle_errors, output_option, set_option
+from orchestrator.drills.damage import CorruptionKind
 
 if TYPE_CHECKING:
     from orchestrator.drills.report import DrillReport
     from orchestrator.spec import JobSpec
 
-_SCENARIO_HELP = """\b
-Scenarios:
-  kill-worker              SIGKILL one rank at a step; resume from the newest checkpoint
-  kill-node                kill a whole node (needs an elastic job, --nodes 2); shrink, then grow back
-  crash-during-checkpoint  SIGKILL a rank while a save is in flight; never restore a partial checkpoint
-  corrupt-checkpoint       damage the newest checkpoint in one store, then kill a worker; fall back
-  lose-store               make one store unreachable mid-run; training continues on the others
-  hang                     one rank stops progressing; the step watchdog restarts the group
-  straggler                slow one rank down; the report names it from per-rank step times
-  partition                cut one of two emulated nodes off the network (Linux, root: network namespaces)
-"""
+
+def _scenario_help() -> str:
+    """The scenario list of `--help`, from the scenarios themselves (as README and docs/drills.md are)."""
+    from orchestrator.drills.scenarios import SCENARIOS
+
+    width = max(map(len, SCENARIOS)) + 2
+    lines = [f"  {name:<{width}} {cls.summary}" for name, cls in SCENARIOS.items()]
+    return "\b\nScenarios:\n" + "\n".join(lines) + "\n"
+
+
+_SCENARIO_HELP = _scenario_help()
 
 
 @click.command(
@@ -53,7 +54,7 @@ Scenarios:
 @click.option("--timeout", "timeout_s", default=900.0, show_default=True, help="Seconds before a run counts as stuck.")
 @click.option(
     "--corruption",
-    type=click.Choice(["flip", "truncate", "delete-file", "delete-manifest"]),
+    type=click.Choice([kind.value for kind in CorruptionKind]),
     help="corrupt-checkpoint: which damage (default: random by seed).",
 )
 @click.option("--hang-timeout", type=float, default=10.0, show_default=True, help="hang: watchdog seconds.")

@@ -21,12 +21,10 @@ class Check:
     detail: str
 
 
-@dataclass
-class Verdict:
-    """What a scenario's judge concluded: checks (all must pass) and notes for people."""
+class _Checks:
+    """Checks that all must pass: shared by a judge's `Verdict` and the whole `DrillReport`."""
 
-    checks: list[Check] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+    checks: list[Check]
 
     @property
     def passed(self) -> bool:
@@ -34,6 +32,14 @@ class Verdict:
 
     def check(self, name: str, passed: bool, detail: str) -> None:
         self.checks.append(Check(name, bool(passed), detail))
+
+
+@dataclass
+class Verdict(_Checks):
+    """What a scenario's judge concluded: checks (all must pass) and notes for people."""
+
+    checks: list[Check] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def note(self, text: str) -> None:
         self.notes.append(text)
@@ -45,7 +51,7 @@ class Verdict:
 
 
 @dataclass
-class DrillReport:
+class DrillReport(_Checks):
     scenario: str
     backend: str
     seed: int
@@ -69,13 +75,6 @@ class DrillReport:
     events: list[dict[str, Any]] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        return bool(self.checks) and all(c.passed for c in self.checks)
-
-    def check(self, name: str, passed: bool, detail: str) -> None:
-        self.checks.append(Check(name, bool(passed), detail))
 
     def add(self, verdict: Verdict) -> None:
         """Take a judge's checks and notes into the report."""
@@ -121,53 +120,15 @@ def render_table(report: DrillReport) -> Any:
 
 
 def plot_report(report: DrillReport, history: RunHistory, path: str | Path) -> None:
-    """Throughput and world size over time, with the fault and the recovery marked (PNG)."""
-    import matplotlib
+    """The drilled run drawn as `torchrig report --plot` draws any run (`orchestrator.plot`), with the
+    drill's injected faults marked and its verdict in the title (PNG)."""
+    from orchestrator.plot import plot_run
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    t0 = min([float(m.get("time", 0.0)) for m in history.metrics] + [e.time for e in history.events] or [0.0])
-    fig, ax = plt.subplots(figsize=(9, 4.5), dpi=110)
-    # One line per restart generation: no line is drawn across an outage, which had no throughput.
-    points = [m for m in history.metrics if "samples_per_s" in m]
-    generations = sorted({int(m.get("generation", 0)) for m in points})
-    for i, gen in enumerate(generations):
-        seg = [m for m in points if int(m.get("generation", 0)) == gen]
-        ax.plot(
-            [float(m["time"]) - t0 for m in seg],
-            [float(m["samples_per_s"]) for m in seg],
-            marker=".",
-            color="tab:blue",
-            label="samples/s (rank 0)" if i == 0 else None,
-        )
-    ax.set_ylim(bottom=0)
-    ax.set_xlabel("seconds since start")
-    ax.set_ylabel("samples/s", color="tab:blue")
-    ax2 = ax.twinx()
-    ws_points = [(t - t0, ws) for t, ws in history.world_size_points()]
-    if ws_points:
-        ax2.step(
-            [p[0] for p in ws_points], [p[1] for p in ws_points], where="post", color="tab:green", label="world size"
-        )
-        ax2.set_ylim(0, max(p[1] for p in ws_points) + 1)
-    ax2.set_ylabel("world size", color="tab:green")
-    faults = [t - t0 for t in report.event_times(DrillEventKind.FAULT_INJECTED)]
-    recoveries = [t - t0 for t in report.event_times(DrillEventKind.RECOVERED)]
-    for x in faults:
-        ax.axvline(x, color="tab:red", linestyle="--", label="fault" if x == faults[0] else None)
-    for x in recoveries:
-        ax.axvline(
-            x, color="tab:olive", linestyle=":", label="first step after recovery" if x == recoveries[0] else None
-        )
-    if faults and recoveries and recoveries[0] > faults[0]:
-        ax.axvspan(faults[0], recoveries[0], color="tab:red", alpha=0.08, label="recovering")
-    handles, labels = ax.get_legend_handles_labels()
-    h2, l2 = ax2.get_legend_handles_labels()
-    ax.legend(handles + h2, labels + l2, loc="lower right", fontsize=8)
     verdict = "PASS" if report.passed else "FAIL"
-    mttr = f", MTTR {report.mttr_seconds:.1f}s" if report.mttr_seconds is not None else ""
-    ax.set_title(f"torchrig drill {report.scenario}: {verdict}{mttr}")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    mttr = f", MTTR {report.mttr_seconds:.1f} s" if report.mttr_seconds is not None else ""
+    plot_run(
+        history,
+        path,
+        fault_times=report.event_times(DrillEventKind.FAULT_INJECTED),
+        title=f"torchrig drill {report.scenario}: {verdict}{mttr}",
+    )

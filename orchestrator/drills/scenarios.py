@@ -206,30 +206,62 @@ class Hang(Scenario):
         return [Fault(kind="hang", rank=ctx.fault_rank, step=ctx.fault_step)]
 
     def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> Verdict:
+        from training.contract.stacks import innermost_frames, ranks_apart, read_stack_dumps
+
         fired = history.of(EventKind.WATCHDOG)
         verdict = Verdict()
         verdict.check("watchdog fired", bool(fired), f"{len(fired)} watchdog events")
+        # Forensics: every rank of the hung generation dumped its stacks before the restart, and the
+        # dumps single out the hung rank (the one not at the collective the others wait in).
+        generation = fired[0].generation if fired else 0
+        dumped = sorted({e.rank for e in history.of(EventKind.STACKS) if e.generation == generation})
+        world = report.world_sizes[0] if report.world_sizes else 0
+        verdict.check(
+            "every rank dumped its stacks",
+            bool(world) and dumped == list(range(world)),
+            f"generation {generation}: ranks {dumped} of {world}",
+        )
+        dumps = read_stack_dumps(history.run_dir, generation)
+        apart = ranks_apart(dumps)
+        verdict.check(
+            "stacks name the hung rank", apart == [ctx.fault_rank], f"injected {ctx.fault_rank}, apart {apart}"
+        )
+        for rank, frame in sorted(innermost_frames(dumps).items()):
+            verdict.note(f"rank {rank} was in {frame}")
         verdict.add(super().judge(report, history, ctx))
         return verdict
 
 
 class Straggler(Scenario):
     name = "straggler"
-    summary = "One rank is slowed down; the report names the slow rank from per-rank step times."
-    proves = "a slow rank is identified from the job's own telemetry."
+    summary = "One rank is slowed inside its backward pass; the online detector names it while the job runs."
+    proves = "a slow rank is named online (`torchrig_straggler_rank`, a `straggler` event) though DDP hides it."
     needs_restore = False
 
     def faults(self, ctx: DrillContext) -> list[Fault]:
-        return [Fault(kind="slow", rank=ctx.fault_rank, step=1, seconds=ctx.options.slow_s)]
+        # Slowed inside its backward pass only: under DDP the other ranks then wait for it inside the
+        # overlapped all-reduce, so whole-step times are equal and only the online detector can tell.
+        return [Fault(kind="slow_backward", rank=ctx.fault_rank, step=1, seconds=ctx.options.slow_s)]
 
     def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> Verdict:
-        per_rank = history.per_rank_step_s()
-        slow = history.slowest_rank()
         verdict = Verdict()
+        per_rank = history.per_rank_step_s()
         verdict.note("per-rank compute seconds per step: " + ", ".join(f"{r}: {v:.4f}" for r, v in per_rank.items()))
+        found = history.of(EventKind.STRAGGLER)
+        named = [e for e in found if e.get("slow_rank") == ctx.fault_rank]
+        last = found[-1].get("slow_rank") if found else None
         verdict.check(
-            "slow rank identified", slow == ctx.fault_rank, f"injected rank {ctx.fault_rank}, identified {slow}"
+            "online detector named the slow rank",
+            bool(named) and last == ctx.fault_rank,
+            f"injected rank {ctx.fault_rank}; straggler events name {[e.get('slow_rank') for e in found]}",
         )
+        faults = [e for e in history.of(EventKind.FAULT) if e.get("kind") == "slow_backward"]
+        if named and faults:
+            first = named[0]
+            verdict.note(
+                f"detected {first.time - faults[0].time:.1f} s after the slowdown began, at step {first.step} "
+                f"(slowdown {float(first.get('slowdown_ratio') or 0):.2f}x the median rank)"
+            )
         verdict.add(super().judge(report, history, ctx))
         return verdict
 

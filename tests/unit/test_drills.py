@@ -20,7 +20,7 @@ from orchestrator.drills.history import RunHistory
 from orchestrator.drills.plan import DrillContext, DrillOptions, Outcome
 from orchestrator.drills.report import DrillReport, plot_report
 from orchestrator.drills.runner import _fill_from_run, _pick_fault
-from orchestrator.drills.scenarios import SCENARIOS, KillNode, KillWorker, Straggler, get_scenario
+from orchestrator.drills.scenarios import SCENARIOS, Hang, KillNode, KillWorker, Straggler, get_scenario
 from orchestrator.drills.spec_patch import isolate_stores
 from orchestrator.errors import SpecError
 from orchestrator.loader import load_spec
@@ -144,13 +144,42 @@ def test_straggler_is_identified_from_compute_time(tmp_path: Path) -> None:
     _write_jsonl(tmp_path / "events.jsonl", events)
     history = RunHistory.load(tmp_path)
     assert history.slowest_rank() == 1
+
+
+def _straggler_events(slow_ranks: list[int]) -> list[dict[str, object]]:
+    events: list[dict[str, object]] = [
+        {"time": 0.5, "event": "fault", "rank": 1, "kind": "slow_backward", "step": 1, "seconds": 0.05}
+    ]
+    for i, slow in enumerate(slow_ranks):
+        events.append(
+            {
+                "time": 2.0 + i,
+                "event": "straggler",
+                "rank": 0,
+                "step": 10 * (i + 1),
+                "slow_rank": slow,
+                "slowdown_ratio": 3.0 if slow >= 0 else 1.0,
+            }
+        )
+    return events
+
+
+@pytest.mark.parametrize(
+    ("slow_ranks", "fault_rank", "passes"),
+    [([1], 1, True), ([-1, 1], 1, True), ([1], 2, False), ([1, -1], 1, False), ([], 1, False), ([0], 1, False)],
+)
+def test_straggler_verdict_reads_the_online_detector(
+    tmp_path: Path, slow_ranks: list[int], fault_rank: int, passes: bool
+) -> None:
+    """The verdict is the online detector's: a `straggler` event naming the injected rank, still named at the end."""
+    _write_jsonl(tmp_path / "events.jsonl", _straggler_events(slow_ranks))
+    history = RunHistory.load(tmp_path)
     report = DrillReport("straggler", "local", 0, status="succeeded")
-    report.add(Straggler().judge(report, history, _ctx(fault_rank=1)))
-    assert report.passed
-    assert report.notes and report.notes[0].startswith("per-rank compute seconds per step: 0: ")
-    wrong = DrillReport("straggler", "local", 0, status="succeeded")
-    wrong.add(Straggler().judge(wrong, history, _ctx(fault_rank=2)))
-    assert not wrong.passed
+    report.add(Straggler().judge(report, history, _ctx(fault_rank=fault_rank)))
+    check = next(c for c in report.checks if c.name == "online detector named the slow rank")
+    assert check.passed is passes
+    if passes and slow_ranks[0] == fault_rank:
+        assert any(n.startswith("detected 1.5 s after the slowdown began, at step 10") for n in report.notes)
 
 
 def test_no_straggler_when_ranks_are_even(tmp_path: Path) -> None:
@@ -317,3 +346,34 @@ def test_outside_faults_report_the_step_actually_reached(tmp_path: Path) -> None
     assert report.fault_step == 17 and report.resumed_from_step == 15 and report.lost_steps == 2
     report.add(KillWorker().judge(report, history, ctx))
     assert all(c.passed for c in report.checks), report.checks
+
+
+def test_hang_verdict_needs_every_rank_dumped_and_the_hung_rank_apart(tmp_path: Path) -> None:
+    """The hang drill reads the forensics: a stack file from every rank, and they single out the hung rank."""
+    from tests.unit.test_stacks import HUNG, IN_ALLREDUCE
+    from training.contract import RunFiles
+
+    files = RunFiles(tmp_path)
+    files.stacks_dir(0).mkdir(parents=True)
+    files.stack_file(0, 0).write_text(IN_ALLREDUCE)
+    files.stack_file(0, 1).write_text(HUNG)
+    events = [{"time": 5.0, "event": "watchdog", "rank": r, "generation": 0, "step": 3} for r in (0, 1)]
+    events += [
+        {"time": 4.0, "event": "stacks", "rank": r, "generation": 0, "path": str(files.stack_file(0, r))}
+        for r in (0, 1)
+    ]
+    _write_jsonl(tmp_path / "events.jsonl", events)
+    history = RunHistory.load(tmp_path)
+
+    def checks(fault_rank: int) -> dict[str, bool]:
+        report = DrillReport("hang", "local", 0, status="succeeded", world_sizes=[2])
+        report.add(Hang().judge(report, history, _ctx(scenario="hang", fault_rank=fault_rank)))
+        return {c.name: c.passed for c in report.checks}
+
+    right = checks(1)
+    assert right["watchdog fired"] and right["every rank dumped its stacks"] and right["stacks name the hung rank"]
+    assert not checks(0)["stacks name the hung rank"]
+    files.stack_file(0, 0).unlink()
+    _write_jsonl(tmp_path / "events.jsonl", [e for e in events if not (e["event"] == "stacks" and e["rank"] == 0)])
+    history = RunHistory.load(tmp_path)
+    assert not checks(1)["every rank dumped its stacks"]

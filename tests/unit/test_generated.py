@@ -56,3 +56,24 @@ def test_chart_generated_files_are_checked() -> None:
         "helm/torchrig/files/dashboard.json",
     ):
         assert rel in GENERATED
+
+
+def test_drill_lists_come_from_the_scenarios() -> None:
+    """README, docs/drills.md (both tables) and `torchrig drill --help` name exactly the scenarios."""
+    import re
+
+    from click.testing import CliRunner
+
+    from orchestrator.cli import cli
+    from orchestrator.drills.scenarios import SCENARIOS
+
+    names = list(SCENARIOS)
+    readme = (REPO / "README.md").read_text()
+    assert f"({len(names)}): " + ", ".join(f"`{n}`" for n in names) in readme
+    drills_doc = (REPO / "docs" / "drills.md").read_text()
+    scenarios = drills_doc.split("## Scenarios", 1)[1].split("\n## ", 1)[0]
+    for table in scenarios.split("### What each drill checks, in detail"):
+        listed = re.findall(r"^\| `([a-z-]+)` \|", table, re.M)
+        assert listed == names, listed
+    help_text = CliRunner().invoke(cli, ["drill", "--help"]).output
+    assert [n for n in names if re.search(rf"^\s+{n}\s", help_text, re.M)] == names
