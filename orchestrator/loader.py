@@ -137,10 +137,24 @@ def parse_set(expr: str) -> tuple[list[str | int], Any]:
     return path, value
 
 
+def _refuse_credentials(expr: str, path: list[str | int]) -> None:
+    """A credential in `--set` would sit in shell history and `ps` output: refuse it, name the fix."""
+    from orchestrator.compile.checks import SECRET_OPTION_RE  # lazy: compile imports this module
+
+    keys = [p for p in path if isinstance(p, str)]
+    if "options" in keys[:-1] and SECRET_OPTION_RE.search(keys[-1]):
+        raise SpecError(
+            f"--set {expr.partition('=')[0]}: credentials are not taken from the command line; set them in the "
+            "environment (e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) or, on Kubernetes, name a Secret in "
+            "spec.checkpoint.stores[].secretRef"
+        )
+
+
 def apply_overrides(data: Any, overrides: list[str]) -> Any:
     """Apply `--set` expressions in order to a parsed document (creating maps as needed)."""
     for expr in overrides:
         path, value = parse_set(expr)
+        _refuse_credentials(expr, path)
         if not isinstance(data, dict):
             raise SpecError(f"--set {expr!r}: the document is not a mapping")
         node: Any = data

@@ -39,6 +39,15 @@ def _parse_options(pairs: tuple[str, ...]) -> dict[str, Any]:
             raise SpecError(f"--option: expected key=value, got {pair!r}")
         # YAML scalars, so `anon=true` or `max_attempts=3` arrive typed.
         options[key] = yaml.safe_load(raw) if raw else ""
+    # Credentials never on the command line (shell history, `ps`): the store clients read them from the
+    # environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, GOOGLE_APPLICATION_CREDENTIALS, ...).
+    from orchestrator.compile.checks import _secret_keys
+
+    for path in _secret_keys(options, "--option"):
+        raise SpecError(
+            f"{path.replace('--option.', '--option ', 1)}: credentials are not taken from the command line; "
+            "set them in the environment (e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for s3://)"
+        )
     return options
 
 
@@ -121,7 +130,8 @@ def checkpoints() -> None:
     """List, verify and inspect checkpoints in one or more stores.
 
     STORE_URI is a store root as in `spec.checkpoint.stores[].uri`: a path, `file:///abs`, or
-    `s3://bucket/prefix` (with `--option endpoint_url=... --option key=... --option secret=...`).
+    `s3://bucket/prefix` (with `--option endpoint_url=...`; credentials come from the environment,
+    e.g. AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, never from the command line).
     """
 
 

@@ -105,22 +105,23 @@ def test_restore_falls_back_to_s3_copy_when_local_is_corrupt(tmp_path: Path, s3_
     assert target["step"] == 1
 
 
-def test_cli_list_verify_inspect_across_stores(tmp_path: Path, s3_server: S3Server) -> None:
+def test_cli_list_verify_inspect_across_stores(
+    tmp_path: Path, s3_server: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
     mgr = CheckpointManager(_cfg(tmp_path, s3_server, local=1), _ctx(tmp_path, 0))
     for step in (1, 2):
         mgr.save(step, _state(step))
     mgr.close()
     (tmp_path / "a" / step_dir(2) / "manifest.json").unlink()  # step 2 uncommitted in store a
-    opts = [
-        "--option",
-        f"endpoint_url={s3_server.endpoint_url}",
-        "--option",
-        "key=testing",
-        "--option",
-        "secret=testing",
-    ]
+    # Credentials come from the environment, as s3fs (botocore) reads them; never from argv.
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    opts = ["--option", f"endpoint_url={s3_server.endpoint_url}"]
     runner = CliRunner()
     a = str(tmp_path / "a")
+
+    res = runner.invoke(cli, ["checkpoints", "list", s3_server.uri(), *opts, "--option", "secret=testing"])
+    assert res.exit_code == 2 and "--option secret: credentials are not taken from the command line" in res.output
 
     res = runner.invoke(cli, ["checkpoints", "list", a, s3_server.uri(), *opts, "-o", "json"])
     assert res.exit_code == 0, res.output

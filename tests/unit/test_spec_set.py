@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import SpecError
-from orchestrator.loader import load_spec, parse_set
+from orchestrator.loader import apply_overrides, load_spec, parse_set
 
 JOB = """\
 apiVersion: torchrig/v1
@@ -70,3 +70,17 @@ def test_set_result_validated(job_file: Path) -> None:
 def test_bad_set_expression(expr: str) -> None:
     with pytest.raises(SpecError, match="--set"):
         parse_set(expr)
+
+
+@pytest.mark.parametrize(
+    "expr",
+    [
+        "spec.checkpoint.stores[0].options.secret=abc",
+        "spec.checkpoint.stores[0].options.key=abc",
+        "spec.checkpoint.initFrom.options.client_kwargs.aws_secret_access_key=abc",
+    ],
+)
+def test_credentials_are_never_taken_from_set(expr: str) -> None:
+    with pytest.raises(SpecError, match="credentials are not taken from the command line"):
+        apply_overrides({"spec": {}}, [expr])
+    assert apply_overrides({"spec": {}}, ["spec.checkpoint.stores[0].options.endpoint_url=http://127.0.0.1:9000"])
