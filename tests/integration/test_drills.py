@@ -79,12 +79,16 @@ def test_hang_is_detected_by_the_watchdog(tmp_path: Path) -> None:
     report = _drill("hang", tmp_path, seed=5, at_step=11, rank=1, hang_timeout_s=6.0)
     assert report.resumed_from_step is not None
     assert report.final_params_match_reference is True
+    checks = {c.name: c.passed for c in report.checks}
+    assert checks["every rank dumped its stacks"] and checks["stacks name the hung rank"], report.checks
 
 
 @pytest.mark.slow
 def test_straggler_is_named(tmp_path: Path) -> None:
     report = _drill("straggler", tmp_path, seed=6, rank=1, slow_s=0.05)
-    assert any(c.name == "slow rank identified" and c.passed for c in report.checks)
+    named = [c for c in report.checks if c.name == "online detector named the slow rank"]
+    assert named and named[0].passed, [(c.name, c.passed, c.detail) for c in report.checks]
+    assert report.passed, [(c.name, c.passed, c.detail) for c in report.checks]
 
 
 @pytest.mark.slow
