@@ -106,7 +106,11 @@ def _supervise(run: SupervisedRun, spec: Any, output: str, quiet: bool) -> None:
     if output == "json":
         emit_json(summary.to_dict())
     else:
-        click.echo(final_line(summary))
+        from orchestrator.cli.stacks_cmd import stacks_hint
+
+        # A hang the watchdog ended left stack dumps: point at them (and at the rank apart) right here.
+        hint = stacks_hint(summary.run_dir) if summary.run_dir else None
+        click.echo(final_line(summary) + (f"; {hint}" if hint else ""))
     if summary.status == RunState.CANCELLED.value:
         last = summary.last_checkpoint()
         where = f"{last['uri']} (step {last['last_committed_step']})" if last else "none committed"

@@ -36,7 +36,7 @@ from orchestrator.drills.report import DrillReport, Verdict
 from orchestrator.drills.spec_patch import patch_section, with_fallback_store
 from orchestrator.errors import SpecError
 from orchestrator.spec import JobSpec
-from training.contract import DrillEventKind, EventKind
+from training.contract import DrillEventKind, EventKind, RunFiles
 
 __all__ = ["SCENARIOS", "Scenario", "get_scenario"]
 
@@ -226,6 +226,7 @@ class Hang(Scenario):
         verdict.check(
             "stacks name the hung rank", apart == [ctx.fault_rank], f"injected {ctx.fault_rank}, apart {apart}"
         )
+        verdict.note(f"stack dumps: {RunFiles(history.run_dir).stacks_dir(generation)}")
         for rank, frame in sorted(innermost_frames(dumps).items()):
             verdict.note(f"rank {rank} was in {frame}")
         verdict.add(super().judge(report, history, ctx))
