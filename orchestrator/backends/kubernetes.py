@@ -107,7 +107,9 @@ class KubernetesBackend(Backend):
                 except BackendError as exc:
                     if "already exists" not in str(exc) or obj is job:
                         raise
-                    # The job is absent, so this is a leftover of a finished (TTL-deleted) run of the same job.
+                    # The job is absent, so this is a leftover of a finished (TTL-deleted) run of the same job;
+                    # a training runtime is replaced only while no other TrainJob still runs on it.
+                    self._refuse_if_runtime_in_use(api, obj, namespace)
                     stale.append(obj)
             handle = RunHandle(
                 backend=self.name,
@@ -128,6 +130,35 @@ class KubernetesBackend(Backend):
             return handle
         finally:
             api.close()
+
+    @staticmethod
+    def _refuse_if_runtime_in_use(api: ApiClient, obj: dict[str, Any], namespace: str) -> None:
+        """Raise when `obj` is a (Cluster)TrainingRuntime that a TrainJob other than this one references."""
+        from kubernetes import client
+
+        kind = obj.get("kind")
+        if kind not in ("TrainingRuntime", "ClusterTrainingRuntime"):
+            return
+        name = obj["metadata"]["name"]
+        custom = client.CustomObjectsApi(api)
+        what = f"listing the TrainJobs that use {kind} {name}"
+        if kind == "TrainingRuntime":
+            found = call(
+                what, custom.list_namespaced_custom_object, "trainer.kubeflow.org", "v1alpha1", namespace, "trainjobs"
+            )
+        else:
+            found = call(what, custom.list_cluster_custom_object, "trainer.kubeflow.org", "v1alpha1", "trainjobs")
+        users = [
+            f"{j['metadata'].get('namespace', namespace)}/{j['metadata']['name']}"
+            for j in found.get("items", [])
+            if (j.get("spec") or {}).get("runtimeRef", {}).get("name") == name
+            and (j.get("spec") or {}).get("runtimeRef", {}).get("kind", "ClusterTrainingRuntime") == kind
+        ]
+        if users:
+            raise BackendError(
+                f"{kind} {name}: already exists and TrainJob {', '.join(sorted(users))} still uses it; "
+                "it is not replaced: wait for that job, or name another runtime (spec.kubernetes.runtimeRef)"
+            )
 
     # -- lifecycle -------------------------------------------------------------------------------
     def _parse_run_id(self, run_id: str) -> tuple[str, list[str], str]:

@@ -271,3 +271,34 @@ def test_delete_pod_kills_the_pod_of_a_node(backend: KubernetesBackend, k8s_fake
     delete = k8s_fake_server.sent("DELETE")[0]
     assert delete.path == "/api/v1/namespaces/default/pods/digits-ddp-worker-0"
     assert [p["metadata"]["name"] for p in k8s_fake_server.stored("pods")] == ["digits-ddp-master-0", "other-master-0"]
+
+
+RUNTIMES = "/apis/trainer.kubeflow.org/v1alpha1/namespaces/default/trainingruntimes"
+
+
+def _trainjob_spec(spec: JobSpec) -> JobSpec:
+    tj = spec.model_copy(deep=True)
+    tj.spec.kubernetes.target = "trainjob"
+    tj.metadata.name = "digits-tj"
+    return tj
+
+
+def test_a_leftover_runtime_is_replaced_only_when_no_trainjob_uses_it(
+    backend: KubernetesBackend, spec: JobSpec, k8s_fake_server: FakeKubeAPI
+) -> None:
+    """Issue 13.12: a runtime another TrainJob references is never deleted; an unused leftover is replaced."""
+    runtime = {"metadata": {"name": "torchrig-digits-tj", "namespace": "default"}, "spec": {}}
+    k8s_fake_server.add("trainer.kubeflow.org", "v1alpha1", "trainingruntimes", runtime)
+    user = {
+        "metadata": {"name": "someone-else", "namespace": "default"},
+        "spec": {"runtimeRef": {"kind": "TrainingRuntime", "name": "torchrig-digits-tj"}},
+    }
+    k8s_fake_server.add("trainer.kubeflow.org", "v1alpha1", "trainjobs", user)
+    with pytest.raises(BackendError, match=r"TrainJob default/someone-else still uses it; it is not replaced"):
+        backend.submit(_trainjob_spec(spec), SubmitOptions(fixed_size=True))
+    assert k8s_fake_server.sent("DELETE") == [] and k8s_fake_server.sent("POST", dry_run=False) == []
+
+    k8s_fake_server.objects.clear()
+    k8s_fake_server.add("trainer.kubeflow.org", "v1alpha1", "trainingruntimes", runtime)
+    backend.submit(_trainjob_spec(spec), SubmitOptions(fixed_size=True))
+    assert [r.path for r in k8s_fake_server.sent("DELETE")] == [f"{RUNTIMES}/torchrig-digits-tj"]
