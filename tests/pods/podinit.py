@@ -57,7 +57,7 @@ def _container(cfg: dict[str, Any]) -> None:
         if m["type"] == "tmpfs":
             _run("mount", "-t", "tmpfs", "-o", f"size={m['size']}", "tmpfs", m["dst"])
         else:
-            _run("mount", "--bind", f"/proc/{os.getpid()}/fd/{sources[i]}", m["dst"])
+            _run("mount", "--no-canonicalize", "--bind", f"/proc/{os.getpid()}/fd/{sources[i]}", m["dst"])
             if m.get("ro"):
                 _run("mount", "-o", "remount,bind,ro", m["dst"])
     if cfg.get("readonly_root"):

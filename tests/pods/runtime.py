@@ -248,6 +248,10 @@ class PodCluster:
             else:
                 ro = m.get("readOnly") or "configMap" in vol
                 mounts.append({"type": "bind", "src": str(base / m["name"]), "dst": m["mountPath"], "ro": ro})
+        # The "image" is this checkout and its venv: mounted last, read-only, at its own path, so that a
+        # volume over one of its parents (the /tmp emptyDir of a read-only root, with the clone under
+        # /tmp) cannot hide it from the container.
+        mounts.append({"type": "bind", "src": str(REPO), "dst": str(REPO), "ro": True})
         return mounts
 
     def _launch(self, state: PodState, container: dict[str, Any], tag: str) -> subprocess.Popen[bytes]:
