@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TOOLS_STAMP := $(VENV)/.tools
 PYTEST_ARGS ?=
 
-.PHONY: help venv tools demo test test-fast lint format typecheck manifests docs bench clean
+.PHONY: help venv tools demo test test-fast soak lint format typecheck manifests docs bench clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -31,6 +31,9 @@ demo: $(STAMP) ## Run the digits example locally: 2 ranks on CPU, checkpoints, m
 
 test: $(STAMP) $(TOOLS_STAMP) ## Run the whole suite (slow tests included), then lint and type-check
 	bash scripts/run-tests.sh $(VENV) $(PYTEST_ARGS)
+
+soak: $(STAMP) $(TOOLS_STAMP) ## Long soaks left out of `make test` (e.g. 20 recoveries in a row in one job)
+	RAY_USAGE_STATS_ENABLED=0 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/pytest -q -m soak
 
 test-fast: $(STAMP) ## Unit tests only, no slow ones
 	$(VENV)/bin/pytest -q -m 'not slow' tests/unit $(PYTEST_ARGS)

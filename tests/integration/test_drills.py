@@ -146,6 +146,7 @@ def test_kill_worker_on_ray(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # 20 recoveries in one job, ~2.5 min: `make soak`, not `make test`
 def test_kill_worker_twenty_seeded_kills_in_a_row_end_bit_exact(tmp_path: Path) -> None:
     """20 kills in one job, kill g in restart generation g, its rank and step drawn from seed g: every
     recovery builds on the previous one, and the result must still match the reference bit for bit."""
