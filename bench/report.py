@@ -67,6 +67,38 @@ def _checkpoint_stall(results: Results) -> list[str]:
     return lines
 
 
+def _checkpoint_io(results: Results) -> list[str]:
+    """The checkpoint data path: write vs dd, restore vs cat, commit latency busy vs idle."""
+    lines: list[str] = []
+    write, restore, commit = (results.get(k) or {} for k in ("checkpoint_write", "restore", "checkpoint_commit"))
+    if write and "error" not in write:
+        lines += [
+            "| checkpoint write | torchrig MB/s (2 stores) | dd MB/s (same total) | ratio (>= 0.8) |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {k} | {r['torchrig_MBps']:.0f} | {r['dd_MBps']:.0f} | {r['ratio_vs_dd']:.2f} |"
+            for k, r in write.items()
+        ]
+        lines.append("")
+    if restore and "error" not in restore:
+        lines += ["| restore | torchrig MB/s (verified, loaded) | cat MB/s | ratio (>= 0.8) |", "|---|---|---|---|"]
+        lines += [
+            f"| {k} | {r['torchrig_MBps']:.0f} | {r['cat_MBps']:.0f} | {r['ratio_vs_read']:.2f} |"
+            for k, r in restore.items()
+        ]
+        lines.append("")
+    if "busy_over_idle" in commit:
+        lines += [
+            "| commit latency (2 ranks, gloo) | idle | busy (training on) | busy / idle (<= 1.5) |",
+            "|---|---|---|---|",
+            f"| {commit['state_MB']} MB state | {commit['idle_s']:.3f} s | {commit['busy_s']:.3f} s | "
+            f"{commit['busy_over_idle']:.2f} |",
+            "",
+        ]
+    return lines
+
+
 def _seconds(value: Any) -> str:
     return f"{value:.2f} s" if isinstance(value, (int, float)) else "n/a"
 
@@ -79,11 +111,19 @@ def _mttr(results: Results) -> list[str]:
     lines = [
         "| MTTR (SIGKILL one rank at step 25, checkpoint every 10) | seconds | steps lost |",
         "|---|---|---|",
-        f"| torchrig local | {_seconds(mt.get('torchrig_s'))} | {lost.get('torchrig')} |",
+        f"| torchrig in place (warm spare) | {_seconds(mt.get('torchrig_inplace_s', mt.get('torchrig_s')))} "
+        f"| {lost.get('torchrig_inplace', lost.get('torchrig'))} |",
+        f"| torchrig group restart | {_seconds(mt.get('torchrig_restart_s'))} | {lost.get('torchrig_restart')} |",
         f"| torchrun + naive save-every-N | {_seconds(mt.get('torchrun_naive_s'))} | {lost.get('torchrun_naive')} |",
         f"| Ray Train FailureConfig | {_seconds(mt.get('ray_train_s'))} | {lost.get('ray_train')} |",
         "",
     ]
+    if isinstance(mt.get("inplace_vs_torchrun_ratio"), (int, float)):
+        lines += [
+            f"In place vs plain torchrun: {mt['inplace_vs_torchrun_ratio']:.2f}x the MTTR (target <= 0.5x); "
+            f"final params bit-identical to the reference in {mt.get('inplace_bit_exact', 'n/a')} checked runs.",
+            "",
+        ]
     if "speedup_vs_fastest_peer" in mt:
         lines += [f"Speed-up against the fastest peer: {mt['speedup_vs_fastest_peer']:.2f}x (target >= 2x).", ""]
     return lines
@@ -93,7 +133,9 @@ def _exporter(results: Results) -> list[str]:
     ratio = results.get("exporter_overhead_ratio")
     if not isinstance(ratio, (int, float)):
         return []
-    return [f"Exporter overhead: {100 * ratio:.3f}% of step time (target < 0.5%).", ""]
+    per_step = (results.get("exporter") or {}).get("on_step_us")
+    cost = f" ({per_step:.1f} µs per step, target <= 5 µs)" if isinstance(per_step, (int, float)) else ""
+    return [f"Exporter overhead: {100 * ratio:.3f}% of step time (target < 0.15%){cost}.", ""]
 
 
 def _scaling(results: Results) -> list[str]:
@@ -104,13 +146,35 @@ def _scaling(results: Results) -> list[str]:
     for i, w in enumerate(sc["world_sizes"]):
         lines.append(f"| {w} | {sc['save_s'][i]:.3f} | {sc['restore_s'][i]:.3f} | {sc['mttr_s'][i]:.2f} |")
     lines.append("")
+    if isinstance(sc.get("mttr_ratio_max_vs_min"), (int, float)):
+        paths = ", ".join(str(p) for p in sc.get("recovery_paths") or [])
+        lines += [
+            f"MTTR largest/smallest world size: {sc['mttr_ratio_max_vs_min']:.2f}x (target <= 1.5x; {paths}).",
+            "",
+        ]
     return lines
+
+
+def _preempt(results: Results) -> list[str]:
+    pr = results.get("preempt") or {}
+    if not pr or "error" in pr:
+        return []
+    lines = [
+        "| state | SIGTERM -> committed | synchronous save | torch.save | vs sync save | headroom in a 30 s grace |",
+        "|---|---|---|---|---|---|",
+    ]
+    for size, r in pr.items():
+        lines.append(
+            f"| {size} | {r['sigterm_to_commit_s']:.3f} s | {r['sync_save_s']:.3f} s | {r['torch_save_s']:.3f} s | "
+            f"{r['ratio_vs_sync_save']:.2f} | {r['grace_headroom']:.1f}x |"
+        )
+    return [*lines, ""]
 
 
 def markdown(results: Results) -> str:
     """latest.md: one table per section that has results, then the sections that failed."""
     lines = [f"# torchrig benchmarks ({results['timestamp']}, {results['machine']['cpus']} CPUs)", ""]
-    for table in (_overhead, _checkpoint_stall, _mttr, _exporter, _scaling):
+    for table in (_overhead, _checkpoint_stall, _checkpoint_io, _mttr, _exporter, _scaling, _preempt):
         lines += table(results)
     for name, err in (results.get("errors") or {}).items():
         lines.append(f"- section `{name}` failed: `{err.splitlines()[-1] if err else err}`")

@@ -37,8 +37,23 @@ def worker_throughput(steps: int, metrics_enabled: bool) -> tuple[float, float]:
         return throughput_from_records(records, 64, skip_steps=10), step_s
 
 
-def kill_worker_drill(steps: int, kill_step: int, world: int, workdir: Path) -> Any:
-    """One kill-worker drill on the local backend (no reference run); returns its DrillReport."""
+def kill_worker_drill(
+    steps: int,
+    kill_step: int,
+    world: int,
+    workdir: Path,
+    *,
+    extra: tuple[str, ...] = (),
+    reference: bool = False,
+    rank: int | None = None,
+) -> Any:
+    """One kill-worker drill on the local backend; returns its DrillReport.
+
+    Args:
+        extra: More `--set` overrides (`spec.restarts.mode=restart` for the restart path).
+        reference: Also run the uninterrupted reference (the report says whether the params match).
+        rank: The rank to kill (default: the last one).
+    """
     from orchestrator.drills import DrillOptions, run_drill
     from orchestrator.loader import load_spec
 
@@ -52,12 +67,14 @@ def kill_worker_drill(steps: int, kill_step: int, world: int, workdir: Path) -> 
             f"spec.procsPerNode={world}",
             "spec.nodes.min=1",
             "spec.nodes.max=1",
+            *extra,
         ],
     )
+    victim = world - 1 if rank is None else rank
     report = run_drill(
         "kill-worker",
         spec,
-        DrillOptions(seed=0, at_step=kill_step, rank=world - 1, reference=False, drill_dir=str(workdir / "drill")),
+        DrillOptions(seed=0, at_step=kill_step, rank=victim, reference=reference, drill_dir=str(workdir / "drill")),
     )
     if report.mttr_seconds is None or report.lost_steps is None:
         raise RuntimeError(f"torchrig drill did not recover: {report.to_dict()}")

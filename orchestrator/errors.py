@@ -11,9 +11,10 @@ Exit codes of the `torchrig` CLI (docs/operations.md has the same table):
 | 4 | the job could not recover within its restart budget (or found no checkpoint it required) |
 | 5 | the job trained to the end but no store committed its final checkpoint: its last steps are lost |
 | 130 | cancelled (Ctrl-C, `torchrig cancel`) |
+| 202 | preempted (a first Ctrl-C, SIGTERM): stopped after an emergency checkpoint; run it again to resume |
 
 `torchrig status` reports the run's state instead: 0 succeeded, 1 failed, 10 pending or running,
-11 cancelled, 12 unknown (`RunState.exit_code`).
+11 cancelled, 12 unknown, 13 preempted (`RunState.exit_code`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ __all__ = [
     "EXIT_CHECKPOINT_LOST",
     "EXIT_FAILED",
     "EXIT_OK",
+    "EXIT_PREEMPTED",
     "EXIT_RECOVERY",
     "EXIT_USAGE",
     "BackendError",
@@ -40,6 +42,7 @@ EXIT_USAGE = 2  # bad input: spec, flags, unknown names
 EXIT_BACKEND = 3  # the cluster or launcher could not do what was asked
 EXIT_RECOVERY = 4  # a job could not recover within its restart budget
 EXIT_CHECKPOINT_LOST = 5  # trained to the end, but no store committed the final checkpoint
+EXIT_PREEMPTED = 202  # stopped after an emergency checkpoint (training.contract.ExitCode.PREEMPTED): retryable
 
 
 class TorchrigError(Exception):

@@ -32,9 +32,14 @@ __all__ = [
     "build_summary",
     "find_run_dirs",
     "iter_rank_lines",
+    "last_save",
     "latest_failure_log",
     "new_run_dir",
+    "preempt_grace_warning",
+    "preemption_of",
+    "preemption_reason",
     "rank_of_line",
+    "recoveries_from_events",
     "run_state",
     "runs_root",
     "world_sizes_from_events",
@@ -62,6 +67,17 @@ def new_run_dir(name: str, root: Path | None = None) -> Path:
 
 def _as_event(event: Event | Mapping[str, Any]) -> Event:
     return event if isinstance(event, Event) else Event.from_dict(dict(event))
+
+
+def recoveries_from_events(events: Iterable[Event]) -> dict[str, int]:
+    """How often the group recovered, by path: `inplace` (one per process-group generation a spare
+    joined) and `restart` (one per restarted generation that restored)."""
+    seen: dict[str, set[tuple[int, int]]] = {}
+    for e in events:
+        if e.kind is EventKind.RECOVERY:
+            path = str(e.get("path", ""))
+            seen.setdefault(path, set()).add((e.generation, int(e.get("inplace_generation") or 0)))
+    return {path: len(keys) for path, keys in sorted(seen.items())}
 
 
 def world_sizes_from_events(events: Iterable[Event | Mapping[str, Any]]) -> list[int]:
@@ -93,7 +109,8 @@ def build_summary(
 
     Args:
         run_dir: The run directory.
-        status: `succeeded`, `failed` or `cancelled` (a `RunState` value) as the processes ended.
+        status: `succeeded`, `failed` or `cancelled` (a `RunState` value) as the processes ended;
+            a run whose last act was a preemption (`preemption_of`) is `preempted` unless it succeeded.
         wall_s: Seconds from launch to the end, measured by the supervisor.
         stores: `{name, uri}` of each checkpoint store (uri resolved against the run directory).
         total_steps: The steps the job asked for.
@@ -128,10 +145,13 @@ def build_summary(
     final = FinalCheckpoint.from_dict(result.get("final_checkpoint"))
     if final is not None and final.lost and status == RunState.SUCCEEDED.value:
         status, reason = RunState.FAILED.value, final.reason()
+    preempted = preemption_of(events)
+    if preempted is not None and status != RunState.SUCCEEDED.value:
+        status, reason = RunState.PREEMPTED.value, preemption_reason(preempted)
 
     return Summary(
         status=status,
-        steps=result.get("steps", last_metric.get("step")),
+        steps=result.get("steps", preempted.get("step") if preempted else last_metric.get("step")),
         total_steps=total_steps,
         final_loss=result.get("final_loss", last_metric.get("loss")),
         eval=result.get("eval", {}),
@@ -140,12 +160,74 @@ def build_summary(
         samples_per_s=result.get("samples_per_s", last_metric.get("samples_per_s")),
         wall_s=round(wall_s, 3),
         world_sizes=world_sizes_from_events(events),
+        recoveries=recoveries_from_events(events),
         params_sha256=result.get("params_sha256"),
         run_dir=str(run_dir),
         checkpoints=checkpoints,
         reason=reason or None,
         final_checkpoint=final,
+        preempted=preempted,
     )
+
+
+def preemption_of(events: Iterable[Event | Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The run's preemption when it was the run's last act (no process started after it): rank 0's
+    `preempted` event of that generation (another rank's when rank 0 wrote none), as a dict."""
+    ordered = sorted(map(_as_event, events), key=lambda e: e.time)
+    preempted = [e for e in ordered if e.kind is EventKind.PREEMPTED]
+    if not preempted:
+        return None
+    last = preempted[-1]
+    if any(e.kind is EventKind.START and e.time > last.time for e in ordered):
+        return None  # the job went on (survivors restarted in place): not how it ended
+    started = max((e.time for e in ordered if e.kind is EventKind.START and e.time <= last.time), default=0.0)
+    mine = [e for e in preempted if e.generation == last.generation and e.time >= started]
+    chosen = next((e for e in mine if e.rank == 0), last)
+    return {"rank": chosen.rank, "generation": chosen.generation, **chosen.data}
+
+
+def last_save(run_dir: Path) -> tuple[int, float] | None:
+    """(step, seconds) of the newest committed checkpoint whose save time a run recorded (rank 0's
+    `checkpoint_committed` event, `save_s`: staging to commit), None when the run has none."""
+    found = [
+        e
+        for e in read_events(RunFiles(run_dir).events)
+        if e.kind is EventKind.CHECKPOINT_COMMITTED and isinstance(e.get("save_s"), (int, float)) and e.step
+    ]
+    if not found:
+        return None
+    last = next((e for e in reversed(found) if e.rank == 0), found[-1])
+    return int(last.step or 0), float(last.get("save_s"))
+
+
+def preempt_grace_warning(grace_s: float, run_dir: Path) -> str | None:
+    """A warning when `run_dir`'s last checkpoint took longer to save than `restarts.preemptGraceSeconds`:
+    an emergency checkpoint would then not commit before the deadline (`torchrig validate --run-dir`)."""
+    save = last_save(run_dir)
+    if save is None or grace_s <= 0 or save[1] <= grace_s:
+        return None
+    step, seconds = save
+    return (
+        f"spec.restarts.preemptGraceSeconds: {grace_s:g} s is shorter than the last checkpoint save of "
+        f"{run_dir} (step {step}: {seconds:.1f} s); an emergency checkpoint on SIGTERM would not commit in "
+        "time and a preemption would lose the steps since the previous checkpoint"
+    )
+
+
+def preemption_reason(preempted: Mapping[str, Any]) -> str:
+    """One line: where the run stopped and whether its emergency checkpoint committed."""
+    step, grace = preempted.get("step"), preempted.get("grace_s")
+    head = f"preempted ({preempted.get('signal') or 'signal'}) at step {step}"
+    if preempted.get("committed"):
+        return (
+            f"{head}: emergency checkpoint committed in {preempted.get('save_s')} s "
+            f"({preempted.get('since_signal_s')} s after the signal, grace {grace} s); run it again to resume"
+        )
+    why = {
+        "deadline": f"the grace period ({grace} s) ran out first",
+        "second_signal": "stopped at once by a second signal",
+    }.get(str(preempted.get("reason")), "the save failed")
+    return f"{head}: emergency checkpoint NOT committed ({why}); a new start resumes from the previous checkpoint"
 
 
 def run_state(run_dir: Path) -> tuple[RunState, str, dict[str, Any]]:

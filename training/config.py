@@ -196,6 +196,55 @@ class RestartsConfig(Model):
             "checkpoint I/O has its own limit, `checkpoint.ioTimeoutSeconds`."
         ),
     )
+    preempt_grace_seconds: float = Field(
+        default=30.0,
+        ge=0,
+        description=(
+            "Preemption: on SIGTERM (a pod eviction, a spot notice, Ctrl-C) every rank stops at the next step "
+            "boundary they agree on, saves a synchronous emergency checkpoint of that step and exits with the "
+            "retryable code 202, so the next start loses no step. The save must commit within this many "
+            "seconds of the signal (a second signal, or the deadline, ends it at once; a partial save is never "
+            "committed). Pods get terminationGracePeriodSeconds and torchrun its shutdown timeout from it. "
+            "0 turns preemption handling off (SIGTERM ends the workers at once)."
+        ),
+    )
+    preempt_signal: Literal["SIGUSR2", "SIGHUP", "SIGINT"] | None = Field(
+        default=None,
+        description=(
+            "A second signal that means preemption, besides SIGTERM (e.g. SIGUSR2 from Slurm's `--signal` or a "
+            "node-drain hook); torchrun forwards it to the workers. SIGUSR1 is taken by the stack dumps."
+        ),
+    )
+    mode: Literal["inplace", "restart"] = Field(
+        default="inplace",
+        description=(
+            "How the group recovers from a lost rank. `inplace`: the surviving ranks keep their state in memory, "
+            "a warm spare takes the dead rank's place and receives the state from a survivor (0 lost steps), "
+            "falling back to `restart` when that cannot finish within inPlaceTimeoutSeconds. `restart`: torchrun "
+            "restarts every rank from the newest checkpoint. In-place applies to DDP jobs with 2+ ranks launched "
+            "by torchrig's torchrun command on the local backend (docs/operations.md); everything else restarts."
+        ),
+    )
+    spares: int = Field(
+        default=1,
+        ge=0,
+        le=64,
+        description=(
+            "Warm spare processes per node for `mode: inplace`: each has imported torch and built the model and "
+            "optimizer, and waits to be assigned a dead rank's place; a used spare is replaced in the background. "
+            "0: no spares (every failure takes the restart path)."
+        ),
+    )
+    in_place_timeout_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        description=(
+            "`mode: inplace`: the collective timeout of every process group, and half the time a new group may "
+            "take to form (the spare's assignment, every member joining, the state transfer); past it the group "
+            "falls back to a restart from the checkpoint. With 3+ ranks a survivor blocked on a live peer learns "
+            "of a failure only through this timeout, so in-place MTTR there is up to about this long."
+        ),
+    )
 
 
 class MetricsConfig(Model):

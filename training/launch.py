@@ -2,10 +2,12 @@
 
 The first program of every compiled container command and launch line (PyTorchJob, TrainJob runtime,
 RayJob entrypoint, the `torchrun` target): it runs `training.preflight` and then replaces itself with
-COMMAND (`os.execvp`: same PID, signals go straight to torchrun). A deterministic startup error exits
-with a permanent code (`ExitCode.TASK_INVALID` 2, `ExitCode.ENVIRONMENT` 3) and one line on stderr, so
-the operator fails the job at once instead of restarting it (`restartPolicy: ExitCode`, a pod failure
-policy). Without COMMAND it only checks (exit 0 when the job can start here).
+COMMAND (`os.execvp`: same PID, signals go straight to torchrun; a `torchrun` COMMAND runs as
+`python -m training.torchrun`, which exits 128 + signal instead of 1 when a signal ends it). A
+deterministic startup error exits with a permanent code (`ExitCode.TASK_INVALID` 2,
+`ExitCode.ENVIRONMENT` 3) and one line on stderr, so the operator fails the job at once instead of
+restarting it (`restartPolicy: ExitCode`, a pod failure policy). Without COMMAND it only checks (exit
+0 when the job can start here).
 
 The spec and run directory default to `TORCHRIG_SPEC` and `TORCHRIG_RUN_DIR` (else `runs/<job name>`,
 as the worker does).
@@ -63,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torchrig: warning: preflight could not finish ({first}); starting anyway", file=sys.stderr)
     if not command:
         return int(ExitCode.OK)
+    if command[0] == "torchrun":
+        # torchrun itself, but exiting 128 + signal (retryable) rather than 1 when a SIGTERM ends it.
+        command = [sys.executable, "-m", "training.torchrun", *command[1:]]
     sys.stdout.flush()
     sys.stderr.flush()
     try:

@@ -11,8 +11,12 @@ What is checked, in this order, cheapest first:
 1. the run directory and every `file://` store root (and the node-local directory) can be created and
    written: `ENVIRONMENT`. Object stores are not contacted (a network call at start-up is neither cheap
    nor deterministic);
-2. `task.entrypoint` imports and `task.args` build a Task: `TASK_INVALID`;
-3. with `resources.gpus > 0`, CUDA is available with that many devices: `ENVIRONMENT`.
+2. no `file://` store holds another job's writer fence (`<root>/fences/<n>.json`): two jobs in one store
+   would collide on its `step-N` directories, and the second would silently fail to commit every step
+   the first already holds: `TASK_INVALID` (give the job its own store, or read the other job's
+   checkpoint with `checkpoint.initFrom`);
+3. `task.entrypoint` imports and `task.args` build a Task: `TASK_INVALID`;
+4. with `resources.gpus > 0`, CUDA is available with that many devices: `ENVIRONMENT`.
 
 Anything else a check raises is not a verdict: it propagates, and the launcher lets the job start (the
 worker meets the same error and the launcher's restarts handle it as any other failure).
@@ -20,7 +24,9 @@ worker meets the same error and the launcher's restarts handle it as any other f
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +34,10 @@ from pathlib import Path
 from training.config import WorkerSpec
 from training.contract import ExitCode
 
-__all__ = ["PreflightError", "check_gpus", "check_stores", "check_task", "preflight"]
+__all__ = ["PreflightError", "check_gpus", "check_store_owners", "check_stores", "check_task", "preflight"]
+
+_FENCE_NAME = re.compile(r"^\d{8,}\.json$")  # training.checkpoint.fence's objects (no torch import here)
+_FENCE_MAX_BYTES = 64 * 1024
 
 
 class PreflightError(Exception):
@@ -71,6 +80,51 @@ def check_stores(spec: WorkerSpec, run_dir: str | None) -> None:
             _check_writable(Path(path), f"spec.checkpoint.stores[{i}].uri ({store.uri})")
     if ckpt.node_local.enabled:
         _check_writable(Path(ckpt.node_local.path), "spec.checkpoint.nodeLocal.path")
+
+
+def _fence_jobs(root: Path) -> dict[str, str]:
+    """The jobs named by the writer fences under `root/fences/`: job -> the first fence file naming it."""
+    jobs: dict[str, str] = {}
+    try:
+        names = sorted(os.listdir(root / "fences"))
+    except OSError:
+        return jobs
+    for name in names:
+        path = root / "fences" / name
+        if not _FENCE_NAME.match(name) or path.is_symlink() or not path.is_file():
+            continue
+        try:
+            if path.stat().st_size > _FENCE_MAX_BYTES:
+                continue
+            job = json.loads(path.read_bytes()).get("job")
+        except (OSError, ValueError, AttributeError):
+            continue  # unreadable: the checkpoint manager warns about it
+        if isinstance(job, str) and job:
+            jobs.setdefault(job, f"fences/{name}")
+    return jobs
+
+
+def check_store_owners(spec: WorkerSpec, run_dir: str | None) -> None:
+    """No `file://` store is already another job's: its fences name only this job (or none).
+
+    Raises:
+        PreflightError: `TASK_INVALID`, naming the store's field and the other job.
+    """
+    for i, store in enumerate(spec.spec.checkpoint.stores):
+        if store.scheme != "file":
+            continue
+        root = Path(store.resolved_uri(run_dir).removeprefix("file://"))
+        others = {job: where for job, where in _fence_jobs(root).items() if job != spec.name}
+        if not others:
+            continue
+        job, where = sorted(others.items())[0]
+        more = f" (and {len(others) - 1} more)" if len(others) > 1 else ""
+        raise PreflightError(
+            ExitCode.TASK_INVALID,
+            f"spec.checkpoint.stores[{i}].uri: {store.uri} is already used by job {job!r}{more} ({where}); "
+            f"two jobs in one store collide on its step directories: give job {spec.name!r} its own store "
+            "(another path or prefix), or start from that job's checkpoint with spec.checkpoint.initFrom",
+        )
 
 
 def check_task(spec: WorkerSpec) -> None:
@@ -132,7 +186,7 @@ def check_gpus(spec: WorkerSpec, probe: Callable[[], tuple[bool, int]] = _torch_
 
 
 def preflight(spec: WorkerSpec, *, run_dir: str | os.PathLike[str] | None = None, check_gpu: bool = True) -> None:
-    """Fail fast on what no restart can fix: unwritable stores, a task that does not load, no CUDA.
+    """Fail fast on what no restart can fix: unwritable or foreign stores, a task that does not load, no CUDA.
 
     Args:
         spec: the job (`training.config.load_worker_spec`).
@@ -144,7 +198,9 @@ def preflight(spec: WorkerSpec, *, run_dir: str | os.PathLike[str] | None = None
     Raises:
         PreflightError: with a permanent `exit_code` and one line naming the field to change.
     """
-    check_stores(spec, None if run_dir is None else os.fspath(run_dir))
+    run_dir_s = None if run_dir is None else os.fspath(run_dir)
+    check_stores(spec, run_dir_s)
+    check_store_owners(spec, run_dir_s)
     check_task(spec)
     if check_gpu:
         check_gpus(spec)

@@ -23,7 +23,16 @@ from torch.distributed import GradBucket  # type: ignore[attr-defined]
 from training.config import LrScheduleConfig, OptimizerConfig, Precision, Strategy, TrainingConfig
 from training.contract import WorkerIdentity
 
-__all__ = ["CommTimer", "Parallel", "build_optimizer", "clip_grad_norm", "lr_at", "parallelize"]
+__all__ = [
+    "CommTimer",
+    "Parallel",
+    "build_optimizer",
+    "clip_grad_norm",
+    "ddp_wrap",
+    "lr_at",
+    "parallelize",
+    "rewrap_ddp",
+]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +53,7 @@ class CommTimer:
         self._lock = threading.Lock()
         self._intervals: list[tuple[float, float]] = []
         self._first_gradient: float | None = None
+        self.pending = 0  # gradient collectives issued and not done (a rank waiting on its peers)
 
     def gradient_issued(self, start: float) -> None:
         """A gradient collective was issued at `start` (`time.perf_counter()`)."""
@@ -140,9 +150,11 @@ def _timed_allreduce_hook(timer: CommTimer) -> Callable[[Any, GradBucket], torch
     def hook(process_group: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         start = time.perf_counter()
         timer.gradient_issued(start)
+        timer.pending += 1
         fut = default_hooks.allreduce_hook(process_group, bucket)
 
         def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            timer.pending -= 1
             timer.record(start, time.perf_counter())
             return f.value()
 
@@ -251,11 +263,7 @@ def parallelize(
         if cfg.precision is Precision.fp16:
             par.scaler = torch.amp.GradScaler(device.type)
         if identity.world_size > 1:
-            ddp = nn.parallel.DistributedDataParallel(
-                model, device_ids=[device.index] if device.type == "cuda" else None
-            )
-            ddp.register_comm_hook(None, _timed_allreduce_hook(par.comm))
-            par.model = ddp
+            par.model = ddp_wrap(par)
         return par
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -278,6 +286,40 @@ def parallelize(
     _timed_fsdp_comms(model, par.comm)
     par.mesh = mesh
     return par
+
+
+def ddp_wrap(par: Parallel) -> nn.Module:
+    """`par.module` in DDP over the current default group, its gradient all-reduce timed by `par.comm`."""
+    ddp = nn.parallel.DistributedDataParallel(
+        par.module, device_ids=[par.device.index] if par.device.type == "cuda" else None
+    )
+    ddp.register_comm_hook(None, _timed_allreduce_hook(par.comm))
+    return ddp
+
+
+def unwrap_ddp(par: Parallel) -> None:
+    """Drop `par.model`'s DDP wrapper (in-place recovery, before its group is destroyed): its autograd
+    hooks on the parameters are removed, so nothing keeps the wrapper, its reducer or its process group
+    alive (a reference would keep the broken group's sockets open)."""
+    old, par.model = par.model, par.module
+    if isinstance(old, nn.parallel.DistributedDataParallel):
+        # Now, not when the garbage collector gets to it (about a second here): the hooks would fire
+        # into the destroyed group in the next backward.
+        old._remove_autograd_hooks()  # type: ignore[no-untyped-call]
+        for handle in old._accum_grad_hooks:
+            handle.remove()
+        old._accum_grad_hooks.clear()
+
+
+def rewrap_ddp(par: Parallel) -> None:
+    """Wrap `par.module` in a new DDP over the new default group (in-place recovery).
+
+    The old wrapper's reducer belongs to the destroyed group and its autograd hooks sit on the
+    parameters: they are removed first, so only the new reducer runs in backward.
+    """
+    unwrap_ddp(par)
+    par.comm = CommTimer()
+    par.model = ddp_wrap(par)
 
 
 def clip_grad_norm(par: Parallel, max_norm: float) -> float:

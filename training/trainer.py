@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 import math
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as tdist
@@ -22,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from training.config import WorkerSpec
 from training.contract import RunFiles, WorkerIdentity
-from training.contract.events import Finished
+from training.contract.events import Finished, Recovery
 from training.contract.records import FinalCheckpoint, Result
 from training.data import BatchIndices, GlobalOrder, StepPlan, to_device
 from training.determinism import seed_step_rng, step_seed
@@ -31,9 +32,13 @@ from training.faults import FaultInjector
 from training.metrics.base import MetricsSink, StepRecord
 from training.metrics.straggler import create_straggler_detector
 from training.state import ModelOptimizerState, TrainerProgress, full_params_sha256
-from training.strategies import Parallel, clip_grad_norm, lr_at
+from training.strategies import Parallel, clip_grad_norm, lr_at, rewrap_ddp, unwrap_ddp
 from training.task import Task
 from training.watchdog import StepWatchdog
+
+if TYPE_CHECKING:
+    from training.inplace.group import InPlaceGroup
+    from training.preemption import PreemptionHandler
 
 __all__ = ["CheckpointManagerLike", "Trainer"]
 
@@ -61,6 +66,24 @@ class _Feed:
     samples: int  # samples this rank processes per step (all micro-batches)
     tokens_per_sample: int
     flops_per_sample: float
+
+
+ABANDON_WAIT_S = 5.0  # how long a recovery waits for the broken group's checkpoint manager to close
+
+
+def _abandon(checkpoints: CheckpointManagerLike, limit_s: float) -> None:
+    """Close the broken group's checkpoint manager (a save in flight fails with its group), waiting at
+    most `limit_s`: a manager that does not close in time is left to its daemon thread."""
+
+    def close() -> None:
+        try:
+            checkpoints.close()
+        except Exception:
+            log.debug("closing the broken group's checkpoint manager failed", exc_info=True)
+
+    closer = threading.Thread(target=close, name="torchrig-abandon-ckpt", daemon=True)
+    closer.start()
+    closer.join(timeout=limit_s)
 
 
 class Trainer:
@@ -106,6 +129,12 @@ class Trainer:
         self.watchdog = watchdog
         self.io_timeout_s = spec.spec.checkpoint.io_timeout_seconds  # the watchdog's limit for checkpoint I/O
         self.final_checkpoint: FinalCheckpoint | None = None  # the final save's outcome, once made
+        # SIGTERM -> agreed stop step -> emergency checkpoint -> exit 202 (set by the worker; None: off).
+        self.preemption: PreemptionHandler | None = None
+        # In-place recovery (`training.inplace`, set by the worker; None: a failure ends the process).
+        self.inplace: InPlaceGroup | None = None
+        self.checkpoint_factory: Callable[[], CheckpointManagerLike] | None = None  # a new group's manager
+        self.skip_restore = False  # a spare got its state from a survivor, not from a checkpoint
         metrics = spec.spec.metrics
         self.straggler = create_straggler_detector(
             identity, sink, every=metrics.log_every, threshold=metrics.straggler_threshold, device=par.device
@@ -140,12 +169,17 @@ class Trainer:
 
     def restore(self) -> None:
         """Load the newest checkpoint the manager finds into `state` (nothing when there is none)."""
-        if self.checkpoints is None:
+        if self.checkpoints is None or self.skip_restore:
             return
+        start = time.perf_counter()
         with self.watchdog.io(self.io_timeout_s):
             restored = self.checkpoints.restore(self.state)
         if restored is None:
             return
+        if self.identity.generation > 0 and self.identity.is_leader:
+            # The group restarted (torchrun) and resumed from a checkpoint: the `restart` path.
+            seconds = round(time.perf_counter() - start, 3)
+            self.sink.emit(Recovery(path="restart", step=self.progress.step, seconds=seconds, role="restarted"))
         log.info(
             "rank %d: resumed at step %d (saved at world size %d, now %d)",
             self.identity.rank,
@@ -173,13 +207,105 @@ class Trainer:
         self.par.model.train()
         first_step = self.progress.step
         train_s = 0.0
-        for step in range(first_step + 1, self.cfg.steps + 1):
-            record = self.step(step, feed)
-            train_s += record.step_s
-            self.after_step(record)
+        stepped = False
+        while self.progress.step < self.cfg.steps:
+            try:
+                record = self.step(self.progress.step + 1, feed)
+                train_s += record.step_s
+                if not stepped and self.inplace is not None:
+                    self.inplace.mark_stepped()
+                stepped = True
+                self.after_step(record)
+                continue
+            except Exception as exc:
+                from training.inplace.group import is_peer_failure
+
+                if self.inplace is None or not is_peer_failure(exc):
+                    raise
+                failure = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            # Outside the handler: the traceback (and the old DDP wrapper it references) is gone.
+            self.recover_in_place(failure)
+            feed = self._feed()  # the data order from the cursor: the step in flight is recomputed
+            self.par.model.train()
         steps_run = self.progress.step - first_step
         samples_per_s = steps_run * feed.plan.global_batch / train_s if train_s > 0 else None
         return self._final_loss(), samples_per_s
+
+    def recover_in_place(self, failure: str) -> None:
+        """A collective failed (a peer died): re-form the group with a spare in the dead rank's place.
+
+        Keeps model, optimizer and progress in memory; destroys the broken group, joins the next
+        generation (`InPlaceGroup.form`), takes the newest state from the most advanced rank, wraps
+        the model in a new DDP and opens a new checkpoint manager (a new writer fence) for the new
+        group. The step that was in flight is recomputed by the caller from `progress.cursor`.
+
+        Raises:
+            RecoveryFailed: the new generation did not form (the host then restarts the group).
+        """
+        from training.inplace.group import RecoveryFailed
+
+        group = self.inplace
+        assert group is not None
+        start = time.perf_counter()
+        limit = self.spec.spec.restarts.in_place_timeout_seconds
+        print(
+            f"torchrig: in-place: rank {self.identity.rank}: collective failed after step {self.progress.step} "
+            f"({failure}); re-forming the group",
+            file=sys.stderr,
+            flush=True,
+        )
+        old_checkpoints, self.checkpoints = self.checkpoints, None
+        # Drop every reference to the broken groups before destroying them, so their gloo contexts are
+        # freed and their sockets close at once: with 3+ ranks a survivor blocked on a LIVE peer only
+        # learns of the failure when that peer's sockets close.
+        unwrap_ddp(self.par)
+        self.state["app"] = ModelOptimizerState(self.par.module, self.optimizer)
+        if self.preemption is not None:
+            self.preemption.disconnect()
+        group.leave()
+        log.debug("in-place: left the broken group in %.3f s", time.perf_counter() - start)
+        if old_checkpoints is not None:
+            _abandon(old_checkpoints, min(limit, ABANDON_WAIT_S))
+            del old_checkpoints
+        log.debug("in-place: abandoned the old checkpoint manager at %.3f s", time.perf_counter() - start)
+        try:
+            with self.watchdog.io(limit * 3):
+                preemption = self.preemption
+                group.form(group.generation + 1, cancelled=lambda: preemption is not None and preemption.requested)
+                log.debug("in-place: formed at %.3f s", time.perf_counter() - start)
+                synced = group.sync_state(self.par.module, self.optimizer, self.progress, has_state=True)
+                log.debug("in-place: synced at %.3f s", time.perf_counter() - start)
+                rewrap_ddp(self.par)
+                log.debug("in-place: DDP at %.3f s", time.perf_counter() - start)
+                self.state["app"] = ModelOptimizerState(self.par.model, self.optimizer)
+                self.optimizer.zero_grad(set_to_none=True)
+                if self.checkpoint_factory is not None:
+                    self.checkpoints = self.checkpoint_factory()
+                log.debug("in-place: checkpoints at %.3f s", time.perf_counter() - start)
+                if self.preemption is not None:
+                    self.preemption.reconnect()
+        except RecoveryFailed:
+            raise
+        except Exception as exc:  # a second failure while re-forming: give up, the group restarts
+            raise RecoveryFailed(f"generation {group.generation + 1}: {type(exc).__name__}: {exc}") from exc
+        seconds = round(time.perf_counter() - start, 3)
+        self.sink.emit(
+            Recovery(
+                path="inplace",
+                step=synced.step,
+                seconds=seconds,
+                inplace_generation=group.generation,
+                replaced_ranks=synced.replaced,
+                role="survivor",
+            )
+        )
+        self.watchdog.beat(self.progress.step)
+        print(
+            f"torchrig: in-place: rank {self.identity.rank}: generation {group.generation} formed in {seconds:.2f} s, "
+            f"resuming after step {synced.step} (replaced ranks {synced.replaced})",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _feed(self) -> _Feed:
         cfg, identity, progress = self.cfg, self.identity, self.progress
@@ -301,6 +427,8 @@ class Trainer:
                     )
                 self.faults.after_save_staged(step)
                 self.watchdog.beat(step)
+        if self.preemption is not None:  # collective: raises PreemptedExit at the agreed stop step
+            self.preemption.at_step_boundary(step, self.checkpoints, self.state)  # type: ignore[arg-type]
 
     def _final_loss(self) -> float | None:
         # The reported loss is the mean over ranks of the last step (one collective, at the end only).

@@ -24,7 +24,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from training.contract.events import EventKind, Watchdog
@@ -72,6 +72,11 @@ class StepWatchdog:
         self._step = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="torchrig-watchdog", daemon=True)
+        # In-place recovery (`training.inplace`): a rank blocked in a gradient collective is waiting
+        # for a peer, not hung itself; it gets `waiting_grace_s` more, so the hung peer's watchdog
+        # (which has no collective in flight) fires first and only that rank is replaced.
+        self.waiting: Callable[[], bool] | None = None
+        self.waiting_grace_s = 0.0
 
     def start(self) -> StepWatchdog:
         self._last = time.monotonic()
@@ -123,6 +128,10 @@ class StepWatchdog:
             silent = time.monotonic() - self._last
             if silent > timeout_s * DUMP_AT:
                 self._dump()
+            if silent > timeout_s and phase == "step" and silent <= timeout_s + self.waiting_grace_s:
+                waiting = self.waiting
+                if waiting is not None and waiting():
+                    continue
             if silent > timeout_s:
                 self._dump()  # when a poll jumped straight past DUMP_AT
                 self.events.emit(Watchdog(step=self._step, silent_s=round(silent, 3), timeout_s=timeout_s, phase=phase))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import socket
 import time
 from pathlib import Path
@@ -21,19 +22,24 @@ import torch
 import torch.distributed as tdist
 
 from training.config import WorkerSpec
-from training.contract import WorkerIdentity
+from training.contract import Env, WorkerIdentity
+from training.contract.events import Recovery
 from training.determinism import configure_determinism
 from training.distributed import device_for, init_process_group
 from training.faults import FaultInjector
+from training.inplace import ROLE_SPARE, ROLE_TRAINER, InPlace
+from training.inplace.group import InPlaceGroup, StateSync
 from training.metrics import create_sinks
 from training.metrics.base import MetricsSink
+from training.preemption import PreemptionHandler
 from training.stacks import StackDumper, enable_flight_recorder
+from training.state import TrainerProgress
 from training.strategies import build_optimizer, parallelize
-from training.task import load_task
+from training.task import Task, load_task
 from training.trainer import CheckpointManagerLike, Trainer
 from training.watchdog import StepWatchdog
 
-__all__ = ["run_worker"]
+__all__ = ["Prewarmed", "run_worker"]
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +51,24 @@ def _default_checkpoint_manager(spec: WorkerSpec, identity: WorkerIdentity, sink
     return manager
 
 
-def run_worker(spec: WorkerSpec, *, run_dir: str | None, identity: WorkerIdentity | None = None) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class Prewarmed:
+    """What a warm spare built before it was assigned a rank (`training.inplace.spare`)."""
+
+    task: Task
+    model: torch.nn.Module  # built with the job's seed, on the CPU, not yet wrapped
+    optimizer: torch.optim.Optimizer  # over `model`'s parameters (its first build imports dynamo: seconds)
+    generation: int  # the process-group generation to join
+    assigned_at: float  # `time.perf_counter()` of the assignment
+
+
+def run_worker(
+    spec: WorkerSpec,
+    *,
+    run_dir: str | None,
+    identity: WorkerIdentity | None = None,
+    prewarmed: Prewarmed | None = None,
+) -> dict[str, Any]:
     """Train one worker of the job to `training.steps` and return its result.
 
     Args:
@@ -55,6 +78,8 @@ def run_worker(spec: WorkerSpec, *, run_dir: str | None, identity: WorkerIdentit
         identity: This rank's coordinates. None reads the launcher's environment (torchrun /
             PyTorchJob / none). Ray Train passes one built from `ray.train.get_context()`; a process
             group that already exists (Ray Train creates it) is reused, never re-created or destroyed.
+        prewarmed: A warm spare's prebuilt task and model: join that process-group generation and
+            take the trained state from a survivor instead of a checkpoint (`training.inplace`).
 
     Returns:
         The `result.json` fields (`training.contract.Result`), on every rank.
@@ -74,21 +99,53 @@ def run_worker(spec: WorkerSpec, *, run_dir: str | None, identity: WorkerIdentit
     stacks = StackDumper(identity, sink).install()  # stacks/gen-G/rank-R.txt on SIGUSR1 and the watchdog
     watchdog = StepWatchdog(spec.spec.restarts.step_timeout_seconds, sink, stacks=stacks).start()
     faults = FaultInjector.from_env(rank=identity.rank, generation=identity.generation, events=sink)
+    io_timeout_s = spec.spec.checkpoint.io_timeout_seconds
+    preemption = PreemptionHandler.from_spec(
+        spec.spec.restarts, sink, rank=identity.rank, watchdog=watchdog, io_timeout_s=io_timeout_s
+    ).install()  # SIGTERM -> emergency checkpoint (training.preemption)
     created_group = False
     trainer: Trainer | None = None
     try:
         configure_determinism(cfg.deterministic)
         device = device_for(identity)
         enable_flight_recorder(identity)  # CUDA builds; before the process group exists
-        created_group = init_process_group(identity, device)
-        task = load_task(spec.spec.task.entrypoint, spec.spec.task.args)
-
-        torch.manual_seed(cfg.seed)  # identical initial weights on every rank, in every generation
-        model = task.build_model()
-        par = parallelize(model, task.blocks(model), cfg, identity, device)
-        optimizer = build_optimizer(par.model, cfg.optimizer)
+        # In-place recovery (`training.inplace`): a child of a per-rank host forms every process
+        # group generation on the long-lived store instead of the launcher's env:// store.
+        inplace = InPlace.from_spec(spec) if os.environ.get(Env.INPLACE_ROLE) in (ROLE_TRAINER, ROLE_SPARE) else None
+        group: InPlaceGroup | None = None
+        if inplace is not None:
+            group = InPlaceGroup(inplace, identity, "nccl" if device.type == "cuda" else "gloo")
+            group.form(prewarmed.generation if prewarmed is not None else 0)
+            created_group = True
+        else:
+            created_group = init_process_group(identity, device)
+        spare_progress: TrainerProgress | None = None
+        synced: StateSync | None = None
+        if prewarmed is None:
+            preemption.connect()  # its gloo group (collective)
+            task = load_task(spec.spec.task.entrypoint, spec.spec.task.args)
+            torch.manual_seed(cfg.seed)  # identical initial weights on every rank, in every generation
+            model = task.build_model()
+            par = parallelize(model, task.blocks(model), cfg, identity, device)
+            optimizer = build_optimizer(par.model, cfg.optimizer)
+        else:
+            # A spare: the survivors' order of collectives (`Trainer.recover_in_place`): the state
+            # transfer, DDP, the checkpoint manager's groups, the preemption group.
+            assert group is not None
+            task, model = prewarmed.task, prewarmed.model
+            log.debug("spare: joined at %.3f s", time.perf_counter() - prewarmed.assigned_at)
+            model.to(device)  # the same Parameter objects: the prebuilt optimizer stays valid
+            optimizer = prewarmed.optimizer
+            spare_progress = TrainerProgress()
+            with watchdog.io(spec.spec.restarts.in_place_timeout_seconds):
+                synced = group.sync_state(model, optimizer, spare_progress, has_state=False)
+            par = parallelize(model, task.blocks(model), cfg, identity, device)
+            log.debug("spare: DDP at %.3f s", time.perf_counter() - prewarmed.assigned_at)
         with watchdog.io(spec.spec.checkpoint.io_timeout_seconds):  # opens the stores, takes the fence
             checkpoints = _default_checkpoint_manager(spec, identity, sink)
+        if prewarmed is not None:
+            preemption.connect()
+            log.info("spare: ready to train at %.3f s", time.perf_counter() - prewarmed.assigned_at)
         trainer = Trainer(
             spec,
             identity,
@@ -100,6 +157,31 @@ def run_worker(spec: WorkerSpec, *, run_dir: str | None, identity: WorkerIdentit
             faults=faults,
             watchdog=watchdog,
         )
+        trainer.preemption = preemption
+        if group is not None:
+            trainer.inplace = group
+
+            def new_checkpoints() -> CheckpointManagerLike:
+                with watchdog.io(spec.spec.checkpoint.io_timeout_seconds):
+                    return _default_checkpoint_manager(spec, identity, sink)
+
+            trainer.checkpoint_factory = new_checkpoints
+            live = trainer
+            watchdog.waiting = lambda: live.par.comm.pending > 0
+            watchdog.waiting_grace_s = spec.spec.restarts.in_place_timeout_seconds
+        if prewarmed is not None and synced is not None:
+            trainer.progress.load_state_dict(synced.progress)
+            trainer.skip_restore = True
+            sink.emit(
+                Recovery(
+                    path="inplace",
+                    step=synced.step,
+                    seconds=round(time.perf_counter() - prewarmed.assigned_at, 3),
+                    inplace_generation=prewarmed.generation,
+                    replaced_ranks=synced.replaced,
+                    role="spare",
+                )
+            )
         return trainer.run(wall_start).to_dict()
     finally:
         if trainer is not None:
@@ -107,6 +189,7 @@ def run_worker(spec: WorkerSpec, *, run_dir: str | None, identity: WorkerIdentit
                 trainer.close()
             except Exception:
                 log.exception("closing the checkpoint manager failed")
+        preemption.close()
         watchdog.stop()
         stacks.close()
         sink.close()

@@ -8,12 +8,21 @@ inside their functions only, so listing them here costs nothing.
 
 from __future__ import annotations
 
-from bench.sections import checkpoint_stall, exporter, gpu, mttr, overhead, scaling
+from bench.sections import checkpoint_io, checkpoint_stall, exporter, gpu, mttr, overhead, preempt, scaling
 from bench.sections.base import Results, Section
 
 __all__ = ["SECTIONS", "Results", "Section"]
 
 SECTIONS: dict[str, Section] = {
     s.name: s
-    for s in (overhead.SECTION, checkpoint_stall.SECTION, mttr.SECTION, exporter.SECTION, scaling.SECTION, gpu.SECTION)
+    for s in (
+        overhead.SECTION,
+        checkpoint_stall.SECTION,
+        *checkpoint_io.SECTIONS,
+        mttr.SECTION,
+        exporter.SECTION,
+        scaling.SECTION,
+        gpu.SECTION,
+        preempt.SECTION,
+    )
 }

@@ -1,5 +1,9 @@
-"""MTTR: SIGKILL of one rank, then time to the first step after recovery and steps lost, for torchrig,
-plain torchrun with a naive save-every-N loop, and Ray Train."""
+"""MTTR: SIGKILL of one rank, then time to the first step after recovery (at the original world size) and
+steps lost, for torchrig in place (a warm spare, `restarts.mode: inplace`, the default), torchrig's
+group restart (`restarts.mode: restart`), plain torchrun with a naive save-every-N loop, and Ray Train.
+
+The in-place row also checks the targets of issue 14: 0 lost steps and final parameters bit-identical
+to an uninterrupted run, for a kill of the last rank and of rank 0."""
 
 from __future__ import annotations
 
@@ -14,11 +18,20 @@ from bench.workloads import kill_worker_drill
 from training.contract import EventKind, read_events
 
 STEPS, KILL_STEP, EVERY = 60, 25, 10
+_BIT_EXACT: list[bool] = []  # in-place runs whose final params matched the reference
 
 
-def _mttr_torchrig(steps: int, kill_step: int) -> tuple[float, int]:
+def _mttr_torchrig(steps: int, kill_step: int, *, inplace: bool, attempt: int = 0) -> tuple[float, int]:
     with tempfile.TemporaryDirectory() as d:
-        report = kill_worker_drill(steps, kill_step, 2, Path(d))
+        extra = () if inplace else ("spec.restarts.mode=restart",)
+        # In place: the first two attempts run the reference too (bit-exactness), killing rank 1, then rank 0.
+        reference = inplace and attempt < 2
+        rank = attempt % 2 if inplace else None
+        report = kill_worker_drill(steps, kill_step, 2, Path(d), extra=extra, reference=reference, rank=rank)
+        if inplace and report.recovery_path != "inplace":
+            raise RuntimeError(f"recovered by {report.recovery_path}, not in place: {report.notes}")
+        if reference:
+            _BIT_EXACT.append(report.final_params_match_reference is True)
         return float(report.mttr_seconds), int(report.lost_steps)
 
 
@@ -63,18 +76,24 @@ def _mttr_ray(steps: int, kill_step: int) -> tuple[float, int]:
         return report.mttr_seconds, report.lost_steps
 
 
-PEERS: tuple[tuple[str, Callable[[int, int], tuple[float, int]]], ...] = (
-    ("torchrig", _mttr_torchrig),
-    ("torchrun_naive", _mttr_torchrun_naive),
-    ("ray_train", _mttr_ray),
+PEERS: tuple[tuple[str, Callable[[int, int, int], tuple[float, int]]], ...] = (
+    ("torchrig_inplace", lambda steps, kill, i: _mttr_torchrig(steps, kill, inplace=True, attempt=i)),
+    ("torchrig_restart", lambda steps, kill, i: _mttr_torchrig(steps, kill, inplace=False)),
+    ("torchrun_naive", lambda steps, kill, i: _mttr_torchrun_naive(steps, kill)),
+    ("ray_train", lambda steps, kill, i: _mttr_ray(steps, kill)),
 )
 
 
-def bench_mttr(repeats: int) -> dict[str, Any]:
+def bench_mttr(repeats: int, peers: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Every peer `repeats` times (in place at least twice: a kill of rank 1 and of rank 0)."""
     out: dict[str, Any] = {"lost_steps": {}, "kill_step": KILL_STEP, "checkpoint_every": EVERY}
+    _BIT_EXACT.clear()
     for name, fn in PEERS:
+        if peers is not None and name not in peers:
+            continue
+        n = max(repeats, 2) if name == "torchrig_inplace" else repeats
         try:
-            samples = [fn(STEPS, KILL_STEP) for _ in range(repeats)]
+            samples = [fn(STEPS, KILL_STEP, i) for i in range(n)]
         except Exception as exc:  # a peer that cannot run here is reported, not hidden
             out[f"{name}_s"] = None
             out["lost_steps"][name] = None
@@ -83,10 +102,17 @@ def bench_mttr(repeats: int) -> dict[str, Any]:
         out[f"{name}_s"] = stats([s[0] for s in samples])["median"]
         out[f"{name}_stats"] = stats([s[0] for s in samples])
         out["lost_steps"][name] = max(s[1] for s in samples)
-    peers: list[float] = [p for p in (out.get("torchrun_naive_s"), out.get("ray_train_s")) if p]
-    if out.get("torchrig_s") and peers:
-        out["speedup_vs_fastest_peer"] = min(peers) / out["torchrig_s"]
-    out["target"] = "torchrig >= 2x faster than the fastest peer"
+    out["torchrig_s"] = out.get("torchrig_inplace_s")  # the default path (earlier results' key)
+    out["inplace_bit_exact"] = f"{sum(_BIT_EXACT)}/{len(_BIT_EXACT)}"
+    inplace, naive = out.get("torchrig_inplace_s"), out.get("torchrun_naive_s")
+    if inplace and naive:
+        out["inplace_vs_torchrun_ratio"] = inplace / naive
+    if inplace and out.get("torchrig_restart_s"):
+        out["inplace_vs_restart_ratio"] = inplace / out["torchrig_restart_s"]
+    peer_times: list[float] = [p for p in (naive, out.get("ray_train_s")) if p]
+    if inplace and peer_times:
+        out["speedup_vs_fastest_peer"] = min(peer_times) / inplace
+    out["target"] = "in place: MTTR <= 0.5x plain torchrun (inplace_vs_torchrun_ratio <= 0.5), 0 lost steps, bit-exact"
     return out
 
 

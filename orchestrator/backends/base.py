@@ -42,16 +42,19 @@ class RunState(str, enum.Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    PREEMPTED = "preempted"  # stopped on SIGTERM / Ctrl-C after an emergency checkpoint: run it again to resume
     UNKNOWN = "unknown"
 
     @property
     def terminal(self) -> bool:
-        return self in (RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED)
+        return self in (RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED, RunState.PREEMPTED)
 
     @property
     def exit_code(self) -> int:
-        """`torchrig status` exit code: 0 succeeded, 1 failed, 10 running/pending, 11 cancelled, 12 unknown."""
+        """`torchrig status` exit code: 0 succeeded, 1 failed, 10 running/pending, 11 cancelled, 12 unknown,
+        13 preempted."""
         return {
+            RunState.PREEMPTED: 13,
             RunState.SUCCEEDED: 0,
             RunState.FAILED: 1,
             RunState.PENDING: 10,

@@ -22,6 +22,7 @@ from orchestrator.backends.base import NodePlacement, SubmitOptions
 from orchestrator.errors import BackendError
 from orchestrator.spec import JobSpec
 from training.contract import Env, RunFiles
+from training.preemption import launcher_env
 
 __all__ = ["LOG_LINE_PREFIX", "RDZV_CONF", "LocalPlan", "create_local_plan", "pick_port_block", "placement_from_json"]
 
@@ -190,6 +191,9 @@ def create_local_plan(spec: JobSpec, options: SubmitOptions, run_dir: Path, *, r
         Env.DISABLE_SHARED_RDZV_STORE: "1",
         Env.GLOO_SOCKET_IFNAME: os.environ.get(Env.GLOO_SOCKET_IFNAME, "lo"),
         "PYTHONUNBUFFERED": "1",
+        # torchrun's grace for its workers on SIGTERM (above restarts.preemptGraceSeconds), and the
+        # extra preemption signal among those it forwards (training.preemption).
+        **launcher_env(spec.spec.restarts),
         **options.env,
     }
     return LocalPlan(

@@ -27,6 +27,7 @@ from orchestrator.loader import dump_spec
 from orchestrator.rundir import build_summary, latest_failure_log
 from orchestrator.spec import JobSpec
 from training.contract import Env, RunFiles, Summary, write_json
+from training.preemption import torchrun_shutdown_timeout
 
 __all__ = ["DEFAULT_GRACE_S", "LocalRun"]
 
@@ -64,6 +65,7 @@ class LocalRun:
     _started: float = 0.0
     _cancel_requested: bool = False
     _force: bool = False
+    _preempt_deadline: float | None = None  # set by the first Ctrl-C when preemption is on
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.plan.run_dir)
@@ -146,6 +148,8 @@ class LocalRun:
     def _start_agent(self, node: int) -> _Agent:
         spec_file = self._node_spec_file(node)
         env = {**self.plan.env, Env.SPEC: str(spec_file), Env.LOG_LINE_PREFIX_TEMPLATE: LOG_LINE_PREFIX}
+        # In-place recovery forms every process-group generation on this store: it outlives every trainer.
+        env[Env.INPLACE_STORE] = self.store_address
         if ifname := self.plan.placement(node).ifname:
             env[Env.GLOO_SOCKET_IFNAME] = ifname
         cmd = self.plan.agent_command(node, self._store_port, str(spec_file))
@@ -265,6 +269,9 @@ class LocalRun:
                 state = self.poll()
                 if state.terminal:
                     break
+                if self._cancel_requested and not self._force and self._preempting():
+                    time.sleep(interval_s)  # the workers are saving their emergency checkpoint
+                    continue
                 if self._cancel_requested or (deadline is not None and time.monotonic() > deadline):
                     state = RunState.CANCELLED
                     break
@@ -276,13 +283,33 @@ class LocalRun:
         return self.finish(state)
 
     def _note(self) -> str:
+        if self._preempt_deadline is not None:
+            return "preempting: the workers save an emergency checkpoint (Ctrl-C again: stop now)"
         return "" if self.files.events.exists() else "starting agents and rendezvous"
+
+    def _preempting(self) -> bool:
+        """After the first Ctrl-C, with `restarts.preemptGraceSeconds` on: SIGTERM the agents once (they
+        forward it; every worker stops at one agreed step, saves an emergency checkpoint and exits 202),
+        then keep supervising while they finish, up to torchrun's own shutdown timeout. True meanwhile."""
+        restarts = self.spec.spec.restarts
+        if restarts.preempt_grace_seconds <= 0:
+            return False
+        if self._preempt_deadline is None:
+            self._preempt_deadline = time.monotonic() + torchrun_shutdown_timeout(restarts) + 5
+            # One SIGTERM per agent (not its process group too): a second one would end torchrun's wait
+            # for its workers, and with it their emergency checkpoint.
+            for agent in self._agents:
+                if not agent.killed and agent.proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(agent.proc.pid, signal.SIGTERM)
+        return time.monotonic() < self._preempt_deadline
 
     def finish(self, state: RunState | str, grace_s: float | None = None) -> Summary:
         """Stop what is left, write summary.json and return it (once: later calls return the same).
 
         Args:
-            state: How the run ended; CANCELLED stops the agents with a grace period first.
+            state: How the run ended; CANCELLED stops the agents with a grace period first. A run whose
+                workers stopped on a preemption (a first Ctrl-C) ends `preempted` (`build_summary`).
             grace_s: That grace period (default 10 s; none after a second Ctrl-C).
         """
         if self.summary is not None:

@@ -8,7 +8,7 @@ process starts exactly the stored plan (`Backend.launch_dry_run`), supervises it
 and so writes summary.json; SIGTERM (`torchrig cancel`) or SIGINT cancel it like Ctrl-C cancels
 `torchrig run`. No backend starts the `torchrig` CLI.
 
-Exit codes of the supervisor: 0 succeeded, 1 failed, 2 bad launch request, 130 cancelled.
+Exit codes of the supervisor: 0 succeeded, 1 failed, 2 bad launch request, 130 cancelled, 202 preempted.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from orchestrator.backends.base import (
     SubmitOptions,
     SupervisedRun,
 )
-from orchestrator.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, BackendError
+from orchestrator.errors import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, BackendError
 from orchestrator.loader import dump_spec
 from orchestrator.rundir import run_state
 from training.contract import RunFiles, Summary, read_json, write_json
@@ -161,9 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     from orchestrator.summary_text import final_line
 
     print(f"{final_line(summary)}; summary: {files.summary}")
-    return {RunState.SUCCEEDED.value: EXIT_OK, RunState.CANCELLED.value: EXIT_CANCELLED}.get(
-        summary.status, EXIT_FAILED
-    )
+    return {
+        RunState.SUCCEEDED.value: EXIT_OK,
+        RunState.CANCELLED.value: EXIT_CANCELLED,
+        RunState.PREEMPTED.value: EXIT_PREEMPTED,
+    }.get(summary.status, EXIT_FAILED)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -27,12 +27,29 @@ def _scenario_help() -> str:
 _SCENARIO_HELP = _scenario_help()
 
 
+class _DrillCommand(click.Command):
+    """`torchrig drill SCENARIO JOB`; `torchrig drill campaign JOB` goes to `orchestrator.cli.campaign_cmd`
+    (a scenario argument, not a group, keeps every existing drill command line as it is)."""
+
+    def make_context(
+        self, info_name: str | None, args: list[str], parent: click.Context | None = None, **extra: Any
+    ) -> click.Context:
+        if args and args[0] == "campaign":
+            from orchestrator.cli.campaign_cmd import campaign
+
+            return campaign.make_context(f"{info_name} campaign", args[1:], parent=parent, **extra)
+        return super().make_context(info_name, args, parent=parent, **extra)
+
+
 @click.command(
+    cls=_DrillCommand,
     help="Run JOB, inject the fault of SCENARIO, let the job recover, run an uninterrupted reference of "
     "the same job (same seed and world size), and print a verdict.\n\n" + _SCENARIO_HELP,
     epilog="Examples:\n\n"
     "  torchrig drill kill-worker examples/digits-ddp.yaml --set spec.training.steps=60 --report drill.json\n\n"
     "  torchrig drill kill-node examples/digits-ddp.yaml --nodes 2 --plot drill.png\n\n"
+    "  torchrig drill campaign examples/digits-ddp.yaml --out drills/   (every scenario x 3 seeds; "
+    "`torchrig drill campaign --help`)\n\n"
     "Exit codes: 0 the job passed the drill, 1 the verdict failed, 2 bad input, 3 backend error.",
 )
 @click.argument("scenario", metavar="SCENARIO")

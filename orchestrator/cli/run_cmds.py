@@ -30,7 +30,7 @@ from orchestrator.backends.base import (
     SupervisedRun,
 )
 from orchestrator.cli._common import emit_json, handle_errors, output_option, set_option
-from orchestrator.errors import FinalCheckpointLost, RecoveryFailed, SpecError, UnsupportedFeature
+from orchestrator.errors import EXIT_PREEMPTED, FinalCheckpointLost, RecoveryFailed, SpecError, UnsupportedFeature
 from orchestrator.summary_text import final_line
 
 __all__ = ["cancel", "list_runs", "logs", "run", "status", "submit"]
@@ -116,6 +116,9 @@ def _supervise(run: SupervisedRun, spec: Any, output: str, quiet: bool) -> None:
         where = f"{last['uri']} (step {last['last_committed_step']})" if last else "none committed"
         click.echo(f"cancelled; last committed checkpoint: {where}", err=True)
         sys.exit(EXIT_CANCELLED)
+    if summary.status == RunState.PREEMPTED.value:
+        click.echo(f"{summary.reason}: `torchrig run JOB --run-dir {summary.run_dir}` resumes it", err=True)
+        sys.exit(EXIT_PREEMPTED)
     if summary.status == RunState.FAILED.value:
         failure = FinalCheckpointLost if summary.final_checkpoint_lost() else RecoveryFailed
         raise failure(summary.reason or "the job failed")
@@ -264,7 +267,8 @@ def submit(
 @click.option("--stacks", is_flag=True, help="Local runs: every live rank dumps its Python stacks into RUN/stacks/.")
 @handle_errors
 def status(run_ref: str, backend_name: str | None, output: str, stacks: bool) -> None:
-    """Show RUN's state. Exit code: 0 succeeded, 1 failed, 10 running/pending, 11 cancelled, 12 unknown."""
+    """Show RUN's state. Exit code: 0 succeeded, 1 failed, 10 running/pending, 11 cancelled, 12 unknown,
+    13 preempted."""
     from orchestrator.backends import get_backend
     from orchestrator.cli.stacks_cmd import report_stacks
 

@@ -4,6 +4,7 @@ no cluster. Imports only the model and the compilers (never torch, ray or kubern
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 
@@ -51,6 +52,13 @@ _ALLOW_POD_LOCAL = click.option(
 )
 @_FIXED_SIZE
 @_ALLOW_POD_LOCAL
+@click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False, exists=True),
+    default=None,
+    help="A run of this job: warn when its last checkpoint took longer to save than "
+    "spec.restarts.preemptGraceSeconds (an emergency checkpoint on SIGTERM would not commit in time).",
+)
 @set_option
 @output_option
 @handle_errors
@@ -59,6 +67,7 @@ def validate(
     target: str | None,
     fixed_size: bool,
     allow_pod_local_stores: bool,
+    run_dir: str | None,
     overrides: tuple[str, ...],
     output: str,
 ) -> None:
@@ -80,6 +89,11 @@ def validate(
         emit_json({"ok": False, "file": job, "problems": problems})
         raise SystemExit(EXIT_USAGE) from None
     warnings = spec.warnings() + target_warnings
+    if run_dir is not None:
+        from orchestrator.rundir import preempt_grace_warning
+
+        grace = preempt_grace_warning(spec.spec.restarts.preempt_grace_seconds, Path(run_dir))
+        warnings += [grace] if grace else []
     if output == "json":
         emit_json({"ok": True, "file": job, "name": spec.name, "warnings": warnings})
         return

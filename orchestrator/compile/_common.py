@@ -13,6 +13,7 @@ from typing import Any
 from orchestrator.loader import dump_spec
 from orchestrator.spec import JobSpec
 from training.contract import Env
+from training.preemption import launcher_env
 
 __all__ = [
     "RUN_DIR",
@@ -137,6 +138,9 @@ def worker_env(spec: JobSpec) -> list[dict[str, Any]]:
         # worker group can hang in init_process_group (ENVIRONMENT.md); a store per group avoids it.
         Env.DISABLE_SHARED_RDZV_STORE: "1",
         "PYTHONUNBUFFERED": "1",
+        # torchrun waits past restarts.preemptGraceSeconds before it SIGKILLs its workers on a SIGTERM, so
+        # their emergency checkpoint fits (training.preemption); the pod's grace period covers both.
+        **launcher_env(spec.spec.restarts),
     }
     env.update(spec.spec.kubernetes.env)
     return [{"name": k, "value": v} for k, v in env.items()]

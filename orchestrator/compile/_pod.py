@@ -24,6 +24,7 @@ from typing import Any
 
 from orchestrator.compile._common import RUN_DIR, SHM_PATH, SPEC_DIR, SPEC_FILE, SPEC_KEY, configmap_name
 from orchestrator.spec import JobSpec
+from training.preemption import pod_grace_period_seconds
 
 __all__ = [
     "CACHE_DIR",
@@ -38,6 +39,7 @@ __all__ = [
     "pod_security_context",
     "probes",
     "store_mount_path",
+    "termination_grace",
     "volumes_and_mounts",
 ]
 
@@ -60,6 +62,16 @@ _PROBEABLE_BINDS = (None, "0.0.0.0", "::", "127.0.0.1", "localhost")
 def launcher(spec_path: str = SPEC_FILE, *, gpu_check: bool = True) -> list[str]:
     """`python -m training.launch --spec PATH [--no-gpu-check] --`: what every command starts with."""
     return ["python", "-m", LAUNCH_MODULE, "--spec", spec_path, *([] if gpu_check else ["--no-gpu-check"]), "--"]
+
+
+def termination_grace(spec: JobSpec) -> dict[str, Any]:
+    """`terminationGracePeriodSeconds` of a worker pod: on an eviction the workers get
+    `restarts.preemptGraceSeconds` for their emergency checkpoint, torchrun and the container a margin
+    on top (`training.preemption.pod_grace_period_seconds`). Nothing when preemption handling is off."""
+    restarts = spec.spec.restarts
+    if restarts.preempt_grace_seconds <= 0:
+        return {}
+    return {"terminationGracePeriodSeconds": pod_grace_period_seconds(restarts)}
 
 
 def pod_security_context() -> dict[str, Any]:

@@ -83,6 +83,7 @@ def _pod_template(spec: JobSpec, *, elastic: bool) -> dict[str, Any]:
         "securityContext": p.pod_security_context(),
         **p.automount(needs_api=s.kubernetes.automount_service_account_token),
         **c.pod_placement(spec),
+        **p.termination_grace(spec),
     }
     if s.kubernetes.gang == "volcano":
         pod_spec["schedulerName"] = "volcano"

@@ -72,6 +72,8 @@ def _pod(spec: JobSpec, component: str, container: dict[str, Any], *, needs_api:
     }
     if spec.spec.kubernetes.gang == "volcano":
         pod_spec["schedulerName"] = "volcano"
+    if component == "worker":
+        pod_spec.update(p.termination_grace(spec))  # the Ray workers' emergency checkpoint
     meta: dict[str, Any] = {"labels": c.pod_labels(spec, component)}
     if component == "worker":
         meta["annotations"] = c.pod_annotations(spec)

@@ -16,6 +16,7 @@ from orchestrator.compile import _common as c
 from orchestrator.compile import _pod as p
 from orchestrator.spec import JobSpec
 from training.contract import Env
+from training.preemption import launcher_env
 
 __all__ = ["RDZV_PORT", "TorchrunCommand", "compile_torchrun"]
 
@@ -91,5 +92,6 @@ def compile_torchrun(
         str(s.restarts.max),
         *c.worker_program(spec_path),
     ]
-    env = {Env.DISABLE_SHARED_RDZV_STORE: "1", Env.SPEC: spec_path}
+    # torchrun's shutdown timeout above restarts.preemptGraceSeconds (training.preemption).
+    env = {Env.DISABLE_SHARED_RDZV_STORE: "1", Env.SPEC: spec_path, **launcher_env(spec.spec.restarts)}
     return TorchrunCommand(args=tuple(args), env=env, launcher=tuple(p.launcher(spec_path)))

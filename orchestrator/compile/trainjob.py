@@ -123,6 +123,7 @@ def _runtime(spec: JobSpec) -> dict[str, Any]:
         # podFailurePolicy needs Never; the JobSet, not the kubelet, restarts the group.
         "restartPolicy": "Never",
         **p.automount(needs_api=s.kubernetes.automount_service_account_token),
+        **p.termination_grace(spec),
     }
     if s.kubernetes.priority_class:
         pod_spec["priorityClassName"] = s.kubernetes.priority_class

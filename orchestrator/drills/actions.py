@@ -32,6 +32,7 @@ from orchestrator.drills.plan import (
     NodeAdd,
     NodeKill,
     Outcome,
+    Preempt,
     RankKill,
     StoreCorrupt,
     StoreLoss,
@@ -146,6 +147,9 @@ class ActionRunner:
                 self.run.kill_node(node)
                 if fault:
                     self.outcome.fault_rank = node
+            case Preempt(grace_s=grace_s, node=node):
+                self._strike("preempt", node="all" if node is None else node)
+                self._preempt(node, grace_s)
             case LinkCut(node=node):
                 network = self._network()
                 self._strike("partition", node=node)
@@ -157,6 +161,24 @@ class ActionRunner:
                 self.outcome.record(DrillEventKind.NODE_ADDED)
                 self.run.add_node()
         return True
+
+    def _preempt(self, node: int | None, grace_s: float) -> None:
+        """SIGTERM every process of `node` (None: all nodes), SIGKILL what is left after `grace_s`."""
+        from orchestrator.backends._local_procs import alive, kill_pids
+        from orchestrator.backends.local_run import LocalRun
+
+        run = self.run
+        if not isinstance(run, LocalRun):
+            raise UnsupportedFeature("preempt: signalling every process of a node needs the local backend")
+        nodes = [node] if node is not None else sorted(run.agent_pids())
+        pids = [pid for n in nodes for pid in run.node_pids(n)]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(alive(p) for p in pids):
+            time.sleep(0.1)
+        kill_pids([p for p in pids if alive(p)], signal.SIGKILL)
 
     def _lose_store(self, store: _Store) -> None:
         if not store.uri.startswith("file://"):

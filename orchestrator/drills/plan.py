@@ -37,6 +37,7 @@ __all__ = [
     "NodeAdd",
     "NodeKill",
     "Outcome",
+    "Preempt",
     "RankKill",
     "StoreCorrupt",
     "StoreLoss",
@@ -55,6 +56,7 @@ class DrillOptions:
     rank: int | None = None  # the rank hit (default: drawn from the seed)
     nodes: int | None = None  # emulated nodes (default: what the scenario needs)
     reference: bool = True  # also run the uninterrupted reference (the bit-exactness check)
+    shared_reference: bool = False  # the reference runs the unpatched job: one per world size (campaigns)
     drill_dir: str | None = None
     timeout_s: float = 600.0  # per run, and per wait of an outside action
     quiet: bool = True
@@ -153,6 +155,15 @@ class NodeKill:
 
 
 @dataclass(frozen=True)
+class Preempt:
+    """SIGTERM every process of emulated node `node` (None: of the whole job), as a node drain or a spot
+    reclaim does, then SIGKILL what is left after `grace_s` (the kubelet's terminationGracePeriodSeconds)."""
+
+    grace_s: float
+    node: int | None = None
+
+
+@dataclass(frozen=True)
 class LinkCut:
     """Take the network link of emulated node `node` down (a partition; the drill's fault)."""
 
@@ -180,6 +191,7 @@ Action = (
     | StoreLoss
     | RankKill
     | NodeKill
+    | Preempt
     | LinkCut
     | LinkHeal
     | NodeAdd

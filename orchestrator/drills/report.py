@@ -61,6 +61,7 @@ class DrillReport(_Checks):
     resumed_from_step: int | None = None
     lost_steps: int | None = None
     mttr_seconds: float | None = None
+    recovery_path: str | None = None  # "inplace" (a spare, no restore) | "restart" (the group, from a checkpoint)
     restored_from: list[dict[str, Any]] = field(default_factory=list)
     final_params_match_reference: bool | None = None
     final_loss: float | None = None
@@ -107,6 +108,7 @@ def render_table(report: DrillReport) -> Any:
         table.add_row(c.name, "[green]ok[/]" if c.passed else "[red]FAILED[/]", c.detail)
     facts = [
         ("fault", f"step {report.fault_step}, rank {report.fault_rank}"),
+        ("recovery", report.recovery_path or "-"),
         ("resumed from step", str(report.resumed_from_step)),
         ("lost steps", str(report.lost_steps)),
         ("MTTR", f"{report.mttr_seconds:.2f} s" if report.mttr_seconds is not None else "-"),

@@ -17,9 +17,9 @@ from orchestrator.drills.scenarios import Scenario, get_scenario
 from orchestrator.drills.spec_patch import isolate_stores, revalidate
 from orchestrator.errors import SpecError, UnsupportedFeature
 from orchestrator.spec import JobSpec
-from training.contract import DrillEventKind, EventKind, Summary
+from training.contract import DrillEventKind, EventKind, RunFiles, Summary
 
-__all__ = ["DrillOptions", "run_drill"]
+__all__ = ["DrillOptions", "adopt_reference", "run_drill"]
 
 # Uninterrupted references by (backend, nodes, job): a reference depends only on the job, so drills of
 # one job in one process (a test session, a seed sweep) run it once.
@@ -35,6 +35,8 @@ _TIMELINE_EVENTS = {
     EventKind.FAULT,
     EventKind.FINISHED,
     EventKind.FIRST_STEP,
+    EventKind.PREEMPTED,
+    EventKind.RECOVERY,
 }
 
 
@@ -61,11 +63,8 @@ def _pick_fault(spec: JobSpec, options: DrillOptions, rng: random.Random) -> tup
 
 def _drill_nodes(scenario: Scenario, spec: JobSpec, options: DrillOptions) -> int:
     nodes = options.nodes or scenario.needs_nodes
-    if scenario.needs_nodes > 1 and (not spec.spec.nodes.elastic or spec.spec.nodes.min > nodes - 1):
-        raise UnsupportedFeature(
-            f"spec.nodes: {scenario.name} needs an elastic job that can lose a node "
-            f"(spec.nodes.min <= {nodes - 1} < spec.nodes.max); got {spec.spec.nodes.min}..{spec.spec.nodes.max}"
-        )
+    if (reason := scenario.nodes_unmet(spec, nodes)) is not None:
+        raise UnsupportedFeature(f"spec.nodes: {scenario.name} {reason}")
     if nodes > spec.spec.nodes.max:
         raise SpecError(f"--nodes: at most spec.nodes.max ({spec.spec.nodes.max})")
     return nodes
@@ -116,6 +115,18 @@ def run_drill(scenario_name: str, spec: JobSpec, options: DrillOptions) -> Drill
             lose_store_hook=options.lose_store_hook,
         )
         summary = supervise(run, runner, plan.actions, options.timeout_s)
+        if scenario.resumes_after_preemption and not outcome.errors:
+            # The job stopped on its own after the preemption (nothing restarts it in place): start it
+            # again in the same run directory, as a scheduler would resubmit it.
+            report.check(
+                "the preempted run stopped (exit 202), to be resubmitted",
+                summary.status == RunState.PREEMPTED,
+                f"status {summary.status}: {summary.reason or ''}".rstrip(": "),
+            )
+            if summary.status == RunState.PREEMPTED:
+                outcome.record(DrillEventKind.RESUBMITTED, status=summary.status)
+                run = _launch(faulted_spec, drill_dir / "run", options, faults_env(plan.faults), placements(network))
+                summary = run.wait(options.timeout_s)
     for exc in outcome.errors:
         report.notes.append(f"drill action failed: {exc!r}")
         report.check("drill actions ran", False, repr(exc))
@@ -123,8 +134,14 @@ def run_drill(scenario_name: str, spec: JobSpec, options: DrillOptions) -> Drill
     history = RunHistory.load(run.run_dir)
     _fill_from_run(report, summary, history, outcome)
     if options.reference:
-        reference_spec = revalidate(scenario.patch(isolate_stores(spec, tag, "reference"), ctx), "drill-reference")
-        _compare_with_reference(report, scenario, reference_spec, drill_dir / "reference", options)
+        # A shared reference runs the job as given (scenario patches change stores and timeouts, never the
+        # numerics), keyed by the job before its stores are isolated: one per world size for a campaign.
+        patched = isolate_stores(spec, tag, "reference")
+        if not options.shared_reference:
+            patched = scenario.patch(patched, ctx)
+        reference_spec = revalidate(patched, "drill-reference")
+        key_spec = spec if options.shared_reference else reference_spec
+        _compare_with_reference(report, scenario, reference_spec, drill_dir / "reference", options, key_spec)
     timeline = [e.to_dict() for e in outcome.timeline]
     timeline += [e.to_dict() for e in history.events if e.kind in _TIMELINE_EVENTS]
     report.events = sorted(timeline, key=lambda e: float(e["time"]))
@@ -133,12 +150,26 @@ def run_drill(scenario_name: str, spec: JobSpec, options: DrillOptions) -> Drill
     return report
 
 
+def _reference_key(backend: str, nodes: int, spec: JobSpec) -> tuple[str, int, str]:
+    return (backend, nodes, spec.model_dump_json(exclude={"metadata"}))
+
+
+def adopt_reference(backend: str, nodes: int, spec: JobSpec, run_dir: str | Path) -> bool:
+    """Reuse the succeeded reference run in `run_dir` for drills of `spec` with `shared_reference` (a
+    resumed campaign keeps its one reference per world size). False when that run did not succeed."""
+    summary = Summary.read(RunFiles(run_dir).summary)
+    if summary is None or summary.status != RunState.SUCCEEDED:
+        return False
+    _REFERENCES[_reference_key(backend, nodes, spec)] = (str(run_dir), summary)
+    return True
+
+
 def _compare_with_reference(
-    report: DrillReport, scenario: Scenario, spec: JobSpec, run_dir: Path, options: DrillOptions
+    report: DrillReport, scenario: Scenario, spec: JobSpec, run_dir: Path, options: DrillOptions, key_spec: JobSpec
 ) -> None:
     """Run (or reuse) the uninterrupted reference and compare the final parameters with it."""
     nodes = options.nodes or 1
-    key = (options.backend, nodes, spec.model_dump_json(exclude={"metadata"}))
+    key = _reference_key(options.backend, nodes, key_spec)
     if key in _REFERENCES:
         ref_dir, ref_summary = _REFERENCES[key]
         report.notes.append(f"reference reused from {ref_dir} (same job, backend and world size)")
@@ -182,13 +213,25 @@ def _fill_from_run(report: DrillReport, summary: Summary, history: RunHistory, o
     report.restored_from = [
         {"store": r.get("store"), "step": r.step, "source": r.get("source", "store")} for r in restores
     ]
+    # In place (`training.inplace`): the survivors kept their state and a spare took the dead rank's
+    # place; no restore. Recovered from the step every member agreed on, measured from the fault to
+    # the first step completed after the new group formed.
+    in_place = [e for e in history.of(EventKind.RECOVERY) if e.time >= t_fault and e.get("path") == "inplace"]
+    recovered_at = t_fault
     if restores:
+        report.recovery_path = "restart"
         report.resumed_from_step = restores[0].step or 0
+        recovered_at = max(t_fault, restores[0].time)
+    elif in_place:
+        report.recovery_path = "inplace"
+        report.resumed_from_step = min(e.step for e in in_place if e.step is not None)
+        recovered_at = min(e.time for e in in_place)
     elif any(e for e in history.of(EventKind.START) if e.time > t_fault):
+        report.recovery_path = "restart"
         report.resumed_from_step = 0  # restarted with nothing to restore: started over
     if report.resumed_from_step is not None and report.fault_step is not None:
         report.lost_steps = max(0, report.fault_step - report.resumed_from_step)
-    first_step = history.first_step_after(max([t_fault] + [r.time for r in restores[:1]]))
+    first_step = history.first_step_after(recovered_at)
     if first_step is not None:
         report.mttr_seconds = round(first_step.time - t_fault, 3)
         outcome.record(DrillEventKind.RECOVERED, at=first_step.time, step=first_step.step)

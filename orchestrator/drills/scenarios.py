@@ -28,6 +28,7 @@ from orchestrator.drills.plan import (
     LinkHeal,
     NodeAdd,
     NodeKill,
+    Preempt,
     RankKill,
     StoreCorrupt,
     StoreLoss,
@@ -36,7 +37,7 @@ from orchestrator.drills.report import DrillReport, Verdict
 from orchestrator.drills.spec_patch import patch_section, with_fallback_store
 from orchestrator.errors import SpecError
 from orchestrator.spec import JobSpec
-from training.contract import DrillEventKind, EventKind, RunFiles
+from training.contract import DrillEventKind, Event, EventKind, RunFiles
 
 __all__ = ["SCENARIOS", "Scenario", "get_scenario"]
 
@@ -73,8 +74,31 @@ class Scenario:
     compares_params: ClassVar[bool] = True  # same world size -> params must match the reference bit for bit
     needs_restore: ClassVar[bool] = True
     needs_network: ClassVar[bool] = False  # each emulated node in its own network namespace
+    resumes_after_preemption: ClassVar[bool] = False  # a run that ends `preempted` is started again
 
     # -- decisions ---------------------------------------------------------------------------------
+    def unmet(self, spec: JobSpec, nodes: int | None = None) -> str | None:
+        """Why this drill cannot run `spec` on `nodes` emulated nodes (default: `needs_nodes`) here, or None.
+
+        A single drill fails with it; a campaign reports the case as skipped with it.
+        """
+        if (reason := self.nodes_unmet(spec, nodes or self.needs_nodes)) is not None:
+            return reason
+        if self.needs_network:
+            from orchestrator.drills.netns import netns_supported
+
+            return netns_supported()
+        return None
+
+    def nodes_unmet(self, spec: JobSpec, nodes: int) -> str | None:
+        """Why `spec` cannot lose one of `nodes` nodes when this drill needs to, or None."""
+        if self.needs_nodes > 1 and (not spec.spec.nodes.elastic or spec.spec.nodes.min > nodes - 1):
+            return (
+                f"needs an elastic job that can lose a node (spec.nodes.min <= {nodes - 1} < spec.nodes.max); "
+                f"got {spec.spec.nodes.min}..{spec.spec.nodes.max}"
+            )
+        return None
+
     def patch(self, spec: JobSpec, ctx: DrillContext) -> JobSpec:
         """The spec of the faulted run and of its reference (default: unchanged)."""
         return spec
@@ -106,7 +130,19 @@ class Scenario:
     def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> Verdict:
         verdict = Verdict()
         _succeeded_check(verdict, report)
-        if self.needs_restore:
+        if self.needs_restore and report.recovery_path == "inplace":
+            # `restarts.mode: inplace`: survivors kept their state, a spare took the dead rank's place.
+            verdict.check(
+                "recovered in place (a warm spare took the lost rank's place)",
+                bool(history.of(EventKind.RECOVERY)),
+                f"resumed after step {report.resumed_from_step}, MTTR {report.mttr_seconds} s",
+            )
+            verdict.check(
+                "no step lost",
+                report.lost_steps == 0,
+                f"fault at step {report.fault_step}, resumed after step {report.resumed_from_step}",
+            )
+        elif self.needs_restore:
             restored = report.resumed_from_step is not None
             verdict.check(
                 "restored after the fault",
@@ -131,8 +167,11 @@ class Scenario:
 
 class KillWorker(Scenario):
     name = "kill-worker"
-    summary = "SIGKILL one rank at a step; the group restarts and resumes from the newest checkpoint."
-    proves = "a dead worker costs at most the steps since the last checkpoint, and the result is unchanged."
+    summary = "SIGKILL one rank at a step; a warm spare takes its place in memory (or the group restarts)."
+    proves = (
+        "a dead worker costs no step in place (at most the steps since the last checkpoint on the restart "
+        "path), and the result is unchanged."
+    )
 
     def patch(self, spec: JobSpec, ctx: DrillContext) -> JobSpec:
         repeat = ctx.options.repeat
@@ -144,7 +183,9 @@ class KillWorker(Scenario):
                 f"--repeat {repeat}: needs spec.training.steps >= {needed} and spec.checkpoint.every.steps >= 2 "
                 f"(one kill after each checkpoint); got steps {ctx.steps}, every {ctx.checkpoint_every}"
             )
-        return patch_section(spec, "restarts", max=max(spec.spec.restarts.max, repeat))
+        # Kill g fires in restart generation g: this drill exercises the restart path (the soak test
+        # `tests/integration/test_inplace.py` repeats in-place recoveries).
+        return patch_section(spec, "restarts", max=max(spec.spec.restarts.max, repeat), mode="restart")
 
     def faults(self, ctx: DrillContext) -> list[Fault]:
         repeat = ctx.options.repeat
@@ -279,6 +320,10 @@ class CorruptCheckpoint(_StoreScenario):
     summary = "Damage the newest checkpoint in one store (flip bytes / truncate / delete), then kill a worker."
     proves = "restore verifies hashes and falls back to another store or an older step; corrupt data is never loaded."
 
+    def patch(self, spec: JobSpec, ctx: DrillContext) -> JobSpec:
+        # The kill must lead to a restore (in place, the survivors' memory would make the damage moot).
+        return patch_section(super().patch(spec, ctx), "restarts", mode="restart")
+
     def actions(self, spec: JobSpec, ctx: DrillContext) -> list[Action]:
         drawn = CorruptionKind(ctx.rng.choice([k.value for k in CorruptionKind]))
         return [
@@ -397,9 +442,116 @@ class Partition(KillNode):
         ]
 
 
+def _preempted_event(history: RunHistory) -> Event | None:
+    """Rank 0's `preempted` event (another rank's when rank 0 wrote none)."""
+    found = history.of(EventKind.PREEMPTED)
+    return next((e for e in found if e.rank == 0), found[0] if found else None)
+
+
+class Preemption(Scenario):
+    name = "preempt"
+    summary = (
+        "SIGTERM every process of the job mid-run (a node drain, a spot reclaim); SIGKILL after the pod grace "
+        "period; then start the job again."
+    )
+    proves = (
+        "a preemption costs no step: every rank stops at one agreed step, its emergency checkpoint commits "
+        "within restarts.preemptGraceSeconds, and the resumed job ends bit-identical."
+    )
+    resumes_after_preemption = True
+
+    def faults(self, ctx: DrillContext) -> list[Fault]:
+        return _pace(ctx)
+
+    def actions(self, spec: JobSpec, ctx: DrillContext) -> list[Action]:
+        from training.preemption import pod_grace_period_seconds
+
+        return [AwaitStep(ctx.fault_step), Preempt(grace_s=pod_grace_period_seconds(spec.spec.restarts))]
+
+    def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> Verdict:
+        verdict = Verdict()
+        _succeeded_check(verdict, report)
+        event = _preempted_event(history)
+        grace = float(event.get("grace_s") or 0) if event else 0.0
+        since = float(event.get("since_signal_s") or 0) if event else 0.0
+        verdict.check(
+            "emergency checkpoint committed within the grace period",
+            event is not None and bool(event.get("committed")) and since <= grace,
+            f"step {event.step}, {event.get('reason')}, save {event.get('save_s')} s, {since} s after the signal "
+            f"(grace {grace} s)"
+            if event
+            else "no preempted event",
+        )
+        stop = event.step if event else None
+        verdict.check(
+            "resumed from the emergency checkpoint: 0 lost steps",
+            stop is not None and report.resumed_from_step == stop,
+            f"stopped at {stop}, resumed from {report.resumed_from_step}",
+        )
+        if stop is not None and report.resumed_from_step == stop:
+            report.lost_steps = 0
+        if report.reference_params_sha256 is not None:
+            _params_check(verdict, report)
+        return verdict
+
+
+class PreemptionShortGrace(Preemption):
+    name = "preempt-short-grace"
+    summary = "Preempt with a grace period too short for the emergency checkpoint; then start the job again."
+    proves = (
+        "a save the deadline cuts short is never committed nor restored: the job resumes from the previous "
+        "checkpoint and still ends bit-identical."
+    )
+
+    def patch(self, spec: JobSpec, ctx: DrillContext) -> JobSpec:
+        pace = ctx.options.pace_s
+        if pace <= 0:
+            raise SpecError(f"--pace: {self.name} needs paced steps (> 0) so that the grace period is shorter")
+        # A quarter of one paced step: the deadline strikes before the ranks reach their agreed stop step.
+        return patch_section(spec, "restarts", preempt_grace_seconds=round(pace / 4, 4))
+
+    def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> Verdict:
+        verdict = Verdict()
+        _succeeded_check(verdict, report)
+        event = _preempted_event(history)
+        verdict.check(
+            "the deadline ended the emergency checkpoint uncommitted",
+            event is not None and not event.get("committed") and event.get("reason") == "deadline",
+            f"step {event.step}, committed {event.get('committed')}, {event.get('reason')}" if event else "none",
+        )
+        # The newest checkpoint the preempted run committed (a periodic save may land between the signal
+        # and the deadline): the resubmitted job must restore exactly that one, older than the stop step.
+        restores = history.restores_after(_fault_time(report) or 0.0)
+        resubmitted = restores[0].time if restores else float("inf")
+        previous = history.last_committed_before(resubmitted)
+        stop = event.step if event else None
+        verdict.check(
+            "nothing partial restored: resumed from the previous checkpoint",
+            report.resumed_from_step is not None
+            and report.resumed_from_step == (previous or 0)
+            and (stop is None or report.resumed_from_step < stop),
+            f"stopped at {stop}, newest committed before the restart {previous}, resumed from "
+            f"{report.resumed_from_step}",
+        )
+        if report.reference_params_sha256 is not None:
+            _params_check(verdict, report)
+        return verdict
+
+
 SCENARIOS: dict[str, type[Scenario]] = {
     cls.name: cls
-    for cls in (KillWorker, KillNode, CrashDuringCheckpoint, CorruptCheckpoint, LoseStore, Hang, Straggler, Partition)
+    for cls in (
+        KillWorker,
+        KillNode,
+        CrashDuringCheckpoint,
+        CorruptCheckpoint,
+        LoseStore,
+        Hang,
+        Straggler,
+        Partition,
+        Preemption,
+        PreemptionShortGrace,
+    )
 }
 
 

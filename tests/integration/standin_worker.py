@@ -4,7 +4,8 @@ backend -> worker contract of docs/architecture.md, so the local backend is test
 Each step all-reduces a tensor (so a dead peer is noticed like in real training), rank 0 writes
 metrics.jsonl, every rank writes events.jsonl, rank 0 saves its step to `checkpoints/standin.pt`
 every `checkpoint.every.steps` and resumes from it after a restart, and writes result.json at the end.
-TORCHRIG_FAULTS kills are honoured. STANDIN_STEP_S sets the time per step (default 0.05 s).
+TORCHRIG_FAULTS kills are honoured. STANDIN_STEP_S sets the time per step (default 0.05 s), until the
+file STANDIN_UNPACE_FILE names exists (a test done with the paced part: the rest runs unpaced).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def main() -> None:
     rank, world, gen = who.rank, who.world_size, who.generation
     faults = json.loads(os.environ.get(Env.FAULTS, "[]"))
     step_s = float(os.environ.get("STANDIN_STEP_S", "0.05"))
+    unpace = os.environ.get("STANDIN_UNPACE_FILE")
     steps = spec.spec.training.steps
     every = spec.spec.checkpoint.every.steps or 10
     ckpt = files.checkpoints / "standin.pt"
@@ -81,6 +83,8 @@ def main() -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
                 elif f["kind"] == "exit":
                     os._exit(3)
+        if step_s and unpace and os.path.exists(unpace):
+            step_s = 0.0
         time.sleep(step_s)
         grad = torch.ones(4)
         dist.all_reduce(grad)

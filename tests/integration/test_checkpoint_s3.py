@@ -230,3 +230,21 @@ def test_restore_from_s3_never_writes_outside_its_download_directory(tmp_path: P
     result = restorer.restore(target)
     assert result is not None and result.step == 1 and target["step"] == 1
     assert not os.path.exists(escaped), escaped
+
+
+def test_a_large_shard_goes_up_as_a_multipart_upload_and_restores_verified(tmp_path: Path, s3_server: S3Server) -> None:
+    cfg = _cfg(tmp_path, s3_server, local=0)  # S3 only: the shards are staged on the node to upload from
+    weights = torch.arange(3 * 2**20, dtype=torch.float32)  # 12 MiB: parts of 5 MiB, uploaded at once
+    mgr = CheckpointManager(cfg, _ctx(tmp_path, 0))
+    mgr.save(7, {"model": {"w": weights}, "step": 7})
+    mgr.close()
+    s3: Any = open_storage(s3_server.uri(), s3_server.options)
+    manifest = read_manifest(s3, 7)
+    shard = next(e for e in manifest.files if e.path.endswith(".distcp"))
+    etag = s3.fs.info(f"{s3.root}/{step_dir(7)}/{shard.path}")["ETag"].strip('"')
+    assert etag.endswith("-3"), etag  # S3 names a multipart object's ETag after its part count
+    assert not (Path(mgr.node_dir) / step_dir(7)).exists()  # the staging copy is gone after the commit
+    target = {"model": {"w": torch.zeros(3 * 2**20)}, "step": 0}
+    result = CheckpointManager(cfg, _ctx(tmp_path, 1)).restore(target)
+    assert result is not None and (result.step, result.store) == (7, "s3")
+    assert torch.equal(target["model"]["w"], weights) and target["step"] == 7

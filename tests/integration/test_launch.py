@@ -4,14 +4,16 @@ torchrun spends a single restart."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from training.contract import ExitCode
+from training.contract import ExitCode, is_retryable
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -58,3 +60,26 @@ def test_a_command_that_cannot_run_is_an_environment_error(tmp_path: Path) -> No
     _, err = proc.communicate(timeout=90)
     assert proc.returncode == ExitCode.ENVIRONMENT
     assert err.strip().startswith("torchrig: error: cannot execute 'no-such-torchrun'")
+
+
+def test_a_torchrun_ended_by_sigterm_exits_retryable_143_not_1(tmp_path: Path) -> None:
+    """torchrun raises SignalException (exit 1: permanent for a PyTorchJob) after shutting its workers
+    down on SIGTERM; through the launcher it exits 128 + 15, as a preempted pod must to be restarted."""
+    script = tmp_path / "sleeper.py"
+    script.write_text("import pathlib, sys, time\npathlib.Path(sys.argv[1]).touch()\ntime.sleep(120)\n")
+    started = tmp_path / "started"
+    proc = launch(tmp_path, job(tmp_path), "torchrun", "--standalone", "--nproc-per-node=1", str(script), str(started))
+    try:
+        deadline = time.monotonic() + 90
+        while not started.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert started.exists(), proc.communicate(timeout=10)[1][-2000:]
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 143, err[-2000:]
+    assert "torchrig: torchrun stopped by SIGTERM; exiting 143 (retryable)" in err
+    assert is_retryable(proc.returncode)

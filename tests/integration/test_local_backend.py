@@ -291,9 +291,10 @@ def test_two_nodes_kill_store_candidate_node_then_rejoin(tmp_path: Path) -> None
     job = standin_job(tmp_path, steps=1000, procs=1, nodes=(1, 2), every=10)
     spec = validate_document(yaml.safe_load(job.read_text()))
     backend = LocalBackend()
-    options = SubmitOptions(
-        run_dir=str(tmp_path / "run"), env={"STANDIN_STEP_S": "0.05"}, local=LocalOptions(nodes=2, worker=STANDIN)
-    )
+    # Paced (0.05 s a step) so the kill and the rejoin land mid-run, unpaced once the world grew back.
+    unpace = tmp_path / "unpace"
+    env = {"STANDIN_STEP_S": "0.05", "STANDIN_UNPACE_FILE": str(unpace)}
+    options = SubmitOptions(run_dir=str(tmp_path / "run"), env=env, local=LocalOptions(nodes=2, worker=STANDIN))
     run = backend.launch(spec, options)
     assert isinstance(run, LocalRun) and isinstance(run, SupervisedRun)
     try:
@@ -310,6 +311,7 @@ def test_two_nodes_kill_store_candidate_node_then_rejoin(tmp_path: Path) -> None
         assert run.add_node() == 2
         added_at = time.time()
         _wait_world(run.run_dir, 2, max(t1, added_at), 90)
+        unpace.touch()
         summary = run.wait(timeout_s=200)
     finally:
         if run.summary is None:
@@ -345,8 +347,70 @@ def test_digits_demo_with_the_real_worker(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
     assert summary["status"] == "succeeded" and summary["steps"] == 120
-    assert summary["restarts"] == 1 and summary["restored_from"][0]["step"] == 50
+    # In place (`restarts.mode: inplace`, the default): a warm spare took rank 1's place, nothing restored.
+    assert summary["restarts"] == 0 and summary["restored_from"] == []
+    assert summary["recoveries"] == {"inplace": 1}
     assert summary["params_sha256"] and summary["eval"]
     assert summary["checkpoints"][0]["last_committed_step"] == 120
     assert summary["world_sizes"] == [2]
     assert_no_processes_left(run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_first_ctrl_c_saves_and_stops_preempted_and_a_new_run_resumes_from_that_step(tmp_path: Path) -> None:
+    """The real worker: a first Ctrl-C of `torchrig run` is a preemption (every rank stops at one step
+    after an emergency checkpoint of it, exit 202); `torchrig run` again in that directory resumes there."""
+    run_dir = tmp_path / "run"
+    pace = json.dumps([{"kind": "slow", "rank": -1, "step": 1, "generation": -1, "seconds": 0.05}])
+    args = [
+        "run",
+        str(REPO / "examples" / "digits-ddp.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "-o",
+        "json",
+        "--set",
+        "spec.training.steps=120",
+        "--set",
+        "spec.checkpoint.every.steps=25",
+        "--set",
+        "spec.training.evalAtEnd=false",
+        "--set",
+        "spec.nodes.min=1",
+        "--set",
+        "spec.nodes.max=1",
+        "--set",
+        f"spec.metrics.port={free_port()}",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from orchestrator.cli import main; main()", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, Env.FAULTS: pace},
+    )
+    try:
+        _wait_for_commit(run_dir, timeout_s=200)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 202, err[-3000:]
+    summary = json.loads(out)
+    preempted = summary["preempted"]
+    assert summary["status"] == "preempted" and preempted["committed"] and preempted["reason"] == "saved"
+    stop = preempted["step"]
+    assert 25 <= stop < 120 and summary["checkpoints"][0]["last_committed_step"] == stop
+    assert "resumes it" in err
+    assert torchrig("status", str(run_dir)).returncode == 13
+    assert_no_processes_left(run_dir)
+
+    again = torchrig(*args, timeout=280)
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed = json.loads(again.stdout)
+    assert resumed["status"] == "succeeded" and resumed["steps"] == 120
+    assert resumed["restored_from"][0]["step"] == stop  # 0 lost steps

@@ -17,7 +17,18 @@ from bench.sections.exporter import publish as publish_exporter
 from orchestrator.loader import load_spec
 
 # latest.json's keys, in the order docs/performance.md and earlier runs know them.
-SECTION_NAMES = ["overhead", "checkpoint_stall", "mttr", "exporter", "scaling", "gpu"]
+SECTION_NAMES = [
+    "overhead",
+    "checkpoint_stall",
+    "checkpoint_write",
+    "restore",
+    "checkpoint_commit",
+    "mttr",
+    "exporter",
+    "scaling",
+    "gpu",
+    "preempt",
+]
 
 
 def fake_results() -> dict[str, Any]:
@@ -48,6 +59,9 @@ def fake_results() -> dict[str, Any]:
                 "write_ratio_vs_dd": 0.5,
             }
         },
+        "checkpoint_write": {"500MB": {"torchrig_MBps": 850.0, "dd_MBps": 1000.0, "ratio_vs_dd": 0.85}},
+        "restore": {"500MB": {"torchrig_MBps": 400.0, "cat_MBps": 1000.0, "ratio_vs_read": 0.4}},
+        "checkpoint_commit": {"state_MB": 8, "idle_s": 0.1, "busy_s": 0.12, "busy_over_idle": 1.2},
         "mttr": {
             "torchrig_s": 2.0,
             "torchrun_naive_s": 3.0,
@@ -107,10 +121,13 @@ def test_report_writes_json_markdown_and_plot(tmp_path: Path) -> None:
         "| 2 ranks, gloo | 990 | 1000 | 0.990 (spread 10.0%) |",
         "| 50MB | 0.030 s | 0.040 s | 0.100 s | 0.020 s | 0.025 s | 0.750 | 1.20 |",
         "| 50MB | 300 | 600 | 0.50 |",
-        "| torchrig local | 2.00 s | 5 |",
+        "| 500MB | 850 | 1000 | 0.85 |",
+        "| 500MB | 400 | 1000 | 0.40 |",
+        "| 8 MB state | 0.100 s | 0.120 s | 1.20 |",
+        "| torchrig in place (warm spare) | 2.00 s | 5 |",
         "| Ray Train FailureConfig | n/a | None |",
         "Speed-up against the fastest peer: 1.50x (target >= 2x).",
-        "Exporter overhead: 0.420% of step time (target < 0.5%).",
+        "Exporter overhead: 0.420% of step time (target < 0.15%).",
         "| 4 | 0.200 | 0.100 | 6.00 |",
         "- section `gpu` failed: `RuntimeError: boom`",
     ):

@@ -85,6 +85,43 @@ def test_damaged_copy_falls_back_to_other_store_then_older_step(tmp_path: Path, 
     assert (Path(a) / step_dir(2)).exists() and (Path(b) / step_dir(2)).exists()
 
 
+def test_shards_are_written_straight_into_each_store_hashed_while_written(tmp_path: Path) -> None:
+    import hashlib
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    mgr = CheckpointManager(config(str(a), str(b)), ctx(tmp_path))
+    save_steps(mgr, [1])
+    mgr.close()
+    # no staging directory: with file stores only, nothing of the checkpoint is written on the node
+    assert not (Path(mgr.node_dir) / step_dir(1)).exists()
+    manifest = read_manifest(open_storage(str(a)), 1)
+    for root in (a, b):
+        for entry in manifest.files:
+            path = root / step_dir(1) / entry.path
+            assert hashlib.sha256(path.read_bytes()).hexdigest() == entry.sha256 and path.stat().st_size == entry.size
+    # two stores on one filesystem are two copies (reflinked where supported, never hard-linked)
+    shard = next(e.path for e in manifest.files if e.path.endswith(".distcp"))
+    assert (a / step_dir(1) / shard).stat().st_ino != (b / step_dir(1) / shard).stat().st_ino
+    assert (a / step_dir(1) / shard).stat().st_nlink == 1
+
+
+def test_a_corrupt_only_copy_is_never_loaded_into_the_state(tmp_path: Path) -> None:
+    a = str(tmp_path / "a")
+    mgr = CheckpointManager(config(a), ctx(tmp_path))
+    save_steps(mgr, [1])
+    mgr.close()
+    shard = Path(a) / step_dir(1) / "gen-0000" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0x01
+    shard.write_bytes(bytes(data))
+    sink = Recorder()
+    target = make_state(-1)
+    before = {k: v.clone() for k, v in target["model"].items()}
+    assert CheckpointManager(config(a), ctx(tmp_path, 1), sink).restore(target) is None
+    assert all(torch.equal(v, before[k]) for k, v in target["model"].items())
+    assert [e for e in sink.events if "sha256 mismatch" in str(e)], sink.events
+
+
 def test_resume_policies(tmp_path: Path) -> None:
     a = str(tmp_path / "a")
     with pytest.raises(CheckpointError, match="required"):

@@ -42,7 +42,8 @@ def run(*args: str) -> tuple[int, str, str]:
 
 
 def test_exit_code_convention() -> None:
-    assert [c for c in ExitCode if c.retryable] == [ExitCode.TRAINING_FAILED, ExitCode.HUNG]
+    retryable = {ExitCode.TRAINING_FAILED, ExitCode.HUNG, ExitCode.PREEMPTED, ExitCode.RECOVERY_FAILED}
+    assert {c for c in ExitCode if c.retryable} == retryable
     assert all(not is_retryable(code) for code in (*PERMANENT, 1))
     assert is_retryable(137) and is_retryable(143) and is_retryable(-9) and not is_retryable(0)
     # Above every signal death (128 + 64), so never mistaken for one.

@@ -258,6 +258,8 @@ def test_scenario_registry_and_unknown_name() -> None:
         "hang",
         "straggler",
         "partition",
+        "preempt",
+        "preempt-short-grace",
     }
     with pytest.raises(SpecError, match="valid drills: kill-worker"):
         get_scenario("explode")

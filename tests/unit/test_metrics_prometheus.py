@@ -197,3 +197,103 @@ def test_no_server_without_port() -> None:
     assert sink.port is None and sink.url is None
     sink.close()
     sink.close()
+
+
+def test_scrapes_between_steps_see_the_newest_step_and_count_each_step_once() -> None:
+    sink = PrometheusSink(INFO)
+    for i in range(1, 6):  # a scrape after every step
+        sink.on_step(step(i, step_s=0.02 * i))
+        assert value(sink, names.STEP) == i
+        assert value(sink, names.SAMPLES) == 32 * i
+        assert value(sink, names.STEP_DURATION + "_count") == i
+    for i in range(6, 11):  # steps nobody scraped
+        sink.on_step(step(i, step_s=0.02 * i))
+    assert value(sink, names.STEP) == 10
+    assert value(sink, names.LAST_STEP_TIMESTAMP) == 1010.0
+    assert value(sink, names.SAMPLES) == 320
+    assert value(sink, names.DATA_WAIT) == pytest.approx(0.05)
+    assert value(sink, names.STEP_DURATION + "_count") == 10
+    assert value(sink, names.STEP_DURATION + "_sum") == pytest.approx(0.02 * 55)
+    assert value(sink, names.STEP_DURATION + "_bucket", le="0.1") == 5  # 0.02 .. 0.1: `le` includes the bound
+    assert value(sink, names.STEP_DURATION + "_bucket", le="+Inf") == 10
+
+
+def test_step_histogram_exposition_is_the_client_histograms() -> None:
+    from prometheus_client import CollectorRegistry, Histogram
+
+    observed = [0.0, 0.005, 0.0051, 0.3, 599.0, 600.0, 601.0, 3.2e-4, 0.1]
+    reference = CollectorRegistry()
+    client = Histogram(
+        names.STEP_DURATION, "Wall time of an optimizer step on this rank.", list(names.BASE_LABELS),
+        buckets=names.STEP_BUCKETS, registry=reference,
+    )  # fmt: skip
+    sink = PrometheusSink(INFO)
+    for i, seconds in enumerate(observed, start=1):
+        client.labels(*LABELS.values()).observe(seconds)
+        sink.on_step(step(i, step_s=seconds))
+
+    def histogram_lines(registry: CollectorRegistry) -> list[str]:
+        text = generate_latest(registry).decode()
+        return [ln for ln in text.splitlines() if names.STEP_DURATION in ln and "_created" not in ln]
+
+    labels_in_order = ",".join(f'{k}="{v}"' for k, v in sorted(LABELS.items()))
+    assert labels_in_order in "\n".join(histogram_lines(sink.registry))
+    assert histogram_lines(sink.registry) == histogram_lines(reference)
+
+
+def test_restore_and_restart_are_not_overwritten_by_the_steps_before_them() -> None:
+    sink = PrometheusSink(INFO)
+    for i in range(1, 31):  # never scraped before the restore
+        sink.on_step(step(i))
+    sink.on_restore(RestoreRecord(step=20, store="local", seconds=0.5))
+    restarted = WorkerIdentity(job="j", rank=3, local_rank=1, node_rank=1, world_size=6, local_world_size=2, node="h1")
+    sink.on_start(restarted)
+    assert value(sink, names.STEP) == 20
+    assert value(sink, names.WORLD_SIZE) == 6
+    assert value(sink, names.SAMPLES) == 30 * 32  # the steps before still count
+    sink.on_step(step(21))
+    assert value(sink, names.STEP) == 21 and value(sink, names.WORLD_SIZE) == 4
+
+
+def test_on_step_takes_no_lock_a_scrape_holds() -> None:
+    import threading
+
+    sink = PrometheusSink(INFO)
+    done = threading.Event()
+
+    def steps() -> None:
+        for i in range(1, 101):
+            sink.on_step(step(i))
+        done.set()
+
+    with sink._sync_lock:  # a scrape in progress
+        threading.Thread(target=steps, daemon=True).start()
+        assert done.wait(10), "on_step waited for the scrape's lock"
+    assert value(sink, names.STEP) == 100
+
+
+def test_concurrent_scrapes_lose_and_double_count_nothing() -> None:
+    import threading
+
+    sink = PrometheusSink(INFO)
+    stop = threading.Event()
+
+    def scrape() -> None:
+        while not stop.is_set():
+            generate_latest(sink.registry)
+
+    scrapers = [threading.Thread(target=scrape, daemon=True) for _ in range(2)]
+    for t in scrapers:
+        t.start()
+    n = 20_000
+    try:
+        for i in range(1, n + 1):
+            sink.on_step(step(i, tokens=3))
+    finally:
+        stop.set()
+        for t in scrapers:
+            t.join(10)
+    assert value(sink, names.SAMPLES) == 32 * n
+    assert value(sink, names.TOKENS) == 3 * n
+    assert value(sink, names.STEP_DURATION + "_count") == n
+    assert value(sink, names.STEP) == n

@@ -108,3 +108,52 @@ def test_launcher_check_mode_exits_with_the_code_and_one_line(
     err = capsys.readouterr().err.splitlines()
     assert err == [err[0]] and err[0].startswith("torchrig: error: spec.task.entrypoint: cannot import")
     assert launch(["--spec", str(tmp_path / "missing.yaml")]) == ExitCode.TASK_INVALID
+
+
+def _other_job_saved_into(store: Path, job: str) -> None:
+    """The real checkpoint manager of job `job` takes its writer fence in `store` and commits step 1."""
+    from tests.fixtures.checkpoint import ckpt_identity, config, save_steps
+    from training.checkpoint import CheckpointManager
+
+    mgr = CheckpointManager(config(f"file://{store}"), ckpt_identity(store.parent / f"run-{job}", job=job))
+    try:
+        save_steps(mgr, [1])
+    finally:
+        mgr.close()
+
+
+def test_a_store_another_job_uses_is_refused_naming_the_field_and_the_job(tmp_path: Path) -> None:
+    store = tmp_path / "shared"
+    _other_job_saved_into(store, "first-job")
+    before = sorted(p.relative_to(store) for p in store.rglob("*"))
+    spec = worker_spec(tmp_path, checkpoint={"stores": [{"uri": "file://./mine"}, {"uri": f"file://{store}"}]})
+    code, msg = verdict(spec, tmp_path / "run")
+    assert code == ExitCode.TASK_INVALID
+    assert msg.startswith(f"spec.checkpoint.stores[1].uri: file://{store} is already used by job 'first-job'")
+    assert "spec.checkpoint.initFrom" in msg and "\n" not in msg
+    assert sorted(p.relative_to(store) for p in store.rglob("*")) == before  # nothing of the other job touched
+
+
+def test_the_same_job_resubmitted_keeps_its_store(tmp_path: Path) -> None:
+    store = tmp_path / "mine"
+    _other_job_saved_into(store, "pf")  # an earlier launch of this very job ("pf")
+    preflight(worker_spec(tmp_path, checkpoint={"stores": [{"uri": f"file://{store}"}]}), run_dir=tmp_path / "run")
+
+
+def test_a_relative_store_is_checked_where_it_resolves(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    _other_job_saved_into(run_dir / "checkpoints", "someone-else")
+    code, msg = verdict(worker_spec(tmp_path), run_dir)  # file://./checkpoints resolves into the run dir
+    assert code == ExitCode.TASK_INVALID
+    assert "job 'someone-else'" in msg
+
+
+def test_the_launcher_refuses_a_foreign_store_with_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = tmp_path / "shared"
+    _other_job_saved_into(store, "first-job")
+    job = spec_file(tmp_path, checkpoint={"stores": [{"uri": f"file://{store}"}]})
+    assert launch(["--spec", str(job), "--run-dir", str(tmp_path / "run"), "--no-gpu-check"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is already used by job 'first-job'" in err[0]

@@ -5,18 +5,20 @@ This module is the facade; each part of the protocol lives in its own module.
 One save, on every rank (`save`):
 
 1. *staging* (the only part training waits for): the state is copied to CPU memory;
-2. in a background thread: `dcp.save` of the copy into a node-local staging directory, sha256 of this
-   rank's files (computed once, here), upload of those files to every store in parallel;
+2. in a background thread: `dcp.save` of the copy written once into every store (and the node-local
+   copy) in parallel, sha256 computed while writing (no staging directory, no read-back; `writer`);
+   object stores upload from a written copy;
 3. the ranks exchange their file lists over a dedicated gloo group; rank 0 writes, per store where every
    rank's upload succeeded and the fence still names this writer, `step-N/manifest.json` LAST: the commit
    marker. One store failing never stops training or the other stores; it is retried at the next save.
 
 Restore (`restore`): rank 0 lists the manifests of every store (and the node-local copy), keeps this
 job's own (a manifest names its job; other jobs' checkpoints in a shared store are skipped, with one log
-line), tries the newest step first, verifies the files of one copy against its manifest (falling back to
-another store, then to an older step), broadcasts the choice, and every rank loads it with `dcp.load`
-(which reshards when the world size changed). Only when the job has no checkpoint of its own does
-`checkpoint.initFrom` warm-start it from another job's (`warmstart`).
+line) and broadcasts them, newest first; every rank loads one copy with `dcp.load` (which reshards when
+the world size changed), the node-local copy first, then file stores, then object stores, reading each
+file it needs once and checking it against the manifest before any of it is loaded (a bad copy fails on
+every rank at once: the next copy, then an older step, is tried). Only when the job has no checkpoint of
+its own does `checkpoint.initFrom` warm-start it from another job's (`warmstart`).
 
 Retention (`retention`, per store, after a commit, this job's checkpoints only): the newest `keep`
 committed checkpoints stay; older committed ones are deleted, and so are uncommitted step directories
@@ -35,9 +37,10 @@ Trust (`signing`, `storage`): manifest file paths are accepted only in the write
 is checked to stay inside its store; with `TORCHRIG_CHECKPOINT_KEY` set, manifests are HMAC-signed and an
 unsigned or wrongly signed one is never restored.
 
-Modules: `save` (staging, background save, upload, commit), `fence`, `retention`, `restore` (the
-search), `warmstart` (`initFrom`), `collectives` (the gloo groups), `manifest` (layout, commit marker,
-verification), `signing`, `storage` (the store Protocol), `dcp_metadata` (reading DCP metadata safely).
+Modules: `save` (staging, background save, upload, commit), `writer` (the tee DCP writes through),
+`fence`, `retention`, `restore` (the search), `warmstart` (`initFrom`), `collectives` (the gloo groups),
+`manifest` (layout, commit marker, verification), `signing`, `storage` (the store Protocol),
+`dcp_metadata` (reading DCP metadata safely).
 """
 
 from __future__ import annotations
@@ -173,11 +176,14 @@ class CheckpointManager:
             due = self._coll.broadcast_control(due or time.monotonic() - self._last_save_time >= every.seconds)
         return due
 
-    def save(self, step: int, state: dict[str, Any], *, final: bool = False) -> SaveOutcome | None:
+    def save(
+        self, step: int, state: dict[str, Any], *, final: bool = False, synchronous: bool = False
+    ) -> SaveOutcome | None:
         """Save `state` at `step` on every store (collective).
 
-        Blocks only while the state is copied to CPU memory when `async` is on; a `final` save (and every
-        save when `async` is off) returns once it is committed or failed.
+        Blocks only while the state is copied to CPU memory when `async` is on; a `final` or `synchronous`
+        save (and every save when `async` is off) returns once it is committed or failed, and is never
+        skipped for a save in flight (it waits for it): the preemption handler's emergency checkpoint.
 
         Returns:
             The outcome of a save that returns once done (None when it runs on, or was skipped).
@@ -190,7 +196,7 @@ class CheckpointManager:
             return None
         # Every rank must take the same branch: one rank skipping while another saves would hang.
         if self._coll.any_control(self._inflight is not None and not self._inflight.done()):
-            if self.config.if_busy is IfBusy.skip and not final:
+            if self.config.if_busy is IfBusy.skip and not (final or synchronous):
                 log.info("checkpoint at step %d skipped: the previous save is still in flight", step)
                 self.sink.on_event(EventKind.CHECKPOINT_SKIPPED, step=step, reason="busy")
                 return None
@@ -201,7 +207,7 @@ class CheckpointManager:
         self._last_saved_step = step
         self._last_save_time = time.monotonic()
         self.sink.on_checkpoint(CheckpointRecord(step=step, blocked_s=blocked_s, committed=False, time=time.time()))
-        synchronous = final or not self.config.async_
+        synchronous = synchronous or final or not self.config.async_
         self._inflight = self._executor.submit(
             self._run_save, step, staged, start, blocked_s, synchronous=synchronous, final=final
         )

@@ -297,16 +297,19 @@ class VerifyReport:
         return f"{len(self.bad)} bad file(s): {items}{more}"
 
 
-def verify_store(storage: CheckpointStorage, manifest: Manifest, *, hashes: bool = True) -> VerifyReport:
+def verify_store(
+    storage: CheckpointStorage, manifest: Manifest, *, hashes: bool = True, base: str | None = None
+) -> VerifyReport:
     """Check each file of a committed checkpoint in a store (size always; sha256 unless `hashes=False`).
 
     A path that would leave the store (`..`, a symlink pointing outside a `file` store) is reported as
-    refused and never read.
+    refused and never read. `base` is the step's directory in the store (default `step-N`; "" when the
+    store's root is the step directory, as for a node-local copy).
     """
     report = VerifyReport(step=manifest.step, ok=True)
-    base = step_dir(manifest.step)
+    base = step_dir(manifest.step) if base is None else base
     for entry in manifest.files:
-        rel = f"{base}/{entry.path}"
+        rel = f"{base}/{entry.path}" if base else entry.path
         try:
             if hashes:
                 digest, size = storage.sha256(rel)

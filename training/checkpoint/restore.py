@@ -1,9 +1,12 @@
-"""The restore search: find the newest valid checkpoint, verify one copy of it, load it everywhere.
+"""The restore search: find the newest valid checkpoint and load it everywhere, verified while read.
 
 Rank 0 lists the manifests of every store (and the node-local copy), keeps this job's own checkpoints
-(`owner`), tries the newest step first, verifies the files of one copy against its manifest (falling
-back to another store, then to an older step), broadcasts the choice, and every rank loads it with
-`dcp.load` (which reshards when the world size changed).
+(`owner`) and broadcasts them, newest first. For each, every rank loads it with `dcp.load` (which
+reshards when the world size changed) through a `VerifiedReader`: the files this rank needs are read
+once, in parallel parts, straight from the copy (the node-local copy first, then file stores, then object
+stores: no download directory), hashed while read, and checked against the manifest before any of them
+is loaded. A copy that fails (missing, wrong size, wrong digest, unreadable) fails on every rank at once
+(DCP passes one rank's failure to all), and the next copy, then the next older step, is tried.
 
 Whose checkpoint: a manifest names its job. Other jobs' checkpoints in a shared store are skipped,
 with one log line naming them. A manifest without a job name (written before manifests carried one)
@@ -15,13 +18,12 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from training.checkpoint.collectives import Collectives
@@ -33,20 +35,18 @@ from training.checkpoint.manifest import (
     parse_manifest,
     parse_step_dir,
     step_dir,
-    verify_local,
     verify_store,
 )
 from training.checkpoint.results import CheckpointError, RestoreResult
 from training.checkpoint.retention import exclusive_to
-from training.checkpoint.storage import CheckpointStorage, safe_join
+from training.checkpoint.storage import CheckpointStorage, open_storage
+from training.checkpoint.writer import VerifiedReader
 from training.contract import EventKind, WorkerIdentity
 from training.metrics.base import MetricsSink
 
 __all__ = ["Candidate", "RestoreSearch"]
 
 log = logging.getLogger(__name__)
-
-_DOWNLOADS = "restore"  # below the node directory: copies downloaded for one restore, removed after it
 
 
 @dataclass(frozen=True)
@@ -114,48 +114,87 @@ class RestoreSearch:
         start = time.perf_counter()
         rank0 = self.identity.rank == 0
         candidates = self.coll.broadcast_obj(self.find_candidates() if rank0 else None)
-        chosen: tuple[Candidate, str, str, str, str] | None = None  # cand, dcp path, store, uri, source
+        partial = False  # a load failed on some rank after another rank had loaded its part
         for cand in candidates:
-            local = self._try_node_local(cand)
+            local = self._node_local_copy(cand)
             if local is not None:
-                chosen = (cand, local, "node-local", local, "node-local")
-                break
-            picked = self.coll.broadcast_obj(self._pick_store_copy(cand) if rank0 else None)
-            if picked is None:
-                continue
-            index, path = picked
-            path = self._fetch_on_other_nodes(cand, index, path)
-            store = self.stores[index]
-            chosen = (cand, path, store.name, f"{store.uri.rstrip('/')}/{step_dir(cand.step)}", self.source)
-            break
-        if chosen is None:
-            if required is not None:
-                raise CheckpointError(f"{required} ({', '.join(s.uri for s in self.stores)})")
-            log.info("no valid checkpoint found; starting fresh")
-            return None
-        cand, path, store_name, uri, source = chosen
-        try:
-            with self.coll.quiet_single_process():
-                dcp_load(
-                    state,
-                    storage_reader=FileSystemReader(path),
-                    process_group=self.coll.group,
-                    no_dist=not self.coll.distributed,
-                )
-        except Exception as exc:
-            raise CheckpointError(f"loading checkpoint step {cand.step} from {uri} failed: {exc}") from exc
-        # Downloaded copies were only needed for the load; the stores (and node-local copy) keep theirs.
-        self.coll.barrier()
-        if self.identity.local_rank == 0:
-            shutil.rmtree(os.path.join(self.node_dir, _DOWNLOADS), ignore_errors=True)
+                outcome = self._load(state, cand, local, "node-local")
+                if outcome is None:
+                    return self._result(cand, "node-local", local.uri, "node-local", start)
+                partial = partial or self.coll.distributed
+            # Copies in the stores, fastest first (a local filesystem before an object store); each is
+            # read once, verified while read, and loaded only when every file this rank needs verified.
+            order = sorted(cand.stores, key=lambda i: self.stores[i].local_path() is None)
+            for i in order:
+                store = self.stores[i]
+                if not self.coll.min_all(self._sizes_ok(store, cand) if rank0 else True):
+                    continue
+                outcome = self._load(state, cand, _StoreView(store, step_dir(cand.step)), store.name)
+                if outcome is None:
+                    uri = f"{store.uri.rstrip('/')}/{step_dir(cand.step)}"
+                    return self._result(cand, store.name, uri, self.source, start)
+                partial = partial or self.coll.distributed
+        if partial:
+            raise CheckpointError(
+                "every copy failed to load after part of the state had been loaded on some rank; "
+                "refusing to start from a partly overwritten state"
+            )
+        if required is not None:
+            raise CheckpointError(f"{required} ({', '.join(s.uri for s in self.stores)})")
+        log.info("no valid checkpoint found; starting fresh")
+        return None
+
+    def _result(self, cand: Candidate, store: str, uri: str, source: str, start: float) -> RestoreResult:
         return RestoreResult(
             step=cand.step,
-            store=store_name,
+            store=store,
             uri=uri,
             world_size=cand.manifest.world_size,
             seconds=time.perf_counter() - start,
             source=source,
         )
+
+    def _load(self, state: dict[str, Any], cand: Candidate, view: _StoreView, name: str) -> str | None:
+        """Collective: load `cand` from `view` with every file verified while read; None, or why it failed."""
+        expected = {e.path: (e.sha256, e.size) for e in cand.manifest.files}
+        reader = VerifiedReader(view.read_range, cand.manifest.dcp_dir, expected, local_path=view.local_file)
+        try:
+            with self.coll.quiet_single_process():
+                dcp_load(
+                    state,
+                    storage_reader=reader,
+                    process_group=self.coll.group,
+                    no_dist=not self.coll.distributed,
+                )
+            return None
+        except (Exception, CheckpointException) as exc:  # DCP hands one rank's failure to every rank
+            detail = _why(exc)
+        finally:
+            reader.close()
+        if self.identity.rank == 0:
+            log.error(
+                "%s: checkpoint step %d is corrupt or unreadable (%s); trying the next copy", name, cand.step, detail
+            )
+            self.sink.on_event(EventKind.CHECKPOINT_CORRUPT, step=cand.step, store=name, detail=detail)
+        return detail
+
+    def _sizes_ok(self, store: CheckpointStorage, cand: Candidate) -> bool:
+        """Rank 0: every file of `cand` is in `store` at its size (a cheap look before reading a copy)."""
+        try:
+            report = verify_store(store, cand.manifest, hashes=False)
+        except Exception as exc:
+            log.warning("store %s: step %d unreadable: %s", store.name, cand.step, exc)
+            self.sink.on_store_failure(store.name, f"read step {cand.step}: {type(exc).__name__}: {exc}")
+            return False
+        if not report.ok:
+            log.error(
+                "store %s: checkpoint step %d is incomplete (%s); trying the next copy",
+                store.name,
+                cand.step,
+                report.summary(),
+            )
+            self.sink.on_event(EventKind.CHECKPOINT_CORRUPT, step=cand.step, store=store.name, detail=report.summary())
+        return report.ok
 
     def _own(self, store: CheckpointStorage, listing: list[CheckpointListing]) -> list[Manifest]:
         """The committed manifests of `listing` that restore may take; notes the others."""
@@ -233,86 +272,52 @@ class RestoreSearch:
                     found[key] = Candidate(step, manifest, [])
         return sorted(found.values(), key=lambda c: (c.step, c.manifest.generation, c.manifest.time), reverse=True)
 
-    def _try_node_local(self, cand: Candidate) -> str | None:
-        """Collective: the node-local DCP dir of `cand` when every node holds a verified full copy."""
+    def _node_local_copy(self, cand: Candidate) -> _StoreView | None:
+        """Collective: this node's node-local copy of `cand` when every node holds all its files (sizes)."""
         if not self.node_local:
             return None
         local_step = os.path.join(self.node_dir, step_dir(cand.step))
         ok = True
         if self.identity.local_rank == 0:
-            ok = os.path.isdir(local_step) and verify_local(local_step, cand.manifest).ok
+            ok = (
+                os.path.isdir(local_step)
+                and verify_store(open_storage(local_step), cand.manifest, hashes=False, base="").ok
+            )
         if not self.coll.min_all(ok):
             return None
-        return os.path.join(local_step, cand.manifest.dcp_dir)
+        return _StoreView(open_storage(local_step), "")
 
-    def _pick_store_copy(self, cand: Candidate) -> tuple[int, str] | None:
-        """Rank 0: the first store whose copy of `cand` verifies, with a local DCP dir to load from."""
-        for i in cand.stores:
-            store = self.stores[i]
-            try:
-                path = self._materialize(store, cand)
-            except Exception as exc:
-                log.warning("store %s: step %d unreadable: %s", store.name, cand.step, exc)
-                self.sink.on_store_failure(store.name, f"read step {cand.step}: {type(exc).__name__}: {exc}")
-                continue
-            if path is not None:
-                return i, path
-        return None
 
-    def _restore_dir(self, cand: Candidate) -> str:
-        return os.path.join(self.node_dir, _DOWNLOADS, step_dir(cand.step))
+@dataclass(frozen=True)
+class _StoreView:
+    """The step directory of one copy: a store (or the node-local directory) and the step's place in it."""
 
-    def _download(self, store: CheckpointStorage, cand: Candidate, target: str) -> None:
-        shutil.rmtree(target, ignore_errors=True)
-        os.makedirs(target, exist_ok=True)
-        for entry in cand.manifest.files:
-            # The manifest's layout was checked when it was read; every write still stays below `target`.
-            store.get_file(f"{step_dir(cand.step)}/{entry.path}", safe_join(target, entry.path))
+    store: CheckpointStorage
+    base: str  # the step directory below the store root ("" when the store root is the step directory)
 
-    def _materialize(self, store: CheckpointStorage, cand: Candidate) -> str | None:
-        """Verify `cand` in `store` (downloading it when remote); the local DCP dir, or None if corrupt."""
-        local_root = store.local_path(step_dir(cand.step))
-        if local_root is not None:
-            report = verify_store(store, cand.manifest)
-            path = os.path.join(local_root, cand.manifest.dcp_dir)
-        else:
-            target = self._restore_dir(cand)
-            self._download(store, cand, target)
-            report = verify_local(target, cand.manifest)
-            path = os.path.join(target, cand.manifest.dcp_dir)
-        if report.ok:
-            return path
-        # The corrupt copy stays where it is: it is evidence, and another store may still hold a good one.
-        log.error(
-            "store %s: checkpoint step %d is corrupt (%s); trying the next copy",
-            store.name,
-            cand.step,
-            report.summary(),
-        )
-        self.sink.on_event(EventKind.CHECKPOINT_CORRUPT, step=cand.step, store=store.name, detail=report.summary())
-        return None
+    @property
+    def uri(self) -> str:
+        return self.store.uri
 
-    def _fetch_on_other_nodes(self, cand: Candidate, index: int, path: str) -> str:
-        """Collective: make the chosen copy readable on every node (rank 0's node already has it)."""
-        store = self.stores[index]
-        if store.local_path() is not None:
-            return path  # a file:// store is a shared filesystem: read in place everywhere
-        target = self._restore_dir(cand)
-        ok = True
-        ident = self.identity
-        rank0_node = int(self.coll.broadcast_obj(ident.node_rank if ident.rank == 0 else None))
-        if ident.local_rank == 0 and ident.node_rank != rank0_node:
-            try:
-                self._download(store, cand, target)
-                ok = verify_local(target, cand.manifest).ok
-            except Exception as exc:
-                log.error(
-                    "node %d: download of step %d from %s failed: %s", ident.node_rank, cand.step, store.name, exc
-                )
-                ok = False
-        if not self.coll.min_all(ok):
-            raise CheckpointError(f"step {cand.step} from {store.name} could not be fetched on every node")
-        return os.path.join(target, cand.manifest.dcp_dir)
+    def read_range(self, rel: str, start: int, end: int) -> bytes:
+        return self.store.read_range(self._rel(rel), start, end)
+
+    def local_file(self, rel: str) -> str | None:
+        """The local file of `rel` when the copy is on a local filesystem (checked to stay inside it)."""
+        return self.store.local_path(self._rel(rel))
+
+    def _rel(self, rel: str) -> str:
+        return f"{self.base}/{rel}" if self.base else rel
+
+
+def _why(exc: BaseException) -> str:
+    """The one-line reason of a failed load (DCP wraps each rank's failure in a CheckpointException)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, inner = sorted(failures.items())[0]
+        cause = inner[0] if isinstance(inner, tuple) else inner
+        return f"rank {rank}: {type(cause).__name__}: {cause}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _steps(steps: list[int]) -> str:

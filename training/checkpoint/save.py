@@ -1,10 +1,12 @@
-"""The save pipeline: staging, the background DCP save, the upload to every store, the commit.
+"""The save pipeline: staging, the background DCP save straight into every store, the commit.
 
 1. *staging* (`stage`, the only part training waits for): the state is copied to CPU memory;
-2. in a background thread (`SavePipeline.run`): `dcp.save` of the copy into a node-local staging
-   directory, sha256 of this rank's files (computed once, here), upload of those files to every store
-   in parallel;
-3. the ranks exchange their file lists; rank 0 writes, per store where every rank's upload succeeded
+2. in a background thread (`SavePipeline.run`): `dcp.save` of the copy through a tee (`writer`): each
+   byte goes once from memory into every file store (and the node-local copy), sha256 computed in the
+   same pass, every copy fsynced in parallel; file stores on one reflink-capable filesystem share blocks
+   copy-on-write; object stores upload from a written copy, in parallel (a node-local staging directory
+   is written only when no file store or node-local copy exists to upload from);
+3. the ranks exchange their file lists; rank 0 writes, per store where every rank's write succeeded
    and the fence still names this writer, `step-N/manifest.json` LAST: the commit marker (signed when a
    key is configured), looks at the fence once more (a writer that lost it in between takes its
    manifest back), then applies retention to this job's checkpoints. One store failing never stops
@@ -21,11 +23,13 @@ import logging
 import os
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils._pytree import tree_map
@@ -44,7 +48,8 @@ from training.checkpoint.manifest import (
 )
 from training.checkpoint.results import CheckpointError, SaveOutcome
 from training.checkpoint.retention import apply_retention
-from training.checkpoint.storage import CheckpointStorage, sha256_file
+from training.checkpoint.storage import CheckpointStorage
+from training.checkpoint.writer import Target, TeeFileSystem, TeeWriter, can_reflink, clone_into
 from training.config import CheckpointConfig
 from training.contract import EventKind, WorkerIdentity
 from training.metrics.base import CheckpointRecord, MetricsSink
@@ -52,6 +57,27 @@ from training.metrics.base import CheckpointRecord, MetricsSink
 __all__ = ["SavePipeline", "stage"]
 
 log = logging.getLogger(__name__)
+
+_NODE_LOCAL = -1  # Target.stores entry: the node-local copy
+_STAGING = -2  # Target.stores entry: a staging directory object stores upload from
+
+
+@dataclass
+class _Plan:
+    """Where one rank's files go in one save."""
+
+    targets: list[Target] = field(default_factory=list)  # written directly, each its own copy
+    clones: list[tuple[int, int, str]] = field(default_factory=list)  # (target, store, root): reflinked
+    errors: dict[int, str] = field(default_factory=dict)  # store -> why it gets nothing
+
+
+def _guard(fn: Callable[..., object], *args: Any) -> str | None:
+    """Run `fn`; its failure as the one-line error a store's result carries."""
+    try:
+        fn(*args)
+        return None
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
 
 
 def _copy_leaf(value: Any) -> Any:
@@ -102,6 +128,7 @@ class SavePipeline:
         self.node_dir = node_dir
         self.key = key
         self._uploaders = ThreadPoolExecutor(max_workers=max(1, len(stores)), thread_name_prefix="torchrig-up")
+        self._reflink_ok: dict[int, bool] = {}  # filesystem -> whether reflinks work on it
 
     def close(self) -> None:
         self._uploaders.shutdown(wait=True)
@@ -113,7 +140,7 @@ class SavePipeline:
         outcome = SaveOutcome(step=step, blocked_s=blocked_s)
         try:
             self._save(step, staged, outcome, final)
-        except Exception as exc:
+        except (Exception, CheckpointException) as exc:  # DCP raises CheckpointException (a BaseException)
             # A failed save must not take training down: the next one is a fresh attempt.
             log.exception("checkpoint at step %d failed", step)
             outcome.committed = False
@@ -155,38 +182,101 @@ class SavePipeline:
             raise CheckpointError("no checkpoint store could be reached to take a writer generation")
         return int(generation), str(writer)
 
+    def _plan_targets(self, step: int, generation: int, local_step: str) -> _Plan:
+        """Where this rank's files go: the directories written (targets), the reflinked stores, the errors."""
+        plan = _Plan()
+        gen = gen_dir(generation)
+        by_device: dict[int, list[int]] = {}  # filesystem -> indexes of the targets on it
+
+        def add(root: str, store: int) -> None:
+            try:
+                os.makedirs(os.path.join(root, gen), exist_ok=True)
+                device = os.stat(root).st_dev
+            except OSError as exc:
+                # Recorded, never raised: the other ranks are about to enter DCP's collectives. A failed
+                # node-local copy is not kept; a failed staging directory fails the object stores.
+                plan.errors[store] = f"{type(exc).__name__}: {exc}"
+                log.warning("checkpoint step %d: cannot write %s: %s", step, root, exc)
+                return
+            for t in by_device.get(device, []):
+                if self._reflinks(plan.targets[t].root, root, device):
+                    plan.clones.append((t, store, root))
+                    return
+            by_device.setdefault(device, []).append(len(plan.targets))
+            plan.targets.append(Target(root, [store]))
+
+        if self.config.node_local.enabled:
+            add(local_step, _NODE_LOCAL)
+        for i, store in enumerate(self.stores):
+            root = store.local_path(step_dir(step))
+            if root is not None:
+                add(root, i)
+        if not plan.targets and any(s.local_path() is None for s in self.stores):
+            add(local_step, _STAGING)  # object stores need a local file to upload from
+        return plan
+
+    def _reflinks(self, src_dir: str, dst_dir: str, device: int) -> bool:
+        if device not in self._reflink_ok:
+            self._reflink_ok[device] = can_reflink(src_dir, dst_dir)
+        return self._reflink_ok[device]
+
     def _save(self, step: int, staged: dict[str, Any], outcome: SaveOutcome, final: bool) -> None:
         ident = self.identity
         generation, writer = self._generation()
         local_step = os.path.join(self.node_dir, step_dir(step))
-        local_dcp = os.path.join(local_step, gen_dir(generation))
-        if ident.local_rank == 0 and os.path.exists(local_step):
-            # Left over by a crashed save of this step: stale shard files must not join this checkpoint.
-            shutil.rmtree(local_step, ignore_errors=True)
-        self.coll.barrier()
-        with self.coll.quiet_single_process():
-            metadata = dcp_save(
-                staged,
-                storage_writer=FileSystemWriter(local_dcp, sync_files=False),
-                process_group=self.coll.group,
-                no_dist=not self.coll.distributed,
-            )
-        del staged
-        # Every rank knows every file from the metadata; it hashes and uploads only its own.
-        all_files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
-        mine = [f for f in all_files if f.startswith(f"__{ident.rank}_")]
-        if ident.rank == 0:
-            mine.append(DCP_METADATA)
+        # The node directory is written only for a node-local copy or for object stores to upload from;
+        # otherwise the shards go to the file stores alone and the ranks need not meet here.
+        uses_node_dir = self.config.node_local.enabled or any(s.local_path() is None for s in self.stores)
+        if uses_node_dir:
+            if ident.local_rank == 0 and os.path.exists(local_step):
+                # Left over by a crashed save of this step: stale shard files must not join this checkpoint.
+                shutil.rmtree(local_step, ignore_errors=True)
+            self.coll.barrier()
+        plan = self._plan_targets(step, generation, local_step)
+        tee = TeeFileSystem(plan.targets)
+        try:
+            with self.coll.quiet_single_process():
+                metadata = dcp_save(
+                    staged,
+                    storage_writer=TeeWriter(tee, gen_dir(generation)),
+                    process_group=self.coll.group,
+                    no_dist=not self.coll.distributed,
+                )
+            del staged
+            # Every rank knows every file from the metadata; it records (and commits) only its own.
+            all_files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
+            mine = [f for f in all_files if f.startswith(f"__{ident.rank}_")]
+            if ident.rank == 0:
+                mine.append(DCP_METADATA)
+            rels = [f"{gen_dir(generation)}/{name}" for name in mine]
+            tee.sync_dirs(rels)
+        finally:
+            tee.shutdown()
         entries: list[FileEntry] = []
-        for name in mine:
-            digest, size = sha256_file(os.path.join(local_dcp, name))
-            entries.append(FileEntry(f"{gen_dir(generation)}/{name}", size, digest, ident.rank, ident.node_rank))
-        uploads = {
-            i: self._uploaders.submit(self._upload, store, step, local_step, entries)
-            for i, store in enumerate(self.stores)
-        }
-        errors: dict[int, str] = {}
-        for i, fut in uploads.items():
+        for rel in rels:
+            digest, size = tee.digests[rel]  # hashed while written: nothing is read back
+            entries.append(FileEntry(rel, size, digest, ident.rank, ident.node_rank))
+        errors = dict(plan.errors)
+        for target in plan.targets:
+            for i in target.stores:
+                if target.error is not None:
+                    errors[i] = target.error
+        keep_local = _NODE_LOCAL not in errors
+        errors = {i: e for i, e in errors.items() if i >= 0}  # the node's own directories are no store
+        live = [t for t in plan.targets if t.error is None]
+        jobs: dict[int, Future[str | None]] = {}
+        for t, i, root in plan.clones:
+            if plan.targets[t].error is not None:
+                errors[i] = plan.targets[t].error or ""
+            else:
+                jobs[i] = self._uploaders.submit(_guard, clone_into, plan.targets[t].root, root, rels)
+        for i, store in enumerate(self.stores):
+            if store.local_path() is None:
+                if live:
+                    jobs[i] = self._uploaders.submit(self._upload, store, step, live[0].root, entries)
+                else:
+                    errors[i] = "no local copy of the shards to upload from"
+        for i, fut in jobs.items():
             err = fut.result()
             if err is not None:
                 errors[i] = err
@@ -215,15 +305,16 @@ class SavePipeline:
         outcome.stores_failed = dict(result["failed"])
         outcome.committed = bool(outcome.stores_ok)
         if ident.local_rank == 0:
-            self._after_commit_local(manifest, local_step, outcome)
-        self.coll.barrier()
+            self._after_commit_local(manifest, local_step, outcome, keep_local)
+        if uses_node_dir:
+            self.coll.barrier()  # the node-local copy is complete on every node before the next save
 
     @staticmethod
-    def _upload(store: CheckpointStorage, step: int, local_step: str, entries: list[FileEntry]) -> str | None:
+    def _upload(store: CheckpointStorage, step: int, source_root: str, entries: list[FileEntry]) -> str | None:
         try:
             for entry in entries:
                 rel = f"{step_dir(step)}/{entry.path}"
-                store.put_file(os.path.join(local_step, entry.path), rel)
+                store.put_file(os.path.join(source_root, entry.path), rel)
                 size = store.size(rel)
                 if size != entry.size:
                     return f"{rel}: uploaded {size} bytes, expected {entry.size}"
@@ -290,9 +381,9 @@ class SavePipeline:
             pass
         return f"a newer writer took the store while this one committed ({newer.describe()}); manifest withdrawn"
 
-    def _after_commit_local(self, manifest: Manifest, local_step: str, outcome: SaveOutcome) -> None:
+    def _after_commit_local(self, manifest: Manifest, local_step: str, outcome: SaveOutcome, keep: bool) -> None:
         """Local rank 0: keep (and complete) the node-local copy, or drop the staging directory."""
-        if not self.config.node_local.enabled or not outcome.committed:
+        if not self.config.node_local.enabled or not outcome.committed or not keep:
             # Without node-local copies the staging directory is done; a save that was never committed
             # is not a valid node-local copy either (the previous one stays).
             shutil.rmtree(local_step, ignore_errors=True)

@@ -29,6 +29,8 @@ from urllib.parse import urlparse
 __all__ = [
     "ATOMIC_CREATE_SCHEMES",
     "CHUNK_BYTES",
+    "S3_MIN_PART",
+    "S3_PARTS",
     "CheckpointStorage",
     "FsspecStorage",
     "UnsafePathError",
@@ -39,6 +41,8 @@ __all__ = [
 ]
 
 CHUNK_BYTES = 4 * 1024 * 1024
+S3_MIN_PART = 5 * 1024 * 1024  # S3's smallest part (but the last) of a multipart upload
+S3_PARTS = 8  # parts of one object uploaded at once
 # Stores whose `create_exclusive` is one atomic operation (see the module docstring).
 ATOMIC_CREATE_SCHEMES = ("file", "s3", "memory")
 
@@ -104,6 +108,9 @@ class CheckpointStorage(Protocol):
 
     def read_bytes(self, rel: str) -> bytes:
         """The whole content of a (small) object."""
+
+    def read_range(self, rel: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of a file (fewer at its end); safe to call from several threads at once."""
 
     def write_bytes_atomic(self, rel: str, data: bytes) -> None:
         """Write a small object so that a reader sees either nothing or all of it."""
@@ -197,7 +204,14 @@ class FsspecStorage:
         full = self._full(rel)
         if self.scheme == "file":
             os.makedirs(os.path.dirname(full), exist_ok=True)
-        self.fs.put_file(local_path, full)
+        if self.scheme == "s3":
+            # A multipart upload with parts sized to the object (one round of S3_PARTS parts in flight at
+            # once, none below S3's 5 MiB minimum); s3fs retries each part on its own (`retries`).
+            size = os.path.getsize(local_path)
+            part = max(S3_MIN_PART, -(-size // S3_PARTS))
+            self.fs.put_file(local_path, full, chunksize=part, max_concurrency=S3_PARTS)
+        else:
+            self.fs.put_file(local_path, full)
         if self.scheme == "file":
             # The manifest commits the checkpoint, so the data must be durable before it is written: a
             # power loss must not leave a committed manifest over shards still in the page cache.
@@ -211,6 +225,26 @@ class FsspecStorage:
         data = self.fs.cat_file(self._full(rel))
         assert isinstance(data, bytes)
         return data
+
+    def read_range(self, rel: str, start: int, end: int) -> bytes:
+        full = self._full(rel)
+        if self.scheme != "file":
+            data = self.fs.cat_file(full, start=start, end=end)  # one ranged GET on object stores
+            assert isinstance(data, bytes)
+            return data
+        fd = os.open(full, os.O_RDONLY)
+        try:
+            chunks: list[bytes] = []
+            pos = start
+            while pos < end:  # pread: no shared file position between the threads reading parts
+                chunk = os.pread(fd, end - pos, pos)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                pos += len(chunk)
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        finally:
+            os.close(fd)
 
     def write_bytes_atomic(self, rel: str, data: bytes) -> None:
         full = self._full(rel)

@@ -36,6 +36,12 @@ class Env:
     RUN_TOKEN = "TORCHRIG_RUN_TOKEN"  # unique per run: every agent, worker and child carries it
     LOCAL_NODE = "TORCHRIG_LOCAL_NODE"  # index of the emulated node (agent) a process belongs to
     RUNS_DIR = "TORCHRIG_RUNS_DIR"  # where new local runs go and `torchrig list` looks (default ./runs)
+    # In-place recovery (`training.inplace`): the long-lived c10d store every process group generation
+    # forms on (`host:port`: the local run's rendezvous store process, which outlives every trainer),
+    # and which part a `python -m training` process plays (unset: the host decides; see the module).
+    INPLACE_STORE = "TORCHRIG_INPLACE_STORE"
+    INPLACE_ROLE = "TORCHRIG_INPLACE_ROLE"  # "trainer" | "spare" (set by the per-rank host for its children)
+    INPLACE_SPARE = "TORCHRIG_INPLACE_SPARE"  # a spare's index on its node (its keys in the store)
     # The CLI: seconds a Kubernetes / Ray Jobs API call may take, "S" or "CONNECT,READ" (default 10,30).
     API_TIMEOUT = "TORCHRIG_API_TIMEOUT"
 
@@ -55,6 +61,11 @@ class Env:
     PET_NNODES = "PET_NNODES"
     PET_NPROC_PER_NODE = "PET_NPROC_PER_NODE"
     PET_NODE_RANK = "PET_NODE_RANK"
+    # torchrun's agent, on SIGTERM, forwards it to its workers and SIGKILLs them after this many seconds
+    # (default 30): backends set it above `restarts.preemptGraceSeconds` so an emergency checkpoint fits.
+    ELASTIC_SHUTDOWN_TIMEOUT = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+    # The signals torchrun forwards to its workers (`--signals-to-handle`): `restarts.preemptSignal` is added.
+    PET_SIGNALS_TO_HANDLE = "PET_SIGNALS_TO_HANDLE"
     # Elastic's shared rendezvous store leaves stale keys that hang restarts (pytorch#135712).
     DISABLE_SHARED_RDZV_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
     GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"

@@ -29,6 +29,8 @@ __all__ = [
     "Finished",
     "FirstStep",
     "MetricsExporter",
+    "Preempted",
+    "Recovery",
     "Restore",
     "Stacks",
     "Start",
@@ -60,6 +62,8 @@ class EventKind(str, enum.Enum):
     METRICS_EXPORTER = "metrics_exporter"  # the Prometheus exporter listens (port, url)
     EVAL = "eval"  # held-out metrics
     FINISHED = "finished"  # training reached its last step on this rank
+    RECOVERY = "recovery"  # the group recovered from a lost rank: in place (spare) or by a group restart
+    PREEMPTED = "preempted"  # SIGTERM (eviction, spot notice, Ctrl-C): stopped after an emergency checkpoint
 
     def __str__(self) -> str:
         return self.value
@@ -79,6 +83,7 @@ class DrillEventKind(str, enum.Enum):
     NODE_ADDED = "node_added"
     NETNS_CREATED = "netns_created"
     RECOVERED = "recovered"
+    RESUBMITTED = "resubmitted"  # preempt drill: the preempted job was started again in its run directory
 
     def __str__(self) -> str:
         return self.value
@@ -242,6 +247,47 @@ class Finished:
     kind: EventKind = field(default=EventKind.FINISHED, init=False, repr=False)
 
 
+@dataclass(frozen=True)
+class Preempted:
+    """This rank stopped on a preemption notice (`training.preemption`).
+
+    `step` is the stop step every rank agreed on (the last step trained); `committed` whether the
+    emergency checkpoint of it reached a store (`stores_ok`), `save_s` how long it took, `since_signal_s`
+    the time from the signal to this line, `grace_s` the budget (`restarts.preemptGraceSeconds`).
+    `reason`: `saved`, `deadline` (the grace ran out first) or `second_signal` (asked to stop now).
+    """
+
+    step: int
+    committed: bool
+    reason: str
+    signal: str
+    grace_s: float
+    since_signal_s: float
+    save_s: float | None = None
+    stores_ok: list[str] = field(default_factory=list)
+    kind: EventKind = field(default=EventKind.PREEMPTED, init=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """The group is whole again after a failure (`training.inplace`).
+
+    `path` is `inplace` (survivors kept their state, a warm spare took the dead ranks' places; written
+    by every member of the new group) or `restart` (torchrun restarted the whole group and it restored
+    from a checkpoint; written by rank 0 of the new generation). `step` is the last completed step the
+    group resumes after, `inplace_generation` the process-group generation it formed, `seconds` from
+    noticing the failure to the state being in sync (in place) or the restore's duration (restart).
+    """
+
+    path: str  # "inplace" | "restart"
+    step: int
+    seconds: float
+    inplace_generation: int = 0
+    replaced_ranks: list[int] = field(default_factory=list)  # ranks a spare took over (in place)
+    role: str = "survivor"  # "survivor" | "spare" (in place); "restarted" (restart)
+    kind: EventKind = field(default=EventKind.RECOVERY, init=False, repr=False)
+
+
 Payload = (
     Start
     | Restore
@@ -260,6 +306,8 @@ Payload = (
     | MetricsExporter
     | Eval
     | Finished
+    | Recovery
+    | Preempted
 )
 
 

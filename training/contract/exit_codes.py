@@ -14,8 +14,15 @@ for SIGKILL, an OOM kill or a lost node; 143 for SIGTERM, a preemption). torchri
   failure for the same reason), and the deterministic causes are found before training starts (by
   `training.preflight` in every compiled command), so what is left is bounded by `restarts.max`.
 - `HUNG` (201): the step watchdog ended a rank that completed no step for `restarts.stepTimeoutSeconds`.
+- `RECOVERY_FAILED` (203): in-place recovery (`training.inplace`) could not re-form the group within
+  `restarts.inPlaceTimeoutSeconds` (no spare, a second death, a survivor stuck): the per-rank host exits
+  with it so torchrun restarts the whole group from the durable checkpoint.
+- `PREEMPTED` (202): the rank was asked to stop (SIGTERM, `restarts.preemptSignal`: an eviction, a spot
+  notice, Ctrl-C) and stopped at a step every rank agreed on, after an emergency checkpoint of that step
+  (`training.preemption`; the `preempted` event says whether it committed). Retryable: the next start
+  resumes from it, losing no step.
 
-200 and 201 lie above 128 + 64 (the highest signal), so they are never mistaken for a signal death.
+200 to 203 lie above 128 + 64 (the highest signal), so they are never mistaken for a signal death.
 `torchrun` itself exits 1 when its worker group failed and it has no restart left: under a PyTorchJob
 (where torchrun owns the restart budget) that is permanent, as it should be; the TrainJob, whose restarts
 belong to its JobSet, fails its Job only on `PERMANENT` codes and restarts on the rest.
@@ -39,6 +46,8 @@ class ExitCode(IntEnum):
     # Retryable (>= 128, above every signal death).
     TRAINING_FAILED = 200  # an exception during training (a lost peer, transient I/O, a device error)
     HUNG = 201  # the step watchdog ended a silent rank
+    RECOVERY_FAILED = 203  # in-place recovery could not finish: the whole group restarts (the fallback)
+    PREEMPTED = 202  # stopped on SIGTERM after an emergency checkpoint (training.preemption)
 
     @property
     def retryable(self) -> bool:

@@ -179,13 +179,18 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return _parse_lines(text.splitlines())
 
 
+# json.dumps(obj, separators=..., default=str) builds this encoder on every call; the metrics sinks
+# write a line per logEvery steps on the training thread, so build it once (encode() keeps no state).
+_LINE_ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
+
+
 def append_jsonl(fd: int, obj: dict[str, Any]) -> None:
     """Append one object as one line with a single `write` on an `O_APPEND` descriptor.
 
     POSIX appends of one `write` call are not interleaved with other writers' appends, so lines of
     concurrent ranks never mix.
     """
-    os.write(fd, (json.dumps(obj, separators=(",", ":"), default=str) + "\n").encode())
+    os.write(fd, (_LINE_ENCODER.encode(obj) + "\n").encode())
 
 
 def open_append(path: str | os.PathLike[str]) -> int:

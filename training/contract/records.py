@@ -17,7 +17,7 @@ from training.contract.files import RunFiles, append_jsonl, open_append, read_js
 
 __all__ = ["CheckpointSummary", "FinalCheckpoint", "Result", "RunStatusName", "Summary", "WorkerReport"]
 
-RunStatusName = str  # "succeeded" | "failed" | "cancelled" (orchestrator.backends.base.RunState values)
+RunStatusName = str  # "succeeded" | "failed" | "cancelled" | "preempted" (orchestrator.backends.base.RunState)
 
 
 def _known(cls: type, data: dict[str, Any]) -> dict[str, Any]:
@@ -137,6 +137,9 @@ class Summary:
         failure_log: The log of the rank that failed last.
         final_checkpoint: The final save's outcome, from result.json (a run whose final checkpoint
             no store took has failed, `FinalCheckpoint.reason` says why).
+        preempted: The run's last act was a preemption (status `preempted`): rank 0's `preempted` event,
+            `{step, committed, reason, signal, grace_s, since_signal_s, save_s, stores_ok}`; the next
+            start resumes from `step` when `committed`.
     """
 
     status: RunStatusName
@@ -155,10 +158,12 @@ class Summary:
     reason: str | None = None
     failure_log: str | None = None
     final_checkpoint: FinalCheckpoint | None = None
+    preempted: dict[str, Any] | None = None
+    recoveries: dict[str, int] = field(default_factory=dict)  # recovery path -> count (`inplace`, `restart`)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        for optional in ("reason", "failure_log", "final_checkpoint"):
+        for optional in ("reason", "failure_log", "final_checkpoint", "preempted"):
             if data[optional] is None:
                 del data[optional]
         return data

@@ -114,26 +114,38 @@ class MetricsSink:
 
 
 class FanOut(MetricsSink):
-    """Calls every sink; one failing sink never affects the others or training."""
+    """Calls every sink; one failing sink never affects the others or training.
+
+    The sinks are those given at construction (`on_step` binds their methods once).
+    """
 
     def __init__(self, *sinks: MetricsSink) -> None:
         self.sinks = list(sinks)
         self._broken: set[int] = set()
+        # on_step runs every step: its bound methods are looked up once, not per call
+        self._on_step = [(i, sink.on_step) for i, sink in enumerate(self.sinks)]
+
+    def _failed(self, i: int, method: str) -> None:
+        if i not in self._broken:
+            self._broken.add(i)
+            log.exception("metrics sink %s failed in %s; further errors of it are not logged", self.sinks[i], method)
 
     def _each(self, method: str, *args: Any, **kwargs: Any) -> None:
         for i, sink in enumerate(self.sinks):
             try:
                 getattr(sink, method)(*args, **kwargs)
             except Exception:
-                if i not in self._broken:
-                    self._broken.add(i)
-                    log.exception("metrics sink %s failed in %s; further errors of it are not logged", sink, method)
+                self._failed(i, method)
 
     def on_start(self, identity: WorkerIdentity) -> None:
         self._each("on_start", identity)
 
     def on_step(self, record: StepRecord) -> None:
-        self._each("on_step", record)
+        for i, on_step in self._on_step:
+            try:
+                on_step(record)
+            except Exception:
+                self._failed(i, "on_step")
 
     def on_checkpoint(self, record: CheckpointRecord) -> None:
         self._each("on_checkpoint", record)

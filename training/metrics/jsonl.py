@@ -61,15 +61,6 @@ class _Window:
         self.comm_s = 0.0
         self.flops = 0.0
 
-    def add(self, r: StepRecord) -> None:
-        self.n += 1
-        self.samples += r.samples
-        self.tokens += r.tokens
-        self.step_s += r.step_s
-        self.data_wait_s += r.data_wait_s
-        self.comm_s += r.comm_s
-        self.flops += r.flops
-
 
 class MetricsJsonlSink(MetricsSink):
     """Rank 0's `metrics.jsonl`: one line per `log_every` steps."""
@@ -93,7 +84,14 @@ class MetricsJsonlSink(MetricsSink):
         self.identity = identity
 
     def on_step(self, record: StepRecord) -> None:
-        self._window.add(record)
+        w = self._window  # this runs every step: plain additions in place
+        w.n += 1
+        w.samples += record.samples
+        w.tokens += record.tokens
+        w.step_s += record.step_s
+        w.data_wait_s += record.data_wait_s
+        w.comm_s += record.comm_s
+        w.flops += record.flops
         self._last = record
         if record.step % self.log_every == 0:
             self._write(record)
@@ -188,7 +186,16 @@ class EventsJsonlSink(MetricsSink):
             self._step_s_sum, self._comm_s_sum, self._steps = 0.0, 0.0, 0
             # compute_s separates a straggler from the ranks that wait for it inside the collectives.
             times = StepTimes(step=record.step, step_s=step_s, comm_s=comm_s, compute_s=step_s - comm_s)
-            self.emit(times, at=record.time)
+            # emit(times), its fields spelled out: on the training thread, payload_fields' asdict()
+            # cost as much as encoding the line (docs/performance.md)
+            self.write(
+                times.kind,
+                time=record.time,
+                step=times.step,
+                step_s=times.step_s,
+                comm_s=times.comm_s,
+                compute_s=times.compute_s,
+            )
 
     def on_checkpoint(self, record: CheckpointRecord) -> None:
         payload: Payload

@@ -3,8 +3,14 @@
 Every rank serves `/metrics` on `metrics.port + local_rank`. A busy port never stops training: the
 exporter logs once and tries further ports (stepping by the local world size, so it does not take a
 neighbour rank's port), then an ephemeral one; the port it got is in `torchrig_exporter_info` and in
-`self.port`. `on_step` only updates in-memory values (a handful of prometheus-client lock-protected
-adds, no I/O), so its cost is a few microseconds; see `training.metrics.bench`.
+`self.port`.
+
+`on_step` runs on the training thread every step, so it only accumulates into plain Python numbers
+(totals, the newest record, the EMAs, the step-time histogram's bucket counts): no lock, no label
+lookup, no prometheus-client call. The per-step families are registered through `_Scraped`, which
+brings their prometheus-client objects (pre-bound label children) up to date when they are collected,
+i.e. at scrape time: the exported values are those of the newest step, and the exposition is what
+updating the objects every step gave. Cost per step: `training.metrics.bench`, docs/performance.md.
 """
 
 from __future__ import annotations
@@ -13,10 +19,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Sequence
+from itertools import accumulate
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metric, start_http_server
+from prometheus_client.registry import Collector
 
 from training import __version__
 from training.contract import Env, EventKind, WorkerIdentity
@@ -34,6 +43,60 @@ EMA_ALPHA = 0.1  # smoothing of the throughput and communication-share gauges (~
 
 def _ema(previous: float | None, value: float) -> float:
     return value if previous is None else EMA_ALPHA * value + (1.0 - EMA_ALPHA) * previous
+
+
+class _Scraped(Collector):
+    """A prometheus-client metric (registered through this, not itself) brought up to date by `sync`
+    each time it is collected: what the training thread accumulated reaches it at scrape time."""
+
+    def __init__(self, metric: Gauge | Counter, sync: Callable[[], None]) -> None:
+        self._metric = metric
+        self._sync = sync
+
+    def describe(self) -> Iterable[Metric]:
+        return self._metric.describe()
+
+    def collect(self) -> Iterable[Metric]:
+        self._sync()
+        return self._metric.collect()
+
+
+class _StepHistogram(Collector):
+    """The step-duration histogram as plain counts (`observe` is two additions, no lock).
+
+    Exported through the prometheus-client `Histogram` it was made from (its one pre-bound child never
+    observes anything): its samples, `_created` included, with the bucket counts, count and sum
+    replaced by these, so the exposition is the one the client object itself would give.
+    """
+
+    def __init__(self, histogram: Histogram, label_values: Sequence[str], buckets: Sequence[float]) -> None:
+        self._histogram = histogram
+        histogram.labels(*label_values)  # the series exists, at 0, from the start
+        self.bounds = tuple(float(b) for b in buckets)  # without +Inf: index len(bounds) is +Inf
+        self.counts = [0] * (len(self.bounds) + 1)  # per bucket, not cumulative
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # the first bound >= value: `le` semantics
+        self.sum += value
+
+    def describe(self) -> Iterable[Metric]:
+        return self._histogram.describe()
+
+    def collect(self) -> Iterable[Metric]:
+        cumulative = list(accumulate(list(self.counts)))
+        total = self.sum
+        metrics = self._histogram.collect()
+        for metric in metrics:
+            buckets = iter(cumulative)
+            for i, sample in enumerate(metric.samples):
+                if sample.name.endswith("_bucket"):
+                    metric.samples[i] = sample._replace(value=float(next(buckets)))
+                elif sample.name.endswith("_count"):
+                    metric.samples[i] = sample._replace(value=float(cumulative[-1]))
+                elif sample.name.endswith("_sum"):
+                    metric.samples[i] = sample._replace(value=total)
+        return metrics
 
 
 def default_bind_address(configured: str | None) -> str:
@@ -79,11 +142,22 @@ class PrometheusSink(MetricsSink):
         self.port: int | None = None
         self._server: Any = None
         self._thread: threading.Thread | None = None
+        # Written by on_step (the training thread) only; read by _sync (scrapes, under _sync_lock).
+        self._last: StepRecord | None = None
+        self._samples_total = 0
+        self._tokens_total = 0
+        self._data_wait_total = 0.0
+        self._comm_total = 0.0
+        self._grad_norm_value: float | None = None  # the newest step's that had one
         self._ema_samples_s: float | None = None
         self._ema_tokens_s: float | None = None
         self._ema_comm: float | None = None
         self._ema_mfu: float | None = None
-        self._lock = threading.Lock()  # guards only close(); on_step stays lock-free
+        # What _sync has applied to the prometheus-client objects.
+        self._synced_last: StepRecord | None = None
+        self._synced_totals = [0, 0, 0.0, 0.0]  # samples, tokens, data wait, comm
+        self._sync_lock = threading.Lock()  # scrapes (and the rare on_start/on_restore), never on_step
+        self._lock = threading.Lock()  # guards only close()
         self._closed = False
         self._grad_norm_child: Any = None
         self._mfu_child: Any = None
@@ -93,12 +167,19 @@ class PrometheusSink(MetricsSink):
         self._base_values = [identity.job, str(identity.rank), identity.node]
         r = self.registry
 
-        def gauge(name: str, doc: str, extra: Sequence[str] = ()) -> Gauge:
-            return Gauge(name, doc, [*base, *extra], registry=r)
+        def gauge(name: str, doc: str, extra: Sequence[str] = (), *, per_step: bool = False) -> Gauge:
+            # per_step: updated by _sync when scraped (registered at this point of the exposition)
+            g = Gauge(name, doc, [*base, *extra], registry=None if per_step else r)
+            if per_step:
+                r.register(_Scraped(g, self._sync))
+            return g
 
-        def counter(name: str, doc: str, extra: Sequence[str] = ()) -> Counter:
+        def counter(name: str, doc: str, extra: Sequence[str] = (), *, per_step: bool = False) -> Counter:
             # prometheus-client appends `_total` itself; pass the family name.
-            return Counter(name.removesuffix("_total"), doc, [*base, *extra], registry=r)
+            c = Counter(name.removesuffix("_total"), doc, [*base, *extra], registry=None if per_step else r)
+            if per_step:
+                r.register(_Scraped(c, self._sync))
+            return c
 
         def hist(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
             return Histogram(name, doc, base, buckets=buckets, registry=r)
@@ -110,30 +191,47 @@ class PrometheusSink(MetricsSink):
             [names.LABEL_PORT, names.LABEL_GENERATION, names.LABEL_LOCAL_RANK, names.LABEL_VERSION],
         )
         self._start_time = gauge(names.START_TIME, "Unix time this worker process started.").labels(*v)
-        self._step = gauge(names.STEP, "Last completed optimizer step.").labels(*v)
+        self._step = gauge(names.STEP, "Last completed optimizer step.", per_step=True).labels(*v)
         self._last_step_ts = gauge(
-            names.LAST_STEP_TIMESTAMP, "Unix time of the last completed step (the worker's start before its first)."
+            names.LAST_STEP_TIMESTAMP,
+            "Unix time of the last completed step (the worker's start before its first).",
+            per_step=True,
         ).labels(*v)
-        self._samples = counter(names.SAMPLES, "Samples processed by this rank.").labels(*v)
-        self._tokens = counter(names.TOKENS, "Tokens processed by this rank.").labels(*v)
-        self._samples_s = gauge(names.SAMPLES_PER_SECOND, "Smoothed (EMA) samples per second of this rank.").labels(*v)
-        self._tokens_s = gauge(names.TOKENS_PER_SECOND, "Smoothed (EMA) tokens per second of this rank.").labels(*v)
-        self._step_hist = hist(names.STEP_DURATION, "Wall time of an optimizer step on this rank.", names.STEP_BUCKETS)
-        self._step_hist_child = self._step_hist.labels(*v)
-        self._data_wait = counter(names.DATA_WAIT, "Time spent waiting for input batches.").labels(*v)
-        self._data_wait_last = gauge(names.DATA_WAIT_LAST, "Input wait of the last step.").labels(*v)
-        self._comm = counter(names.COMM, "Time spent in gradient collectives.").labels(*v)
+        self._samples = counter(names.SAMPLES, "Samples processed by this rank.", per_step=True).labels(*v)
+        self._tokens = counter(names.TOKENS, "Tokens processed by this rank.", per_step=True).labels(*v)
+        self._samples_s = gauge(
+            names.SAMPLES_PER_SECOND, "Smoothed (EMA) samples per second of this rank.", per_step=True
+        ).labels(*v)
+        self._tokens_s = gauge(
+            names.TOKENS_PER_SECOND, "Smoothed (EMA) tokens per second of this rank.", per_step=True
+        ).labels(*v)
+        step_hist = Histogram(
+            names.STEP_DURATION,
+            "Wall time of an optimizer step on this rank.",
+            base,
+            buckets=names.STEP_BUCKETS,
+            registry=None,  # exported through _StepHistogram
+        )
+        self._step_hist = _StepHistogram(step_hist, v, names.STEP_BUCKETS)
+        r.register(self._step_hist)
+        self._data_wait = counter(names.DATA_WAIT, "Time spent waiting for input batches.", per_step=True).labels(*v)
+        self._data_wait_last = gauge(names.DATA_WAIT_LAST, "Input wait of the last step.", per_step=True).labels(*v)
+        self._comm = counter(names.COMM, "Time spent in gradient collectives.", per_step=True).labels(*v)
         self._comm_ratio = gauge(
-            names.COMM_RATIO, "Smoothed share of step time spent in gradient collectives (0..1)."
+            names.COMM_RATIO, "Smoothed share of step time spent in gradient collectives (0..1).", per_step=True
         ).labels(*v)
-        self._mfu = gauge(names.MFU, "Smoothed model FLOPs utilisation (0..1), when FLOPs and peak are known.")
+        self._mfu = gauge(
+            names.MFU, "Smoothed model FLOPs utilisation (0..1), when FLOPs and peak are known.", per_step=True
+        )
         self._peak = gauge(names.PEAK_FLOPS, "Peak FLOP/s of the device used for MFU.")
         if self.peak_flops is not None:
             self._peak.labels(*v).set(self.peak_flops)
-        self._loss = gauge(names.LOSS, "Training loss of the last step.").labels(*v)
-        self._lr = gauge(names.LEARNING_RATE, "Learning rate of the last step.").labels(*v)
-        self._grad_norm = gauge(names.GRAD_NORM, "Global gradient norm of the last step (before clipping).")
-        self._world_size = gauge(names.WORLD_SIZE, "Number of ranks in the worker group.").labels(*v)
+        self._loss = gauge(names.LOSS, "Training loss of the last step.", per_step=True).labels(*v)
+        self._lr = gauge(names.LEARNING_RATE, "Learning rate of the last step.", per_step=True).labels(*v)
+        self._grad_norm = gauge(
+            names.GRAD_NORM, "Global gradient norm of the last step (before clipping).", per_step=True
+        )
+        self._world_size = gauge(names.WORLD_SIZE, "Number of ranks in the worker group.", per_step=True).labels(*v)
         self._generation = gauge(names.RESTART_GENERATION, "Elastic restart count of the worker group.").labels(*v)
         restarts_gauge = gauge(names.RESTARTS_MAX, "Restart budget of the job.")
         if restarts_max is not None:
@@ -244,38 +342,63 @@ class PrometheusSink(MetricsSink):
         # Series labels stay those of construction (rank and node identify a worker process); the
         # values that change across restarts are gauges.
         self.identity = identity
+        self._sync()  # the steps before this one must not overwrite it at the next scrape
         self._world_size.set(identity.world_size)
         self._generation.set(identity.generation)
         self._set_info()
 
     def on_step(self, record: StepRecord) -> None:
-        step_s = record.step_s
-        self._step.set(record.step)
-        self._last_step_ts.set(record.time)
-        self._samples.inc(record.samples)
-        if record.tokens:
-            self._tokens.inc(record.tokens)
-        self._step_hist_child.observe(step_s)
-        self._data_wait.inc(record.data_wait_s)
-        self._data_wait_last.set(record.data_wait_s)
-        self._comm.inc(record.comm_s)
-        self._loss.set(record.loss)
-        self._lr.set(record.lr)
-        self._world_size.set(record.world_size)
+        # The training thread, every step: plain arithmetic only (see the module docstring).
+        self._last = record
+        self._samples_total += record.samples
+        self._tokens_total += record.tokens
+        self._data_wait_total += record.data_wait_s
+        self._comm_total += record.comm_s
         if record.grad_norm is not None:
-            if self._grad_norm_child is None:  # created on first use: no series until there is a value
-                self._grad_norm_child = self._grad_norm.labels(*self._base_values)
-            self._grad_norm_child.set(record.grad_norm)
+            self._grad_norm_value = record.grad_norm
+        step_s = record.step_s
+        hist = self._step_hist  # _StepHistogram.observe, inlined
+        hist.counts[bisect_left(hist.bounds, step_s)] += 1
+        hist.sum += step_s
         if step_s > 0:
             self._ema_samples_s = _ema(self._ema_samples_s, record.samples / step_s)
-            self._samples_s.set(self._ema_samples_s)
-            self._ema_comm = _ema(self._ema_comm, min(record.comm_s / step_s, 1.0))
-            self._comm_ratio.set(self._ema_comm)
+            comm = record.comm_s / step_s
+            self._ema_comm = _ema(self._ema_comm, min(comm, 1.0))
             if record.tokens:
                 self._ema_tokens_s = _ema(self._ema_tokens_s, record.tokens / step_s)
-                self._tokens_s.set(self._ema_tokens_s)
             if self.peak_flops is not None and record.flops > 0:
                 self._ema_mfu = _ema(self._ema_mfu, record.flops / step_s / self.peak_flops)
+
+    def _sync(self) -> None:
+        """Bring the per-step families up to date with what `on_step` accumulated (at scrape time)."""
+        with self._sync_lock:
+            last = self._last
+            if last is not None and last is not self._synced_last:
+                self._synced_last = last
+                self._step.set(last.step)
+                self._last_step_ts.set(last.time)
+                self._data_wait_last.set(last.data_wait_s)
+                self._loss.set(last.loss)
+                self._lr.set(last.lr)
+                self._world_size.set(last.world_size)
+            if self._grad_norm_value is not None:
+                if self._grad_norm_child is None:  # created on first use: no series until there is a value
+                    self._grad_norm_child = self._grad_norm.labels(*self._base_values)
+                self._grad_norm_child.set(self._grad_norm_value)
+            totals = [self._samples_total, self._tokens_total, self._data_wait_total, self._comm_total]
+            for counter, total, synced in zip(
+                (self._samples, self._tokens, self._data_wait, self._comm), totals, self._synced_totals, strict=True
+            ):
+                if total != synced:
+                    counter.inc(total - synced)
+            self._synced_totals = totals
+            if self._ema_samples_s is not None:
+                self._samples_s.set(self._ema_samples_s)
+            if self._ema_comm is not None:
+                self._comm_ratio.set(self._ema_comm)
+            if self._ema_tokens_s is not None:
+                self._tokens_s.set(self._ema_tokens_s)
+            if self._ema_mfu is not None:
                 if self._mfu_child is None:
                     self._mfu_child = self._mfu.labels(*self._base_values)
                 self._mfu_child.set(self._ema_mfu)
@@ -301,6 +424,7 @@ class PrometheusSink(MetricsSink):
         self._restores.labels(*self._base_values, record.source).inc()
         self._restore_s.set(record.seconds)
         self._ckpt_step.set(record.step)
+        self._sync()  # the steps before the restore must not overwrite its step at the next scrape
         self._step.set(record.step)
 
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:

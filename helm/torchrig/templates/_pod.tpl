@@ -9,6 +9,16 @@ the writable volumes, envFrom of the stores' Secrets, the health-check probes, t
 ["python","-m","training.launch","--spec","/etc/torchrig/job.yaml","--"]
 {{- end -}}
 
+{{- /* torchrig.terminationGrace: a worker pod's terminationGracePeriodSeconds, restarts.preemptGraceSeconds + 10 s (training.preemption.pod_grace_period_seconds); nothing when preemption handling is off. Returns a JSON object. */ -}}
+{{- define "torchrig.terminationGrace" -}}
+{{- $grace := .spec.restarts.preemptGraceSeconds | float64 -}}
+{{- if gt $grace 0.0 -}}
+{{- toJson (dict "terminationGracePeriodSeconds" (add (ceil $grace | int) 10)) -}}
+{{- else -}}
+{}
+{{- end -}}
+{{- end -}}
+
 {{- /* The `restricted` Pod Security Standard; uid 1000 is the user of every torchrig image (fsGroup makes PVCs writable). */ -}}
 {{- define "torchrig.podSecurityContext" -}}
 {"runAsNonRoot":true,"runAsUser":1000,"runAsGroup":1000,"fsGroup":1000,"seccompProfile":{"type":"RuntimeDefault"}}

@@ -1,0 +1,125 @@
+"""In-place recovery's pieces without a training job: the settings, the failure classification, the
+spare claim and assignment through a real c10d store, a promoted spare watched through its pidfd, and
+the summary's recovery counts. The whole path runs in tests/integration/test_inplace.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+import yaml
+
+from tests.unit.test_spec_rules import BASE, problems
+from training.config import WorkerSpec, load_worker_spec
+from training.contract import Env, Event, EventKind
+from training.inplace import InPlace
+from training.inplace.group import RecoveryFailed, is_peer_failure
+from training.inplace.host import _Promoted, claim_spare
+
+
+def _worker_spec(**restarts: Any) -> WorkerSpec:
+    doc = json.loads(json.dumps(BASE))
+    doc["spec"]["restarts"] = restarts
+    return load_worker_spec(yaml.safe_dump(doc))
+
+
+LAUNCHED = {Env.INPLACE_STORE: "127.0.0.1:1234", Env.RUN_ID: "job-1", Env.WORLD_SIZE: "2", Env.GROUP_RANK: "1"}
+
+
+def test_restarts_fields_are_validated_with_one_line_per_field() -> None:
+    assert problems("spec.restarts.spares=-1") == ["spec.restarts.spares: Input should be greater than or equal to 0"]
+    assert problems("spec.restarts.inPlaceTimeoutSeconds=0") == [
+        "spec.restarts.inPlaceTimeoutSeconds: Input should be greater than 0"
+    ]
+    assert len(problems("spec.restarts.mode=sometimes")) == 1
+    assert problems("spec.restarts.mode=sometimes")[0].startswith("spec.restarts.mode: ")
+
+
+def test_in_place_applies_only_to_ddp_with_spares_under_the_local_launch() -> None:
+    settings = InPlace.from_spec(_worker_spec(), LAUNCHED)
+    assert settings is not None
+    assert (settings.spares, settings.timeout_s, settings.node_rank) == (1, 60.0, 1)
+    assert settings.prefix == "torchrig/inplace/job-1/0/"
+    assert InPlace.from_spec(_worker_spec(mode="restart"), LAUNCHED) is None
+    assert InPlace.from_spec(_worker_spec(spares=0), LAUNCHED) is None
+    assert InPlace.from_spec(_worker_spec(), {**LAUNCHED, Env.WORLD_SIZE: "1"}) is None
+    assert InPlace.from_spec(_worker_spec(), {k: v for k, v in LAUNCHED.items() if k != Env.INPLACE_STORE}) is None
+    fsdp = _worker_spec()
+    fsdp.spec.training.strategy = type(fsdp.spec.training.strategy)("fsdp")
+    assert InPlace.from_spec(fsdp, LAUNCHED) is None
+
+
+def test_a_lost_peer_is_told_from_a_bug() -> None:
+    assert is_peer_failure(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:42388"))
+    assert is_peer_failure(dist.DistBackendError("anything"))
+    assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 5x6)"))
+    assert not is_peer_failure(ValueError("connection"))
+    assert not is_peer_failure(RecoveryFailed("generation 2: 1 of 2 ranks joined"))
+
+
+@pytest.fixture
+def store() -> Any:
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+    yield server
+
+
+def test_a_claimed_spare_gets_the_rank_and_the_next_generation(store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = InPlace(
+        store_addr=f"127.0.0.1:{store.port}", run_id="r", restart_count=0, node_rank=0, spares=1, timeout_s=5.0
+    )
+    client = settings.connect()
+    client.add(settings.spawned_key, 2)  # spare 0 is ready; spare 1 is still starting (or hung)
+    client.set(settings.spare_key(0, "ready"), "4242")
+    client.set(settings.rank_gen_key(1), "3")  # the dead trainer had joined generation 3
+    for name, value in {Env.RANK: "1", Env.WORLD_SIZE: "2", Env.LOCAL_RANK: "1", Env.RUN_ID: "r"}.items():
+        monkeypatch.setenv(name, value)
+    assert claim_spare(settings, client, 1, None) == 4242
+    assignment = json.loads(client.get(settings.spare_key(0, "assign")))
+    assert assignment["generation"] == 4
+    assert assignment["env"][Env.RANK] == "1" and assignment["env"][Env.LOCAL_RANK] == "1"
+    assert client.get(settings.spare_key(0, "claim")) == b"1"
+    # The next claim finds no spare 1 ready in time: the caller falls back to the group restart.
+    quick = InPlace(**{**settings.__dict__, "timeout_s": 0.2})
+    assert claim_spare(quick, client, 1, None) is None
+
+
+def test_a_promoted_spare_is_watched_until_its_exit_code_is_published(store: Any) -> None:
+    settings = InPlace(
+        store_addr=f"127.0.0.1:{store.port}", run_id="r", restart_count=0, node_rank=0, spares=1, timeout_s=5.0
+    )
+    client = settings.connect()
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    watched = _Promoted(proc.pid, client, settings)
+    assert watched.poll() is None
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.wait()
+    assert watched.poll() is None, "dead, but its exit code is not published yet"
+    client.set(settings.exit_key(proc.pid), str(128 + signal.SIGTERM))
+    deadline = time.monotonic() + 5
+    code = None
+    while code is None and time.monotonic() < deadline:
+        code = watched.poll()
+    assert code == 128 + signal.SIGTERM
+
+
+def test_summary_counts_recoveries_by_path() -> None:
+    from orchestrator.rundir import recoveries_from_events
+
+    def recovery(rank: int, generation: int, path: str, inplace_generation: int = 0) -> Event:
+        data = {"path": path, "step": 5, "inplace_generation": inplace_generation}
+        return Event(time=0.0, rank=rank, generation=generation, kind=EventKind.RECOVERY, data=data)
+
+    events = [
+        recovery(0, 0, "inplace", 1),
+        recovery(1, 0, "inplace", 1),  # the spare of the same recovery
+        recovery(0, 0, "inplace", 2),
+        recovery(0, 1, "restart"),
+    ]
+    assert recoveries_from_events(events) == {"inplace": 2, "restart": 1}

@@ -1,0 +1,149 @@
+"""In-place recovery: survivors keep training state in memory, a warm spare takes a dead rank's place.
+
+Without it every failure costs a group restart: torchrun kills and respawns every rank, and each new
+process pays `import torch`, the model build and a checkpoint restore (docs/architecture.md has the
+numbers). With `restarts.mode: inplace` (DDP, 2+ ranks, launched by torchrig's torchrun command):
+
+- every process torchrun starts is a light per-rank **host** (`training.inplace.host`) that runs the
+  real trainer as its child and watches it, so the torchrun agent never sees a trainer die;
+- the host of local rank 0 keeps `restarts.spares` warm **spares** per node (`training.inplace.spare`):
+  processes that imported torch and built the task's model, blocked until a host assigns them a rank;
+- when a trainer dies with a retryable status, its host claims a ready spare (an atomic
+  compare-and-set in the store) and assigns it the dead rank and the next process-group
+  **generation**; the survivors see their collective fail, destroy their group, and every member
+  forms generation g+1 on the same long-lived store under a new prefix (`training.inplace.group`);
+  the most advanced rank broadcasts model, optimizer and progress; the step in flight is
+  recomputed, so the result is bit-identical;
+- whatever cannot finish within `restarts.inPlaceTimeoutSeconds` (no spare, a second death during
+  recovery, a stuck survivor) exits `ExitCode.RECOVERY_FAILED` and torchrun restarts the whole group
+  from the durable checkpoint (the fallback, the `restart` path).
+
+The store is one that outlives every trainer: the local run's rendezvous store process
+(`Env.INPLACE_STORE`). This module imports no torch (the host stays light); keys are named here once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from training.contract import Env
+
+if TYPE_CHECKING:
+    from training.config import WorkerSpec
+
+__all__ = ["IDENTITY_ENV", "ROLE_SPARE", "ROLE_TRAINER", "InPlace"]
+
+ROLE_TRAINER = "trainer"
+ROLE_SPARE = "spare"
+# What a host hands its spare: the launcher variables that make up a `WorkerIdentity`.
+IDENTITY_ENV = (
+    Env.RANK,
+    Env.WORLD_SIZE,
+    Env.LOCAL_RANK,
+    Env.LOCAL_WORLD_SIZE,
+    Env.GROUP_RANK,
+    Env.GROUP_WORLD_SIZE,
+    Env.RESTART_COUNT,
+    Env.RUN_ID,
+)
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """Where in-place recovery keeps its bookkeeping, and its settings.
+
+    Attributes:
+        store_addr: `host:port` of the long-lived c10d store.
+        run_id: The launch's rendezvous id (`TORCHELASTIC_RUN_ID`).
+        restart_count: torchrun's restart generation: a group restart starts a fresh key space.
+        node_rank: This node's index (spares are per node).
+        spares: Warm spares per node.
+        timeout_s: `restarts.inPlaceTimeoutSeconds`.
+    """
+
+    store_addr: str
+    run_id: str
+    restart_count: int
+    node_rank: int
+    spares: int
+    timeout_s: float
+
+    @classmethod
+    def from_spec(cls, spec: WorkerSpec, env: Mapping[str, str] | None = None) -> InPlace | None:
+        """The settings when this launch recovers in place, else None (the restart path)."""
+        env = os.environ if env is None else env
+        restarts = spec.spec.restarts
+        if restarts.mode != "inplace" or restarts.spares < 1:
+            return None
+        if spec.spec.training.strategy.value != "ddp":
+            return None  # FSDP/HSDP shards have no replica to copy from: they restart (docs/operations.md)
+        addr, run_id = env.get(Env.INPLACE_STORE, ""), env.get(Env.RUN_ID, "")
+        if not addr or not run_id or int(env.get(Env.WORLD_SIZE, "1") or 1) < 2:
+            return None
+        return cls(
+            store_addr=addr,
+            run_id=run_id,
+            restart_count=int(env.get(Env.RESTART_COUNT, "0") or 0),
+            node_rank=int(env.get(Env.GROUP_RANK, "0") or 0),
+            spares=restarts.spares,
+            timeout_s=restarts.in_place_timeout_seconds,
+        )
+
+    @property
+    def prefix(self) -> str:
+        return f"torchrig/inplace/{self.run_id}/{self.restart_count}/"
+
+    def connect(self, timeout_s: float | None = None) -> Any:
+        """A client of the long-lived store, under this launch's prefix (imports torch's c10d)."""
+        from torch._C._distributed_c10d import PrefixStore, TCPStore
+
+        host, _, port = self.store_addr.rpartition(":")
+        store = TCPStore(
+            host,
+            int(port),
+            is_master=False,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s if timeout_s is not None else self.timeout_s),
+        )
+        return PrefixStore(self.prefix, store)
+
+    # -- keys --------------------------------------------------------------------------------------
+    def spare_key(self, index: int, what: str) -> str:
+        """`ready` (the spare's pid), `claim` (the claiming rank, set atomically), `assign` (JSON:
+        identity env + generation) of spare `index` on this node."""
+        return f"node{self.node_rank}/spare{index}/{what}"
+
+    @property
+    def waiting_key(self) -> str:
+        """How many hosts of this node wait for a ready spare right now."""
+        return f"node{self.node_rank}/waiting"
+
+    @property
+    def spawned_key(self) -> str:
+        """How many spares this node's pool has started (indices 0 .. n-1)."""
+        return f"node{self.node_rank}/spawned"
+
+    @staticmethod
+    def exit_key(pid: int) -> str:
+        return f"exit/{pid}"
+
+    @staticmethod
+    def stepped_key(pid: int) -> str:
+        """Set once trainer `pid` completed a step: one that dies before it is not replaced in place."""
+        return f"stepped/{pid}"
+
+    @staticmethod
+    def rank_gen_key(rank: int) -> str:
+        return f"rank{rank}/gen"
+
+    @staticmethod
+    def join_key(generation: int) -> str:
+        return f"join/{generation}"
+
+    @staticmethod
+    def pg_prefix(generation: int) -> str:
+        return f"pg/{generation}/"

@@ -1,0 +1,187 @@
+"""The trainer's side of in-place recovery: process-group generations on the long-lived store, and
+the state transfer from the most advanced rank.
+
+Generation g's default process group is `init_process_group(store=PrefixStore("pg/g/", store))`.
+After a failure every member (the survivors and the spares that took the dead ranks' places) joins
+g+1: a counter in the store (`join/g+1`) must reach the world size within
+`restarts.inPlaceTimeoutSeconds`, else `RecoveryFailed` (the trainer exits `RECOVERY_FAILED` and
+torchrun restarts the group). Then every rank all-gathers its completed step (-1: a spare), and the
+lowest rank among the most advanced broadcasts model, optimizer and progress (`torch.save` of the
+state dicts inside `broadcast_object_list`: exact bytes); ranks behind it load them.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._C._distributed_c10d import PrefixStore
+
+from training.contract import WorkerIdentity
+from training.inplace import InPlace
+
+__all__ = ["InPlaceGroup", "RecoveryFailed", "StateSync", "is_peer_failure"]
+
+log = logging.getLogger(__name__)
+
+_PEER_MARKERS = ("gloo", "connection", "peer", "broken pipe", "socket", "timed out", "nccl", "closed")
+
+
+class RecoveryFailed(RuntimeError):
+    """The new generation did not form in time: the group must restart (the fallback)."""
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether `exc` looks like a collective that failed because a peer went away (not a bug here)."""
+    if isinstance(exc, RecoveryFailed):
+        return False
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(marker in text for marker in _PEER_MARKERS)
+
+
+@dataclass(frozen=True)
+class StateSync:
+    """What the state transfer of one generation found."""
+
+    step: int  # the newest completed step, which every rank now holds
+    source: int  # the rank that sent it
+    replaced: list[int]  # ranks that held no state (spares)
+    progress: dict[str, Any]  # the source's `TrainerProgress.state_dict()`
+
+
+class InPlaceGroup:
+    """This rank's membership in the generations of the default process group.
+
+    Args:
+        inplace: Where the bookkeeping lives.
+        identity: This rank.
+        backend: `gloo` or `nccl`.
+    """
+
+    def __init__(self, inplace: InPlace, identity: WorkerIdentity, backend: str) -> None:
+        self.inplace = inplace
+        self.identity = identity
+        self.backend = backend
+        self.store = inplace.connect()
+        self.generation = -1
+
+    def form(
+        self, generation: int, *, timeout_s: float | None = None, cancelled: Callable[[], bool] | None = None
+    ) -> None:
+        """Join generation `generation` and create its default process group.
+
+        Args:
+            generation: The generation to join.
+            timeout_s: How long the members may take to join (default `restarts.inPlaceTimeoutSeconds`).
+            cancelled: Polled while waiting: True gives up at once (a shutdown signal arrived: torchrun
+                is restarting the group, say after a whole node was lost).
+
+        Raises:
+            RecoveryFailed: not every member joined within the timeout, or `cancelled`.
+        """
+        rank, world = self.identity.rank, self.identity.world_size
+        self.store.set(self.inplace.rank_gen_key(rank), str(generation))
+        key = self.inplace.join_key(generation)
+        self.store.add(key, 1)
+        limit = timeout_s if timeout_s is not None else self.inplace.timeout_s
+        if generation > 0:  # generation 0 starts with the job: init_process_group's own wait covers it
+            # A survivor blocked on a live peer learns of the failure only through its collective's
+            # timeout (below): the first ones wait that long for it, plus the time the spare takes.
+            deadline = time.monotonic() + 2 * limit
+            while int(self.store.add(key, 0)) < world:
+                if cancelled is not None and cancelled():
+                    raise RecoveryFailed(f"generation {generation}: a shutdown signal arrived while forming")
+                if time.monotonic() > deadline:
+                    raise RecoveryFailed(
+                        f"generation {generation}: {int(self.store.add(key, 0))} of {world} ranks joined "
+                        f"within {2 * limit:g} s (2 x restarts.inPlaceTimeoutSeconds)"
+                    )
+                time.sleep(0.005)
+        pg_store = PrefixStore(self.inplace.pg_prefix(generation), self.store)
+        # gloo cannot be aborted, and with 3+ ranks a survivor may be blocked on a LIVE peer that has
+        # already left for the next generation (its sockets are not closed by destroying the group):
+        # the collective timeout is what unblocks it. A healthy collective that takes longer makes the
+        # group re-form with the same members and recompute the step (slower, never wrong).
+        dist.init_process_group(
+            backend=self.backend, store=pg_store, rank=rank, world_size=world, timeout=timedelta(seconds=limit)
+        )
+        self.generation = generation
+
+    def mark_stepped(self) -> None:
+        """This process completed a step (its host may replace it in place from now on)."""
+        self.store.set(self.inplace.stepped_key(os.getpid()), "1")
+
+    def leave(self) -> None:
+        """Destroy this generation's groups and free them, so their sockets close now.
+
+        With 3+ ranks not every survivor sees the dead peer: one blocked on a live survivor learns of
+        the failure only when that survivor's sockets close. gloo cannot be aborted, so the group must
+        really be freed: DDP and its reducer hold it in reference cycles, hence the collection (the
+        caller has dropped its own references first). With 2 ranks the only peer is the dead one.
+        """
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a broken group may refuse a clean shutdown; it is abandoned either way
+                log.debug("destroying the broken process group failed", exc_info=True)
+        if self.identity.world_size > 2:
+            gc.collect()
+
+    def sync_state(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        progress: Any,
+        *,
+        has_state: bool,
+    ) -> StateSync:
+        """Give every rank the state of the most advanced one (collective on the new group).
+
+        Args:
+            module: The unwrapped model (DDP is re-created after the transfer).
+            optimizer: Its optimizer.
+            progress: This rank's `TrainerProgress` (loaded here when behind).
+            has_state: False for a spare (it holds no trained state).
+        """
+        world = self.identity.world_size
+        t0 = time.perf_counter()
+        mine = torch.tensor([progress.step if has_state else -1], dtype=torch.int64)
+        steps = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(steps, mine)
+        values = [int(t.item()) for t in steps]
+        log.debug("in-place: steps %s gathered in %.3f s", values, time.perf_counter() - t0)
+        best = max(values)
+        if best < 0:
+            raise RecoveryFailed("no member of the new group holds the training state (every rank was replaced)")
+        source = values.index(best)
+        box: list[Any] = [None]
+        if self.identity.rank == source:
+            box[0] = {
+                "model": module.state_dict(),
+                "optim": optimizer.state_dict(),
+                "progress": progress.state_dict(),
+            }
+        dist.broadcast_object_list(box, src=source)
+        payload = box[0]
+        log.debug("in-place: state received in %.3f s", time.perf_counter() - t0)
+        if values[self.identity.rank] != best:
+            module.load_state_dict(payload["model"])
+            optimizer.load_state_dict(payload["optim"])
+            progress.load_state_dict(payload["progress"])
+        return StateSync(
+            step=best,
+            source=source,
+            replaced=[r for r, v in enumerate(values) if v < 0],
+            progress=payload["progress"],
+        )

@@ -1,0 +1,299 @@
+"""The per-rank host of in-place recovery: what torchrun starts when `restarts.mode` is `inplace`.
+
+`python -m training` decides to be a host (`training.__main__`); the host runs the real trainer as
+its child (the same command, `TORCHRIG_INPLACE_ROLE=trainer`) and watches it every 20 ms:
+
+- the trainer exits 0, with a permanent code (2, 3, 126, 127), `PREEMPTED` or `RECOVERY_FAILED`: the
+  host exits with the same code (torchrun sees exactly what it would have seen);
+- it dies before completing a step (a start-up crash, a spare failing at once): exit
+  `RECOVERY_FAILED` (a spare would fail the same way; the group restart is bounded by `restarts.max`);
+- any other death (a signal, 1, 200, 201 from the watchdog): the host claims a ready spare of the
+  node (an atomic compare-and-set of its `claim` key in the store), assigns it this rank and the
+  next process-group generation, and from then on watches that process (a pidfd: the spare is the
+  local-rank-0 host's child; that host publishes its exit code in the store). No spare ready within
+  `restarts.inPlaceTimeoutSeconds`: it exits `RECOVERY_FAILED` and torchrun restarts the group
+  (the fallback).
+
+The host of local rank 0 also keeps `restarts.spares` spares per node started (from its trainer's first
+completed step on, so they do not slow the trainers' start-up), replacing each one as soon as it is
+claimed. Signals: SIGTERM, SIGINT, SIGHUP, SIGUSR2 (torchrun's shutdown, a preemption
+notice) and SIGUSR1 (stack dumps) are forwarded to the current trainer; after SIGTERM/SIGINT/SIGHUP
+the host only waits for the trainer's exit code and passes it through, and ends its spares. Spares and
+trainers die with their parent (`PR_SET_PDEATHSIG`), so a SIGKILLed host leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from types import FrameType
+from typing import Any
+
+from training.contract import PERMANENT, Env, ExitCode
+from training.inplace import IDENTITY_ENV, ROLE_SPARE, ROLE_TRAINER, InPlace
+
+__all__ = ["die_with_parent", "run_host"]
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.02
+EXIT_CODE_WAIT_S = 2.0  # how long a host waits for a dead spare's exit code to be published
+_PASS_THROUGH = {0, *PERMANENT, int(ExitCode.PREEMPTED), int(ExitCode.RECOVERY_FAILED)}
+_FORWARD = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2, signal.SIGUSR1)
+_STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent exits (Linux; a no-op elsewhere)."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+
+def _status(code: int) -> int:
+    """A `Popen.returncode` as an exit status (a signal death -N is 128 + N)."""
+    return 128 - code if code < 0 else code
+
+
+class _Child:
+    """The first trainer: this host's own child."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+
+    def poll(self) -> int | None:
+        code = self.proc.poll()
+        return None if code is None else _status(code)
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(sig)
+
+
+class _Promoted:
+    """A spare that took this rank: watched through a pidfd, its exit code read from the store."""
+
+    def __init__(self, pid: int, store: Any, inplace: InPlace) -> None:
+        self.pid = pid
+        self.store = store
+        self.inplace = inplace
+        self._fd: int | None = None
+        with contextlib.suppress(OSError):
+            self._fd = os.pidfd_open(pid)
+        self._dead_at: float | None = None
+
+    def _exited(self) -> bool:
+        if self._fd is None:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return True
+            return False
+        ready, _, _ = select.select([self._fd], [], [], 0)
+        return bool(ready)
+
+    def poll(self) -> int | None:
+        if self._dead_at is None:
+            if not self._exited():
+                return None
+            self._dead_at = time.monotonic()
+        key = self.inplace.exit_key(self.pid)
+        if self.store.check([key]):
+            return int(self.store.get(key).decode())
+        if time.monotonic() - self._dead_at > EXIT_CODE_WAIT_S:
+            return 128 + int(signal.SIGKILL)  # nobody saw its status: count it as a crash
+        return None
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, sig)
+
+
+class SparePool:
+    """Local rank 0's host: keeps `spares` warm spares of this node started and reaps them.
+
+    A claimed spare is another rank's trainer but still this host's child: the pool publishes its
+    exit code (`InPlace.exit_key`) for the host that watches it, and waits for it before this host
+    exits, so a finished rank 0 never takes a still-running rank down with it (`PR_SET_PDEATHSIG`).
+    """
+
+    def __init__(self, inplace: InPlace, store: Any, command: list[str], first_trainer: int) -> None:
+        self.inplace = inplace
+        self.store = store
+        self.command = command
+        self.first_trainer = first_trainer
+        self.spawned = 0
+        self.last_spawn = 0.0
+        self.procs: dict[int, tuple[int, subprocess.Popen[bytes]]] = {}  # pid -> (index, process)
+
+    def tick(self, *, spawn: bool = True) -> None:
+        """Publish the exit codes of spares that ended; start spares until `spares` unclaimed ones live
+        (one that died before it was claimed is replaced too)."""
+        for pid, (_, proc) in list(self.procs.items()):
+            code = proc.poll()
+            if code is not None:
+                self.store.set(self.inplace.exit_key(pid), str(_status(code)))
+                del self.procs[pid]
+        if not spawn:
+            return
+        if self.spawned == 0 and not self.store.check([self.inplace.stepped_key(self.first_trainer)]):
+            return  # the first spares start once training runs: they would slow the trainers' start-up
+        unclaimed = sum(1 for index, _ in self.procs.values() if not self._claimed(index))
+        if int(self.store.add(self.inplace.waiting_key, 0)) > 0 and self._starting_too_long():
+            unclaimed = 0  # a host waits and the spares starting seem stuck (seen: one never got ready)
+        while unclaimed < self.inplace.spares:
+            env = {**os.environ, Env.INPLACE_ROLE: ROLE_SPARE, Env.INPLACE_SPARE: str(self.spawned)}
+            proc = subprocess.Popen(self.command, env=env)
+            self.procs[proc.pid] = (self.spawned, proc)
+            self.spawned += 1
+            self.store.add(self.inplace.spawned_key, 1)
+            self.last_spawn = time.monotonic()
+            unclaimed += 1
+
+    def _starting_too_long(self) -> bool:
+        """No spare of this pool is ready and unclaimed, and the newest was started a third of the
+        in-place timeout ago: start another one beside it."""
+        for index, _ in self.procs.values():
+            if not self._claimed(index) and self.store.check([self.inplace.spare_key(index, "ready")]):
+                return False
+        return time.monotonic() - self.last_spawn > self.inplace.timeout_s / 3
+
+    def _claimed(self, index: int) -> bool:
+        return bool(self.store.check([self.inplace.spare_key(index, "claim")]))
+
+    def signal(self, sig: int, *, claimed: bool = True) -> None:
+        for index, proc in self.procs.values():
+            if claimed or not self._claimed(index):
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(sig)
+
+    def close(self) -> None:
+        """End the unclaimed spares and wait for the claimed ones (other ranks' trainers: their own
+        hosts forward torchrun's shutdown to them, a second SIGTERM would cut a preemption save short)."""
+        with contextlib.suppress(Exception):  # the store may be gone with the run
+            self.signal(signal.SIGTERM, claimed=False)
+        while self.procs:
+            try:
+                self.tick(spawn=False)
+            except Exception:
+                break
+            time.sleep(POLL_S)
+        for _, proc in self.procs.values():
+            with contextlib.suppress(Exception):
+                proc.wait(timeout=5)
+
+
+def _take_ready_spare(inplace: InPlace, store: Any, rank: int) -> tuple[int, int] | None:
+    """(index, pid) of a ready spare this call claimed (an atomic compare-and-set), else None."""
+    for index in range(int(store.add(inplace.spawned_key, 0))):
+        claim_key = inplace.spare_key(index, "claim")
+        if store.check([claim_key]) or not store.check([inplace.spare_key(index, "ready")]):
+            continue
+        if store.compare_set(claim_key, "", str(rank)).decode() == str(rank):
+            return index, int(store.get(inplace.spare_key(index, "ready")).decode())
+    return None
+
+
+def claim_spare(inplace: InPlace, store: Any, rank: int, pool: SparePool | None) -> int | None:
+    """Claim a ready spare of this node and assign it `rank`; its pid, or None when none got ready in time."""
+    deadline = time.monotonic() + inplace.timeout_s
+    store.add(inplace.waiting_key, 1)
+    try:
+        while (taken := _take_ready_spare(inplace, store, rank)) is None:
+            if time.monotonic() > deadline:
+                return None
+            if pool is not None:
+                pool.tick()  # this host starts the spares: the one to claim may not exist yet
+            time.sleep(POLL_S)
+    finally:
+        store.add(inplace.waiting_key, -1)
+    index, pid = taken
+    gen_key = inplace.rank_gen_key(rank)
+    dead_gen = int(store.get(gen_key).decode()) if store.check([gen_key]) else 0
+    assignment = {name: os.environ[name] for name in IDENTITY_ENV if name in os.environ}
+    store.set(inplace.spare_key(index, "assign"), json.dumps({"env": assignment, "generation": dead_gen + 1}))
+    print(
+        f"torchrig: in-place: rank {rank}'s trainer died; spare {index} (pid {pid}) takes its place "
+        f"in generation {dead_gen + 1}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return pid
+
+
+def _stepped(store: Any, inplace: InPlace, pid: int) -> bool:
+    try:
+        return bool(store.check([inplace.stepped_key(pid)]))
+    except Exception:  # no store, no in-place recovery
+        return False
+
+
+def run_host(inplace: InPlace, argv: list[str]) -> int:
+    """Run this rank's trainer, replace it with a spare when it dies; returns the exit status."""
+    rank = int(os.environ.get(Env.RANK, "0"))
+    local_rank = int(os.environ.get(Env.LOCAL_RANK, "0"))
+    command = [sys.executable, "-m", "training", *argv]
+    store = inplace.connect()
+    current: _Child | _Promoted = _Child(subprocess.Popen(command, env={**os.environ, Env.INPLACE_ROLE: ROLE_TRAINER}))
+    pool = SparePool(inplace, store, command, current.pid) if local_rank == 0 else None
+    stopping = False
+
+    def _forward(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        if signum in _STOPPING:
+            stopping = True
+        current.signal(signum)
+
+    for sig in _FORWARD:
+        signal.signal(sig, _forward)
+    try:
+        while True:
+            if pool is not None and not stopping:
+                try:
+                    pool.tick()
+                except Exception as exc:  # the store is gone (the run is ending): no more spares
+                    log.warning("in-place: the spare pool stopped: %s", exc)
+                    pool = None
+            code = current.poll()
+            if code is None:
+                time.sleep(POLL_S)
+                continue
+            if stopping or code in _PASS_THROUGH:
+                return code
+            if not _stepped(store, inplace, current.pid):
+                # It never completed a step (a crash at start-up, a spare that fails at once): a spare
+                # would most likely fail the same way, so the group restarts (bounded by restarts.max).
+                print(
+                    f"torchrig: in-place: rank {rank}'s trainer (pid {current.pid}) exited {code} before "
+                    "completing a step; the group restarts",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return int(ExitCode.RECOVERY_FAILED)
+            try:
+                pid = claim_spare(inplace, store, rank, pool)
+            except Exception as exc:  # the store is gone: nothing to recover in place with
+                log.warning("in-place: claiming a spare failed: %s", exc)
+                pid = None
+            if pid is None:
+                print(
+                    f"torchrig: in-place: no spare ready within {inplace.timeout_s:g} s "
+                    "(restarts.inPlaceTimeoutSeconds); the group restarts",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return int(ExitCode.RECOVERY_FAILED)
+            current = _Promoted(pid, store, inplace)
+    finally:
+        if pool is not None:
+            pool.close()

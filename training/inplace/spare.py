@@ -1,0 +1,109 @@
+"""A warm spare: `python -m training` with `TORCHRIG_INPLACE_ROLE=spare`, started by the host of local
+rank 0 (`training.inplace.host`).
+
+It pays the start-up costs ahead of time (import torch and the training stack, load the task, build
+the model with the job's seed), announces itself in the store (`spare<i>/ready` = its pid) and blocks
+until a host assigns it a dead rank (`spare<i>/assign`: that rank's launcher variables and the
+process-group generation to join). Then it becomes that rank: `run_worker` with the prebuilt pieces,
+joining the new generation and receiving the trained state from a survivor instead of restoring a
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from training.config import WorkerSpec
+from training.contract import Env, WorkerIdentity
+from training.inplace import InPlace
+from training.strategies import Parallel, build_optimizer, ddp_wrap
+from training.task import load_task
+from training.worker import Prewarmed, run_worker
+
+__all__ = ["run_spare"]
+
+log = logging.getLogger(__name__)
+
+
+def _wait_assignment(inplace: InPlace, store: Any, index: int) -> dict[str, Any]:
+    """Poll the store for this spare's assignment (every 10 ms: a blocking `wait` that times out logs a
+    c10d warning each time); exits quietly when the host that started it is gone."""
+    key = inplace.spare_key(index, "assign")
+    parent = os.getppid()
+    while not store.check([key]):
+        if os.getppid() != parent:
+            raise SystemExit(0)
+        time.sleep(0.01)
+    data: dict[str, Any] = json.loads(store.get(key).decode())
+    return data
+
+
+def _rehearse(spec: WorkerSpec, task: Any, model: torch.nn.Module) -> None:
+    """Pay every first-use cost of a step now, on a throwaway copy: the lazy imports of the checkpoint
+    stack and DDP, the data pipeline, autograd and the optimizer's first step (seconds on a loaded
+    machine, which would otherwise fall inside the recovery)."""
+    import copy
+
+    import torch.distributed.algorithms.ddp_comm_hooks.default_hooks
+    import torch.distributed.checkpoint.state_dict
+
+    import training.checkpoint  # noqa: F401
+    from training.data import to_device
+
+    cfg = spec.spec.training
+    try:
+        dataset = task.train_dataset()
+        batch = task.collate([dataset[i] for i in range(min(cfg.batch_size, len(dataset)))])
+        scratch = copy.deepcopy(model)
+        optimizer = build_optimizer(scratch, cfg.optimizer)
+        # DDP's first construction and step in a process cost about a second: rehearse them on a
+        # one-process group of its own (no port), destroyed before the real generation forms.
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+        try:
+            par = Parallel(
+                model=scratch,
+                module=scratch,
+                strategy=cfg.strategy,
+                device=torch.device("cpu"),
+                precision=cfg.precision,
+            )
+            par.model = ddp_wrap(par)
+            with par.micro_step(sync=True):
+                loss = task.loss(par.model, to_device(batch, torch.device("cpu")))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        finally:
+            dist.destroy_process_group()
+    except Exception:  # only a warm-up: the real step will report any real problem
+        log.debug("spare: the rehearsal step failed", exc_info=True)
+
+
+def run_spare(spec: WorkerSpec, inplace: InPlace, *, run_dir: str) -> dict[str, Any]:
+    """Warm up, wait for an assignment, then train as the assigned rank (see the module docstring)."""
+    index = int(os.environ[Env.INPLACE_SPARE])
+    cfg = spec.spec.training
+    task = load_task(spec.spec.task.entrypoint, spec.spec.task.args)
+    torch.manual_seed(cfg.seed)
+    model = task.build_model()
+    optimizer = build_optimizer(model, cfg.optimizer)  # the first optimizer imports torch._dynamo
+    _rehearse(spec, task, model)
+    store = inplace.connect()
+    store.set(inplace.spare_key(index, "ready"), str(os.getpid()))
+    log.info("spare %d: ready (pid %d)", index, os.getpid())
+    assignment = _wait_assignment(inplace, store, index)
+    assigned_at = time.perf_counter()
+    os.environ.update(assignment["env"])  # this process IS that rank now (logs, identity, faults)
+    identity = WorkerIdentity.from_env()
+    log.info("spare %d: assigned rank %d, generation %d", index, identity.rank, assignment["generation"])
+    prewarmed = Prewarmed(
+        task=task, model=model, optimizer=optimizer, generation=int(assignment["generation"]), assigned_at=assigned_at
+    )
+    return run_worker(spec, run_dir=run_dir, identity=identity, prewarmed=prewarmed)

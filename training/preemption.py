@@ -1,0 +1,384 @@
+"""Preemption without loss: SIGTERM (or `restarts.preemptSignal`) becomes an emergency checkpoint.
+
+Kubernetes evicts a pod with SIGTERM and a grace period (node drains, spot nodes, Kueue preemption); a
+spot VM under Ray gets 30 s to 2 min of notice; a Ctrl-C of `torchrig run` reaches the workers as a
+SIGTERM from their torchrun agent. Without a handler the workers die like a SIGKILL and the job loses
+every step since its last periodic checkpoint. With one (`PreemptionHandler`, installed by the worker):
+
+1. the signal only sets a flag (a Python handler on the main thread) and starts the deadline clock,
+   `restarts.preemptGraceSeconds`;
+2. at every step boundary the ranks exchange their flags (`Agreement`: one 4-byte all-reduce on a gloo
+   group of its own, started at one boundary and read at the next, so it overlaps a whole step and
+   training never waits for it); the first boundary where the exchanged value says "stop" is the stop
+   step, the same on every rank, so no rank is ever left alone in a collective;
+3. every rank takes a synchronous checkpoint of that step (`CheckpointManager.save(synchronous=True)`:
+   the same commit protocol as every save, so it is verified like any other on restore), writes a
+   `preempted` event (`training.contract.events.Preempted`) and the worker exits with
+   `ExitCode.PREEMPTED` (202, retryable): the next start restores that step and loses none;
+4. the deadline, or a second signal, ends the process at once (`os._exit(202)`) wherever it is. A save
+   cut short never commits: the manifest is written last and atomically (`training.checkpoint.save`),
+   so the restore falls back to the previous checkpoint. A repeat of the signal within
+   `DUPLICATE_WINDOW_S` is the same notice (an outside SIGTERM to every process of a node reaches a
+   worker twice: directly, and forwarded by its torchrun agent), not a second one.
+
+Launchers: torchrun forwards SIGTERM to its workers and SIGKILLs them after its shutdown timeout
+(`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, default 30 s): `launcher_env` sets it above the grace period. A
+torchrun agent that got the signal shuts its workers down and exits (it never restarts them in place),
+so the job stops and the scheduler (or `torchrig run` again) resubmits it. Pods get
+`terminationGracePeriodSeconds` from `pod_grace_period_seconds`.
+
+Only the main thread can install signal handlers: where the worker runs in another thread (Ray Train's
+training function) `install` does nothing and says so in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from training.contract.events import Preempted
+from training.contract.exit_codes import ExitCode
+
+if TYPE_CHECKING:
+    from training.config import RestartsConfig
+    from training.metrics.base import MetricsSink
+    from training.watchdog import StepWatchdog
+
+__all__ = [
+    "DUPLICATE_WINDOW_S",
+    "PREEMPTED_EXIT_CODE",
+    "Agreement",
+    "PreemptedExit",
+    "PreemptionHandler",
+    "launcher_env",
+    "pod_grace_period_seconds",
+    "torchrun_shutdown_timeout",
+]
+
+log = logging.getLogger(__name__)
+
+PREEMPTED_EXIT_CODE = int(ExitCode.PREEMPTED)
+DUPLICATE_WINDOW_S = 1.0  # a repeat of the signal this soon is the same notice, not "stop now"
+AGENT_MARGIN_S = 5  # torchrun waits this much longer than the workers' grace before it SIGKILLs them
+POD_MARGIN_S = 10  # the pod's grace period: the workers' plus the agent's exit and the container's
+
+
+def torchrun_shutdown_timeout(restarts: RestartsConfig) -> int:
+    """Seconds torchrun waits for its workers after forwarding SIGTERM (above the workers' grace)."""
+    return math.ceil(restarts.preempt_grace_seconds) + AGENT_MARGIN_S
+
+
+def pod_grace_period_seconds(restarts: RestartsConfig) -> int:
+    """A pod's `terminationGracePeriodSeconds`: the workers' grace, torchrun's margin and the exit."""
+    return math.ceil(restarts.preempt_grace_seconds) + POD_MARGIN_S
+
+
+def launcher_env(restarts: RestartsConfig) -> dict[str, str]:
+    """What a torchrun agent's environment needs so that preemption works: its shutdown timeout above
+    the grace period, and the extra preemption signal among the signals it forwards."""
+    from training.contract import Env
+
+    if restarts.preempt_grace_seconds <= 0:
+        return {}
+    env = {Env.ELASTIC_SHUTDOWN_TIMEOUT: str(torchrun_shutdown_timeout(restarts))}
+    if restarts.preempt_signal is not None:
+        env[Env.PET_SIGNALS_TO_HANDLE] = f"SIGTERM,SIGINT,SIGHUP,SIGQUIT,{restarts.preempt_signal}"
+    return env
+
+
+class PreemptedExit(Exception):
+    """Raised at the stop step once the emergency checkpoint is done: the worker exits 202."""
+
+    def __init__(self, step: int, committed: bool) -> None:
+        super().__init__(f"preempted at step {step} (emergency checkpoint {'committed' if committed else 'lost'})")
+        self.step = step
+        self.committed = committed
+
+
+class _Saver(Protocol):
+    """What the emergency save needs of `training.checkpoint.CheckpointManager`."""
+
+    @property
+    def last_committed_step(self) -> int | None: ...
+
+    history: list[Any]
+
+    def save(self, step: int, state: dict[str, Any], *, final: bool = False, synchronous: bool = False) -> Any: ...
+
+    def wait(self) -> None: ...
+
+
+class Agreement:
+    """The ranks' agreement on the stop step: a MAX all-reduce of the local flags on a gloo group of its
+    own, started at one step boundary and read at the next (collective: every rank calls `poll` at every
+    boundary). With one process there is nothing to agree: the local flag answers at once."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self._group: Any = dist.new_group(backend="gloo") if self.distributed else None
+        self._work: Any = None
+        self._flag: Any = None
+
+    def poll(self, local: bool) -> bool:
+        """Whether the group stops at this boundary (the same answer on every rank)."""
+        if not self.distributed:
+            return local
+        import torch
+        import torch.distributed as dist
+
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            if int(self._flag.item()):
+                return True
+        self._flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+        self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        return False
+
+    def close(self) -> None:
+        """Wait for the exchange in flight (every rank started it, so it completes)."""
+        work, self._work = self._work, None
+        if work is not None:
+            try:
+                work.wait()
+            except Exception:  # a peer already gone: nothing to agree on any more
+                log.debug("preemption: the last flag exchange failed", exc_info=True)
+
+
+class PreemptionHandler:
+    """Turns a preemption signal into an agreed stop step, an emergency checkpoint and exit 202.
+
+    Args:
+        grace_s: `restarts.preemptGraceSeconds` (0: off; `install` leaves the signals alone).
+        sink: Where the `preempted` event goes.
+        rank: This process's global rank (rank 0 prints the summary line).
+        extra_signal: `restarts.preemptSignal` (a signal name), besides SIGTERM.
+        watchdog: The step watchdog (the save runs under its checkpoint-I/O limit).
+        io_timeout_s: That limit (`checkpoint.ioTimeoutSeconds`).
+        exit: How the deadline and a second signal end the process (tests replace `os._exit`).
+    """
+
+    def __init__(
+        self,
+        grace_s: float,
+        sink: MetricsSink,
+        *,
+        rank: int = 0,
+        extra_signal: str | None = None,
+        watchdog: StepWatchdog | None = None,
+        io_timeout_s: float = 600.0,
+        exit: Callable[[int], None] = os._exit,
+    ) -> None:
+        self.grace_s = grace_s
+        self.sink = sink
+        self.rank = rank
+        self.signals = [signal.SIGTERM] + ([signal.Signals[extra_signal]] if extra_signal else [])
+        self.watchdog = watchdog
+        self.io_timeout_s = io_timeout_s
+        self._exit = exit
+        self.requested_at: float | None = None  # time.monotonic() of the first signal
+        self.signal_name = ""
+        self._step = 0  # the last step boundary seen (for the deadline's event)
+        self._done = threading.Event()  # the preempted event is written: nothing left to record
+        self._lock = threading.RLock()  # one ending only (the deadline, a second signal, the save)
+        self._timer: threading.Timer | None = None
+        self._previous: dict[int, Any] = {}
+        self._agreement: Agreement | None = None
+        self._installed = False
+        self.stop_step: int | None = None
+
+    @classmethod
+    def from_spec(
+        cls, restarts: RestartsConfig, sink: MetricsSink, *, rank: int, watchdog: StepWatchdog, io_timeout_s: float
+    ) -> PreemptionHandler:
+        return cls(
+            restarts.preempt_grace_seconds,
+            sink,
+            rank=rank,
+            extra_signal=restarts.preempt_signal,
+            watchdog=watchdog,
+            io_timeout_s=io_timeout_s,
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.grace_s > 0
+
+    @property
+    def requested(self) -> bool:
+        """A preemption signal reached this process."""
+        return self.requested_at is not None
+
+    # -- signals ----------------------------------------------------------------------------------
+    def install(self) -> PreemptionHandler:
+        """Answer the preemption signals (main thread only; a no-op when off or in another thread)."""
+        if not self.enabled:
+            return self
+        if threading.current_thread() is not threading.main_thread():
+            log.info("preemption: not on the main thread; SIGTERM keeps its default action here")
+            return self
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        self._installed = True
+        return self
+
+    def uninstall(self) -> None:
+        """Restore the previous handlers and stop the deadline clock (the process lives on)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def request(self, signal_name: str = "SIGTERM") -> None:
+        """A preemption notice (what the signal handler calls): first one starts the deadline; a second
+        one, later than `DUPLICATE_WINDOW_S`, ends the process now."""
+        now = time.monotonic()
+        if self.requested_at is None:
+            self.requested_at, self.signal_name = now, signal_name
+            self._timer = threading.Timer(self.grace_s, self._end, args=("deadline",))
+            self._timer.daemon = True
+            self._timer.start()
+            print(
+                f"torchrig: {signal_name}: stopping at the next step boundary with an emergency checkpoint "
+                f"(grace {self.grace_s:g} s; signal again to stop now)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        if now - self.requested_at >= DUPLICATE_WINDOW_S:
+            self._end("second_signal")
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.request(signal.Signals(signum).name)
+
+    def _since_signal(self) -> float:
+        return round(time.monotonic() - (self.requested_at or time.monotonic()), 3)
+
+    def _end(self, reason: str) -> None:
+        """The deadline or a second signal: record it (unless the outcome is recorded) and exit now."""
+        with self._lock:
+            if not self._done.is_set():
+                self._done.set()
+                self.sink.emit(
+                    Preempted(
+                        step=self.stop_step if self.stop_step is not None else self._step,
+                        committed=False,
+                        reason=reason,
+                        signal=self.signal_name,
+                        grace_s=self.grace_s,
+                        since_signal_s=self._since_signal(),
+                    )
+                )
+                what = "the grace period ran out" if reason == "deadline" else "asked again to stop"
+                print(
+                    f"torchrig: preempted: {what} before the emergency checkpoint committed; the previous "
+                    "checkpoint stands (a partial save is never committed)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            logging.shutdown()
+            self._exit(PREEMPTED_EXIT_CODE)
+
+    # -- the step boundary --------------------------------------------------------------------------
+    def connect(self) -> PreemptionHandler:
+        """Create the agreement's gloo group (collective: every rank, once the process group exists;
+        nothing where no handler is installed: no rank of the job can then be signalled)."""
+        if self._installed and self._agreement is None:
+            self._agreement = Agreement()
+        return self
+
+    def disconnect(self) -> None:
+        """Forget the agreement's group (in-place recovery, `training.inplace`, before the broken
+        groups are destroyed: nothing may keep them alive)."""
+        self._agreement = None
+
+    def reconnect(self) -> PreemptionHandler:
+        """A new process group replaced the old one (in-place recovery): create the agreement anew
+        (collective, like `connect`)."""
+        self._agreement = None
+        return self.connect()
+
+    def should_stop(self, step: int) -> bool:
+        """At the boundary after `step` (collective): whether the group stops here."""
+        self._step = step
+        if not self._installed:
+            return False
+        if self._agreement is None:
+            return self.requested
+        return self._agreement.poll(self.requested)
+
+    def at_step_boundary(self, step: int, checkpoints: _Saver | None, state: dict[str, Any]) -> None:
+        """Called after every completed step: at the agreed stop step, save and raise `PreemptedExit`."""
+        if self.should_stop(step):
+            self.stop(step, checkpoints, state)
+
+    def stop(self, step: int, checkpoints: _Saver | None, state: dict[str, Any]) -> None:
+        """Take the emergency checkpoint of `step` (collective), record it and raise `PreemptedExit`."""
+        self.stop_step = step
+        if self.requested_at is None:  # another rank's notice: the clock starts at the agreement here
+            self.requested_at, self.signal_name = time.monotonic(), "peer"
+        start = time.perf_counter()
+        committed, stores_ok = False, []
+        if checkpoints is not None:
+            if self.watchdog is not None:
+                with self.watchdog.io(self.io_timeout_s):
+                    outcome = self._save(step, checkpoints, state)
+            else:
+                outcome = self._save(step, checkpoints, state)
+            committed = checkpoints.last_committed_step == step
+            stores_ok = list(getattr(outcome, "stores_ok", []) or [])
+        save_s = round(time.perf_counter() - start, 3)
+        with self._lock:
+            if self._done.is_set():  # the deadline struck meanwhile and is ending the process
+                raise PreemptedExit(step, False)
+            self._done.set()
+            self.sink.emit(
+                Preempted(
+                    step=step,
+                    committed=committed,
+                    reason="saved" if committed else "save_failed",
+                    signal=self.signal_name,
+                    grace_s=self.grace_s,
+                    since_signal_s=self._since_signal(),
+                    save_s=save_s,
+                    stores_ok=stores_ok,
+                )
+            )
+        if self.rank == 0:
+            what = f"emergency checkpoint committed to {', '.join(stores_ok) or 'the stores'}"
+            if checkpoints is None:
+                what = "no checkpoint stores configured"
+            elif not committed:
+                what = "the emergency checkpoint failed; the previous checkpoint stands"
+            print(
+                f"torchrig: preempted at step {step}: {what} in {save_s:.2f} s ({self._since_signal():.2f} s after "
+                f"the signal, grace {self.grace_s:g} s); exiting {PREEMPTED_EXIT_CODE} to be resumed",
+                file=sys.stderr,
+                flush=True,
+            )
+        raise PreemptedExit(step, committed)
+
+    @staticmethod
+    def _save(step: int, checkpoints: _Saver, state: dict[str, Any]) -> Any:
+        outcome = checkpoints.save(step, state, synchronous=True)
+        if outcome is None:  # this step was saved already (a periodic save at this boundary): wait for it
+            checkpoints.wait()
+            outcome = next((o for o in reversed(checkpoints.history) if getattr(o, "step", None) == step), None)
+        return outcome
+
+    def close(self) -> None:
+        """End of the worker: drain the agreement and stop the deadline clock unless it is counting."""
+        if self._agreement is not None:
+            self._agreement.close()
+        if not self.requested:
+            self.uninstall()
