@@ -215,14 +215,17 @@ class RestartsConfig(Model):
             "node-drain hook); torchrun forwards it to the workers. SIGUSR1 is taken by the stack dumps."
         ),
     )
-    mode: Literal["inplace", "restart"] = Field(
-        default="inplace",
+    mode: Literal["auto", "inplace", "restart"] = Field(
+        default="auto",
         description=(
             "How the group recovers from a lost rank. `inplace`: the surviving ranks keep their state in memory, "
             "a warm spare takes the dead rank's place and receives the state from a survivor (0 lost steps), "
             "falling back to `restart` when that cannot finish within inPlaceTimeoutSeconds. `restart`: torchrun "
-            "restarts every rank from the newest checkpoint. In-place applies to DDP jobs with 2+ ranks launched "
-            "by torchrig's torchrun command on the local backend (docs/operations.md); everything else restarts."
+            "restarts every rank from the newest checkpoint. `auto` (the default): `inplace` for a world of 2 "
+            "ranks, `restart` above, because with 3+ ranks a survivor blocked on a live peer (gloo cannot abort a "
+            "collective) learns of the failure only through inPlaceTimeoutSeconds, which is slower than a restart "
+            "(docs/architecture.md, Recovery). In-place applies to DDP jobs launched by torchrig's torchrun command "
+            "on the local backend (docs/operations.md); everything else restarts."
         ),
     )
     spares: int = Field(

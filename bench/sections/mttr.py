@@ -1,5 +1,5 @@
 """MTTR: SIGKILL of one rank, then time to the first step after recovery (at the original world size) and
-steps lost, for torchrig in place (a warm spare, `restarts.mode: inplace`, the default), torchrig's
+steps lost, for torchrig in place (a warm spare, the default `restarts.mode: auto` at 2 ranks), torchrig's
 group restart (`restarts.mode: restart`), plain torchrun with a naive save-every-N loop, and Ray Train.
 
 The in-place row also checks the targets of issue 14: 0 lost steps and final parameters bit-identical

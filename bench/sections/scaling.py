@@ -1,6 +1,7 @@
 """Scaling: checkpoint save, restore and MTTR against world size, from kill-worker drills (local, tiny model).
 
-The drills run the default recovery, in place (`restarts.mode: inplace`): the MTTR target is flat, world
+The drills force in-place recovery (`restarts.mode: inplace`; the default `auto` restarts above 2 ranks):
+the MTTR target is flat, world
 size 8 at most 1.5x world size 2 (`mttr_ratio_max_vs_min`). Restore times come from restart-path runs
 only (in place nothing is restored), so they are NaN here unless a run fell back."""
 
@@ -20,7 +21,7 @@ def bench_scaling(world_sizes: list[int]) -> dict[str, Any]:
     save_s, restore_s, mttr_s, paths = [], [], [], []
     for w in world_sizes:
         with tempfile.TemporaryDirectory() as d:
-            report = kill_worker_drill(40, 35, w, Path(d))
+            report = kill_worker_drill(40, 35, w, Path(d), extra=("spec.restarts.mode=inplace",))
             events = read_events(RunFiles(report.run_dir).events)
         mttr_s.append(float(report.mttr_seconds))
         paths.append(report.recovery_path)

@@ -51,7 +51,8 @@ def test_kill_worker_recovers_bit_exactly(tmp_path: Path) -> None:
     report = _drill("kill-worker", tmp_path, seed=1, at_step=13, rank=1)
     assert report.fault_step == 13 and report.fault_rank == 1
     assert report.final_params_match_reference is True
-    # `restarts.mode: inplace` (the default): a warm spare took rank 1's place, nothing restored, no step lost.
+    # In place (`restarts.mode: auto`, the default, at 2 ranks): a warm spare took rank 1's place, nothing
+    # restored, no step lost.
     assert report.recovery_path == "inplace"
     assert report.resumed_from_step == 13 and report.lost_steps == 0
     assert report.mttr_seconds is not None and report.mttr_seconds > 0

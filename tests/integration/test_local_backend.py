@@ -347,7 +347,7 @@ def test_digits_demo_with_the_real_worker(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
     assert summary["status"] == "succeeded" and summary["steps"] == 120
-    # In place (`restarts.mode: inplace`, the default): a warm spare took rank 1's place, nothing restored.
+    # In place (`restarts.mode: auto`, the default, at 2 ranks): a warm spare took rank 1's place, nothing restored.
     assert summary["restarts"] == 0 and summary["restored_from"] == []
     assert summary["recoveries"] == {"inplace": 1}
     assert summary["params_sha256"] and summary["eval"]

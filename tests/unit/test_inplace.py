@@ -51,6 +51,9 @@ def test_in_place_applies_only_to_ddp_with_spares_under_the_local_launch() -> No
     assert InPlace.from_spec(_worker_spec(spares=0), LAUNCHED) is None
     assert InPlace.from_spec(_worker_spec(), {**LAUNCHED, Env.WORLD_SIZE: "1"}) is None
     assert InPlace.from_spec(_worker_spec(), {k: v for k, v in LAUNCHED.items() if k != Env.INPLACE_STORE}) is None
+    # `auto` (the default) recovers in place at world size 2 only; `inplace` opts in at any size.
+    assert InPlace.from_spec(_worker_spec(), {**LAUNCHED, Env.WORLD_SIZE: "4"}) is None
+    assert InPlace.from_spec(_worker_spec(mode="inplace"), {**LAUNCHED, Env.WORLD_SIZE: "4"}) is not None
     fsdp = _worker_spec()
     fsdp.spec.training.strategy = type(fsdp.spec.training.strategy)("fsdp")
     assert InPlace.from_spec(fsdp, LAUNCHED) is None

@@ -2,7 +2,8 @@
 
 Without it every failure costs a group restart: torchrun kills and respawns every rank, and each new
 process pays `import torch`, the model build and a checkpoint restore (docs/architecture.md has the
-numbers). With `restarts.mode: inplace` (DDP, 2+ ranks, launched by torchrig's torchrun command):
+numbers). With `restarts.mode: inplace` (DDP, 2+ ranks, launched by torchrig's torchrun command; `auto`,
+the default, only at world size 2, see `AUTO_MAX_WORLD_SIZE`):
 
 - every process torchrun starts is a light per-rank **host** (`training.inplace.host`) that runs the
   real trainer as its child and watches it, so the torchrun agent never sees a trainer die;
@@ -35,8 +36,9 @@ from training.contract import Env
 if TYPE_CHECKING:
     from training.config import WorkerSpec
 
-__all__ = ["IDENTITY_ENV", "ROLE_SPARE", "ROLE_TRAINER", "InPlace"]
+__all__ = ["AUTO_MAX_WORLD_SIZE", "IDENTITY_ENV", "ROLE_SPARE", "ROLE_TRAINER", "InPlace"]
 
+AUTO_MAX_WORLD_SIZE = 2  # `restarts.mode: auto` recovers in place up to this world size
 ROLE_TRAINER = "trainer"
 ROLE_SPARE = "spare"
 # What a host hands its spare: the launcher variables that make up a `WorkerIdentity`.
@@ -77,12 +79,17 @@ class InPlace:
         """The settings when this launch recovers in place, else None (the restart path)."""
         env = os.environ if env is None else env
         restarts = spec.spec.restarts
-        if restarts.mode != "inplace" or restarts.spares < 1:
+        if restarts.mode == "restart" or restarts.spares < 1:
             return None
         if spec.spec.training.strategy.value != "ddp":
             return None  # FSDP/HSDP shards have no replica to copy from: they restart (docs/operations.md)
         addr, run_id = env.get(Env.INPLACE_STORE, ""), env.get(Env.RUN_ID, "")
-        if not addr or not run_id or int(env.get(Env.WORLD_SIZE, "1") or 1) < 2:
+        world_size = int(env.get(Env.WORLD_SIZE, "1") or 1)
+        if not addr or not run_id or world_size < 2:
+            return None
+        if restarts.mode == "auto" and world_size > AUTO_MAX_WORLD_SIZE:
+            # 3+ ranks: a survivor blocked on a live peer waits for the collective timeout (gloo cannot
+            # abort), slower than a group restart; `mode: inplace` opts in anyway.
             return None
         return cls(
             store_addr=addr,
