@@ -27,8 +27,10 @@ torchrun agent that got the signal shuts its workers down and exits (it never re
 so the job stops and the scheduler (or `torchrig run` again) resubmits it. Pods get
 `terminationGracePeriodSeconds` from `pod_grace_period_seconds`.
 
-Only the main thread can install signal handlers: where the worker runs in another thread (Ray Train's
-training function) `install` does nothing and says so in the log.
+Only the main thread can install signal handlers. Where the worker runs in another thread (Ray Train's
+training function) the launcher hands `install` a way to run it on the main thread
+(`training.ray_train`: the worker actor's main thread, through Ray's `__ray_call__`); without one
+`install` does nothing and says so in the log.
 """
 
 from __future__ import annotations
@@ -194,6 +196,7 @@ class PreemptionHandler:
         self._previous: dict[int, Any] = {}
         self._agreement: Agreement | None = None
         self._installed = False
+        self._on_main_thread: Callable[[Callable[[], None]], None] | None = None
         self.stop_step: int | None = None
 
     @classmethod
@@ -219,23 +222,42 @@ class PreemptionHandler:
         return self.requested_at is not None
 
     # -- signals ----------------------------------------------------------------------------------
-    def install(self) -> PreemptionHandler:
-        """Answer the preemption signals (main thread only; a no-op when off or in another thread)."""
+    def install(self, on_main_thread: Callable[[Callable[[], None]], None] | None = None) -> PreemptionHandler:
+        """Answer the preemption signals (a no-op when off).
+
+        Only the main thread can install a signal handler. In another thread, `on_main_thread` (a way
+        to run a function on the process's main thread and wait for it: Ray Train's, see
+        `training.ray_train`) installs it there; without one, SIGTERM keeps its action (logged).
+        """
         if not self.enabled:
             return self
-        if threading.current_thread() is not threading.main_thread():
+        if threading.current_thread() is threading.main_thread():
+            self._set_handlers()
+        elif on_main_thread is not None:
+            on_main_thread(self._set_handlers)
+            self._on_main_thread = on_main_thread
+        else:
             log.info("preemption: not on the main thread; SIGTERM keeps its default action here")
             return self
-        for sig in self.signals:
-            self._previous[sig] = signal.signal(sig, self._on_signal)
         self._installed = True
         return self
 
-    def uninstall(self) -> None:
-        """Restore the previous handlers and stop the deadline clock (the process lives on)."""
+    def _set_handlers(self) -> None:
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def _restore_handlers(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+    def uninstall(self) -> None:
+        """Restore the previous handlers and stop the deadline clock (the process lives on)."""
+        if self._previous:
+            if self._on_main_thread is not None and threading.current_thread() is not threading.main_thread():
+                self._on_main_thread(self._restore_handlers)
+            else:
+                self._restore_handlers()
         if self._timer is not None:
             self._timer.cancel()
 

@@ -14,6 +14,19 @@ Train v2 keeps only the metrics reported with a checkpoint (`Result.metrics` is 
 checkpoint's, None without one), and `Result.return_value` exists only in Ray releases newer than the
 oldest torchrig supports (ray-project/ray#62021).
 
+Preemption (`training.preemption`): the training function runs in a thread of the worker actor, where
+Python cannot install a signal handler, and the actor's main thread sits in Ray's task loop with Ray's
+own SIGTERM handler (`Worker.main_loop`: exit the process at once). `run_on_actor_main_thread` runs the
+handler's installation on that main thread as an actor task (`__ray_call__`; Ray Train's worker actor
+runs one task at a time on its main thread, which it leaves free while the training thread runs), so a
+SIGTERM to a Ray Train worker process becomes the agreed stop step and the emergency checkpoint like
+under torchrun; Ray's handler comes back when the worker ends without a signal. The training function
+then raises `PreemptedExit`: Ray Train counts a worker failure and restarts the group
+(`restarts.max`), which restores the emergency checkpoint, or, with no restart left, the run ends
+(summary `preempted`) with that checkpoint committed, and a new run of the job resumes from it.
+(`worker_process_setup_hook` would not do: it runs before `main_loop`, which installs Ray's handler
+over it.)
+
 `ray` is imported inside functions only: `training` must stay importable without Ray.
 """
 
@@ -21,13 +34,45 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from training.contract import Env, EventKind, Result, RunFiles, WorkerIdentity, WorkerReport, read_events
 
-__all__ = ["LEDGER_CALL_TIMEOUT_S", "create_run_ledger", "last_committed_checkpoint", "train_loop_per_worker"]
+__all__ = [
+    "LEDGER_CALL_TIMEOUT_S",
+    "create_run_ledger",
+    "last_committed_checkpoint",
+    "run_on_actor_main_thread",
+    "train_loop_per_worker",
+]
 
 LEDGER_CALL_TIMEOUT_S = 60.0  # a call on the ledger actor (a few bytes in memory): past this, Ray is broken
+MAIN_THREAD_CALL_TIMEOUT_S = 60.0  # a task on this worker's own actor (its main thread is idle): past it, broken
+
+_pending: dict[int, Callable[[], None]] = {}  # calls handed to the actor's main thread (same process)
+
+
+def _call_pending(actor: Any, key: int) -> None:
+    """Runs on the worker actor's main thread (`__ray_call__`): the function registered under `key`."""
+    _pending.pop(key)()
+
+
+def run_on_actor_main_thread(fn: Callable[[], None]) -> None:
+    """Run `fn` on the main thread of this Ray Train worker's process and wait for it.
+
+    `fn` stays in this process: only a key travels through Ray (the actor task runs in the same
+    process, where `_pending` holds it), so it may close over anything, signal handlers included.
+    """
+    import ray
+
+    key = id(fn)
+    _pending[key] = fn
+    try:
+        actor = ray.get_runtime_context().current_actor
+        ray.get(actor.__ray_call__.remote(_call_pending, key), timeout=MAIN_THREAD_CALL_TIMEOUT_S)
+    finally:
+        _pending.pop(key, None)
 
 
 def create_run_ledger() -> Any:
@@ -137,7 +182,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     spec = load_worker_spec(str(config["spec_yaml"]))
     result: dict[str, Any] | None = None
     try:
-        result = run_worker(spec, run_dir=run_dir, identity=identity)
+        result = run_worker(spec, run_dir=run_dir, identity=identity, on_main_thread=run_on_actor_main_thread)
     finally:
         if rank == 0 and ledger is not None:  # also when training raised: the restores and commits so far
             _hand_over(ledger, run_dir, result)

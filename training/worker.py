@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,7 @@ def run_worker(
     run_dir: str | None,
     identity: WorkerIdentity | None = None,
     prewarmed: Prewarmed | None = None,
+    on_main_thread: Callable[[Callable[[], None]], None] | None = None,
 ) -> dict[str, Any]:
     """Train one worker of the job to `training.steps` and return its result.
 
@@ -80,6 +82,9 @@ def run_worker(
             group that already exists (Ray Train creates it) is reused, never re-created or destroyed.
         prewarmed: A warm spare's prebuilt task and model: join that process-group generation and
             take the trained state from a survivor instead of a checkpoint (`training.inplace`).
+        on_main_thread: Where this runs outside the main thread (Ray Train), how to run a function on
+            it: the preemption handler's signal handlers are installed there
+            (`PreemptionHandler.install`).
 
     Returns:
         The `result.json` fields (`training.contract.Result`), on every rank.
@@ -102,7 +107,7 @@ def run_worker(
     io_timeout_s = spec.spec.checkpoint.io_timeout_seconds
     preemption = PreemptionHandler.from_spec(
         spec.spec.restarts, sink, rank=identity.rank, watchdog=watchdog, io_timeout_s=io_timeout_s
-    ).install()  # SIGTERM -> emergency checkpoint (training.preemption)
+    ).install(on_main_thread)  # SIGTERM -> emergency checkpoint (training.preemption)
     created_group = False
     trainer: Trainer | None = None
     try:

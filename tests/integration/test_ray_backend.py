@@ -188,3 +188,45 @@ def test_submit_returns_at_once_and_cancel_stops_the_detached_run(
     assert summary["checkpoints"][0]["last_committed_step"] >= 5
     assert summary["ray_auth"] == "token" and not (home / ".ray" / "auth_token").exists()
     assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def test_sigterm_to_a_ray_train_worker_takes_an_emergency_checkpoint_and_loses_no_step(
+    ray_local_2cpu: object, tmp_path: Path
+) -> None:
+    """Issue 20 on Ray: a SIGTERM to one Ray Train worker process mid-run (the training function runs in
+    a non-main thread; the handler is installed on the actor's main thread). Both ranks stop at one
+    agreed step, commit an emergency checkpoint of it, Ray Train restarts the group and the restarted
+    group restores exactly that step: no step is lost and the run still ends at `training.steps`."""
+    import os
+    import signal
+
+    run_dir = tmp_path / "run"
+    # Generation 0 is slowed from step 2 on (0.3 s a step), so the signal lands mid-run; the restart runs at speed.
+    fault = [{"kind": "slow", "rank": 0, "step": 2, "seconds": 0.3}]
+    options = SubmitOptions(run_dir=str(run_dir), env={Env.FAULTS: json.dumps(fault)})
+    run = get_backend("ray").launch(tiny_digits(), options)
+    deadline = time.monotonic() + 180
+    pid = None
+    while time.monotonic() < deadline and pid is None:
+        live = read_jsonl(run_dir / "events.jsonl") if (run_dir / "events.jsonl").exists() else []
+        started = [e for e in live if e.get("event") == "start" and e.get("rank") == 1]
+        if started and any(e.get("event") == "checkpoint_committed" and e.get("step") == 5 for e in live):
+            pid = int(started[0]["pid"])
+        time.sleep(0.2)
+    assert pid is not None, "the run never reached its first checkpoint"
+    assert pid != os.getpid()
+    os.kill(pid, signal.SIGTERM)
+    summary = run.wait().to_dict()
+
+    history = events(run_dir)
+    preempted = [e for e in history if e["event"] == "preempted"]
+    assert sorted(e["rank"] for e in preempted) == [0, 1], preempted
+    stop = preempted[0]["step"]
+    assert {e["step"] for e in preempted} == {stop} and all(e["committed"] for e in preempted)
+    assert {e["reason"] for e in preempted} == {"saved"} and 5 < stop < STEPS
+    assert {e["signal"] for e in preempted if e["rank"] == 1} == {"SIGTERM"}
+    committed = [e for e in history if e["event"] == "checkpoint_committed" and e["step"] == stop]
+    assert committed, f"no emergency checkpoint of step {stop} was committed"
+    restore = next(e for e in history if e["event"] == "restore" and e["rank"] == 0)
+    assert restore["generation"] == 1 and restore["step"] == stop  # 0 steps lost
+    assert summary["status"] == "succeeded" and summary["steps"] == STEPS and summary["restarts"] == 1

@@ -172,6 +172,46 @@ def test_off_with_a_zero_grace_and_the_real_signal_sets_the_flag() -> None:
     assert signal.getsignal(signal.SIGTERM) == before
 
 
+def test_off_the_main_thread_the_handler_is_installed_on_it_through_the_launcher() -> None:
+    """Ray Train's case (`training.ray_train.run_on_actor_main_thread`): the worker runs in another
+    thread and hands the installation (and the uninstallation) to the main thread; without such a
+    runner nothing is installed there."""
+    import queue
+
+    calls: queue.Queue[Any] = queue.Queue()
+
+    def on_main_thread(fn: Any) -> None:  # what the launcher does: run it on the main thread, wait
+        done = threading.Event()
+        calls.put((fn, done))
+        assert done.wait(10)
+
+    before = signal.getsignal(signal.SIGUSR2)
+    handlers: dict[str, PreemptionHandler] = {}
+
+    def worker() -> None:
+        handlers["plain"] = PreemptionHandler(30.0, _Events(), extra_signal="SIGUSR2").install()
+        handler = handlers["ray"] = PreemptionHandler(30.0, _Events(), extra_signal="SIGUSR2").install(on_main_thread)
+        os.kill(os.getpid(), signal.SIGUSR2)
+        deadline = time.monotonic() + 5
+        while not handler.requested and time.monotonic() < deadline:
+            time.sleep(0.01)
+        handler.uninstall()
+        calls.put(None)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    ran = 0
+    while (item := calls.get(timeout=20)) is not None:
+        item[0]()
+        item[1].set()
+        ran += 1
+    thread.join(10)
+    assert ran == 2  # the installation and the uninstallation, both on this (the main) thread
+    assert not handlers["plain"]._installed and handlers["plain"]._previous == {}
+    assert handlers["ray"].requested and handlers["ray"].signal_name == "SIGUSR2"
+    assert signal.getsignal(signal.SIGUSR2) == before
+
+
 def test_launchers_get_the_grace_period() -> None:
     restarts = RestartsConfig(preempt_grace_seconds=42.5, preempt_signal="SIGUSR2")
     assert torchrun_shutdown_timeout(restarts) == 48 and pod_grace_period_seconds(restarts) == 53
