@@ -68,6 +68,7 @@ log = logging.getLogger(__name__)
 
 PREEMPTED_EXIT_CODE = int(ExitCode.PREEMPTED)
 DUPLICATE_WINDOW_S = 1.0  # a repeat of the signal this soon is the same notice, not "stop now"
+NOTICE_NAME = "DRAIN"  # the `signal` of a `preempted` event caused by a scheduler's notice (a node drain)
 AGENT_MARGIN_S = 5  # torchrun waits this much longer than the workers' grace before it SIGKILLs them
 POD_MARGIN_S = 10  # the pod's grace period: the workers' plus the agent's exit and the container's
 
@@ -197,6 +198,8 @@ class PreemptionHandler:
         self._agreement: Agreement | None = None
         self._installed = False
         self._on_main_thread: Callable[[Callable[[], None]], None] | None = None
+        self._notice: Callable[[], float | None] | None = None
+        self._notice_every = 1
         self.stop_step: int | None = None
 
     @classmethod
@@ -261,18 +264,46 @@ class PreemptionHandler:
         if self._timer is not None:
             self._timer.cancel()
 
-    def request(self, signal_name: str = "SIGTERM") -> None:
-        """A preemption notice (what the signal handler calls): first one starts the deadline; a second
-        one, later than `DUPLICATE_WINDOW_S`, ends the process now."""
+    def watch_notice(self, poll: Callable[[], float | None], every_steps: int) -> PreemptionHandler:
+        """Also stop for a scheduler's advance notice, not only a signal (Ray Train's node drain:
+        `training.ray_train.ray_drain_notice`).
+
+        Args:
+            poll: Returns the seconds left before this group's node is reclaimed, or None while no
+                reclaim is announced. Called at every `every_steps`-th step boundary on every rank
+                (it may be a collective: Ray's is a barrier). An exception turns the watch off (logged).
+            every_steps: Steps between polls (`metrics.logEvery`).
+        """
+        if self.enabled:
+            self._notice, self._notice_every = poll, max(1, every_steps)
+        return self
+
+    def _poll_notice(self, step: int) -> None:
+        if self._notice is None or self.requested or step % self._notice_every:
+            return
+        try:
+            left = self._notice()
+        except Exception as exc:  # a scheduler API failing must never end the training
+            log.warning("preemption: the scheduler's notice cannot be read (%s); not watched any more", exc)
+            self._notice = None
+            return
+        if left is not None:
+            self.request(NOTICE_NAME, grace_s=min(self.grace_s, max(0.0, left)))
+
+    def request(self, signal_name: str = "SIGTERM", *, grace_s: float | None = None) -> None:
+        """A preemption notice (what the signal handler calls): first one starts the deadline (`grace_s`,
+        default `restarts.preemptGraceSeconds`); a second one, later than `DUPLICATE_WINDOW_S`, ends the
+        process now."""
         now = time.monotonic()
         if self.requested_at is None:
             self.requested_at, self.signal_name = now, signal_name
-            self._timer = threading.Timer(self.grace_s, self._end, args=("deadline",))
+            grace = self.grace_s if grace_s is None else grace_s
+            self._timer = threading.Timer(grace, self._end, args=("deadline",))
             self._timer.daemon = True
             self._timer.start()
             print(
                 f"torchrig: {signal_name}: stopping at the next step boundary with an emergency checkpoint "
-                f"(grace {self.grace_s:g} s; signal again to stop now)",
+                f"(grace {grace:g} s; signal again to stop now)",
                 file=sys.stderr,
                 flush=True,
             )
@@ -333,7 +364,8 @@ class PreemptionHandler:
     def should_stop(self, step: int) -> bool:
         """At the boundary after `step` (collective): whether the group stops here."""
         self._step = step
-        if not self._installed:
+        self._poll_notice(step)  # every rank at the same boundaries: the same answer everywhere
+        if not self._installed and self._notice is None:
             return False
         if self._agreement is None:
             return self.requested

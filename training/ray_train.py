@@ -24,6 +24,8 @@ under torchrun; Ray's handler comes back when the worker ends without a signal. 
 then raises `PreemptedExit`: Ray Train counts a worker failure and restarts the group
 (`restarts.max`), which restores the emergency checkpoint, or, with no restart left, the run ends
 (summary `preempted`) with that checkpoint committed, and a new run of the job resumes from it.
+A node drain (Ray Train's `get_preemption_info`, e.g. a spot reclaim with its deadline) is the same
+notice without a signal: `ray_drain_notice` is polled every `metrics.logEvery` steps on every rank.
 (`worker_process_setup_hook` would not do: it runs before `main_loop`, which installs Ray's handler
 over it.)
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +46,7 @@ __all__ = [
     "LEDGER_CALL_TIMEOUT_S",
     "create_run_ledger",
     "last_committed_checkpoint",
+    "ray_drain_notice",
     "run_on_actor_main_thread",
     "train_loop_per_worker",
 ]
@@ -73,6 +77,26 @@ def run_on_actor_main_thread(fn: Callable[[], None]) -> None:
         ray.get(actor.__ray_call__.remote(_call_pending, key), timeout=MAIN_THREAD_CALL_TIMEOUT_S)
     finally:
         _pending.pop(key, None)
+
+
+def ray_drain_notice() -> float | None:
+    """Seconds until Ray reclaims a node of this worker group, or None while none is announced.
+
+    Ray Train's `get_preemption_info` (a node being drained, e.g. a spot reclaim, with its deadline;
+    Ray Train's watcher polls the draining nodes every few seconds). It is a barrier across the group's
+    workers, so every rank must call it at the same steps (`PreemptionHandler.watch_notice` does).
+    """
+    import ray.train
+
+    get = getattr(ray.train, "get_preemption_info", None)
+    if get is None:
+        return None  # a Ray without the API
+    info = get()
+    if info is None:
+        return None
+    if info.deadline_ms is None:
+        return float("inf")  # announced without a deadline: the grace period applies
+    return max(0.0, float(info.deadline_ms) / 1000.0 - time.time())
 
 
 def create_run_ledger() -> Any:
@@ -182,7 +206,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     spec = load_worker_spec(str(config["spec_yaml"]))
     result: dict[str, Any] | None = None
     try:
-        result = run_worker(spec, run_dir=run_dir, identity=identity, on_main_thread=run_on_actor_main_thread)
+        result = run_worker(
+            spec,
+            run_dir=run_dir,
+            identity=identity,
+            on_main_thread=run_on_actor_main_thread,
+            preemption_notice=ray_drain_notice,
+        )
     finally:
         if rank == 0 and ledger is not None:  # also when training raised: the restores and commits so far
             _hand_over(ledger, run_dir, result)

@@ -70,6 +70,7 @@ def run_worker(
     identity: WorkerIdentity | None = None,
     prewarmed: Prewarmed | None = None,
     on_main_thread: Callable[[Callable[[], None]], None] | None = None,
+    preemption_notice: Callable[[], float | None] | None = None,
 ) -> dict[str, Any]:
     """Train one worker of the job to `training.steps` and return its result.
 
@@ -85,6 +86,9 @@ def run_worker(
         on_main_thread: Where this runs outside the main thread (Ray Train), how to run a function on
             it: the preemption handler's signal handlers are installed there
             (`PreemptionHandler.install`).
+        preemption_notice: A scheduler's advance notice of a reclaim (Ray Train's node drain): seconds
+            left, or None; polled every `metrics.logEvery` steps on every rank, and handled like SIGTERM
+            within the shorter of that and `restarts.preemptGraceSeconds`.
 
     Returns:
         The `result.json` fields (`training.contract.Result`), on every rank.
@@ -108,6 +112,8 @@ def run_worker(
     preemption = PreemptionHandler.from_spec(
         spec.spec.restarts, sink, rank=identity.rank, watchdog=watchdog, io_timeout_s=io_timeout_s
     ).install(on_main_thread)  # SIGTERM -> emergency checkpoint (training.preemption)
+    if preemption_notice is not None:  # a scheduler's advance notice (Ray's node drain) means the same
+        preemption.watch_notice(preemption_notice, spec.spec.metrics.log_every)
     created_group = False
     trainer: Trainer | None = None
     try:

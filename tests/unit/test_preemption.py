@@ -339,3 +339,41 @@ def test_the_bench_report_has_the_preempt_table() -> None:
     row = {"sigterm_to_commit_s": 0.7, "sync_save_s": 1.0, "torch_save_s": 0.7, "ratio_vs_sync_save": 0.7}
     results = {"timestamp": "t", "machine": {"cpus": 2}, "preempt": {"50MB": {**row, "grace_headroom": 42.9}}}
     assert "| 50MB | 0.700 s | 1.000 s | 0.700 s | 0.70 | 42.9x |" in markdown(results)
+
+
+def test_a_schedulers_drain_notice_stops_the_group_like_sigterm_within_its_deadline() -> None:
+    events, done = _Events(), _Exit()
+    handler = PreemptionHandler(30.0, events, exit=done)
+    calls: list[int] = []
+    answers = iter([None, 4.0])
+
+    def notice() -> float | None:
+        calls.append(handler._step)
+        return next(answers)
+
+    handler.watch_notice(notice, every_steps=5)
+    # Polled only every 5th boundary (every rank at the same steps: it may be a barrier), never before.
+    assert [handler.should_stop(s) for s in range(1, 10)] == [False] * 9
+    assert calls == [5]
+    assert handler.should_stop(10) is True and calls == [5, 10]
+    assert handler.signal_name == "DRAIN" and handler.requested
+    assert handler._timer is not None and handler._timer.interval == 4.0  # the notice's deadline, not 30 s
+    saver = _Saver()
+    with pytest.raises(PreemptedExit):
+        handler.stop(10, saver, {})
+    assert saver.calls == [(10, True)]
+    handler.uninstall()
+    assert not done.codes  # saved in time: no forced exit
+
+
+def test_a_failing_notice_is_dropped_and_an_off_handler_never_polls() -> None:
+    handler = PreemptionHandler(30.0, _Events(), exit=_Exit())
+
+    def broken() -> float | None:
+        raise RuntimeError("no train context")
+
+    handler.watch_notice(broken, every_steps=1)
+    assert handler.should_stop(1) is False and handler.should_stop(2) is False
+    assert handler._notice is None
+    off = PreemptionHandler(0.0, _Events(), exit=_Exit()).watch_notice(lambda: 1.0, every_steps=1)
+    assert off.should_stop(1) is False and not off.requested
