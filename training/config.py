@@ -192,7 +192,8 @@ class RestartsConfig(Model):
         gt=0,
         description=(
             "Watchdog: a rank that completes no step for this long exits, so the launcher restarts the "
-            "group from the last checkpoint (hang detection). Covers start-up and the first step too; "
+            "group from the last checkpoint (hang detection). Covers the first step too; start-up (process group, "
+            "model, opening the stores) has the larger of this and `checkpoint.ioTimeoutSeconds`, and "
             "checkpoint I/O has its own limit, `checkpoint.ioTimeoutSeconds`."
         ),
     )

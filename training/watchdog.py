@@ -11,6 +11,10 @@ not a step: a large restore or a slow store must not be taken for a hang. Inside
 the limit is `checkpoint.ioTimeoutSeconds` instead, counted from the start of the I/O; the step clock
 starts again when it ends. A rank silent past that limit still exits.
 
+Start-up (before the first step: the process group, the model, DDP's first broadcast, opening the
+stores) runs under `with watchdog.startup(...)`, whose limit is the larger of the two: peers that are
+still importing torch are not a hang.
+
 Before that, at `DUMP_AT` of the timeout, every rank dumps its stacks (`training.stacks`): all ranks
 of a hung group fall silent at the same step, so each writes its dump while every peer is still alive
 (a rank that exits first would turn its peers' blocked collective into an error, and no dump).
@@ -96,11 +100,26 @@ class StepWatchdog:
         Both edges count as a beat: the I/O gets its whole limit, and the next step its whole step
         timeout. Nested blocks keep the outer limit when they end.
         """
+        with self._phase(timeout_s, "checkpoint.ioTimeoutSeconds", "checkpoint_io"):
+            yield
+
+    @contextlib.contextmanager
+    def startup(self, io_timeout_s: float) -> Iterator[None]:
+        """Start-up (process group, model, DDP's first broadcast, opening the stores): the limit is the
+        larger of the step timeout and `checkpoint.ioTimeoutSeconds`. A peer still importing torch on a
+        loaded node keeps this rank waiting in the first collective; that is not a hang, and a short
+        step timeout (a drill's) must not end a rank that has not reached its first step."""
+        limit = max(self.timeout_s, io_timeout_s)
+        with self._phase(limit, "max(restarts.stepTimeoutSeconds, checkpoint.ioTimeoutSeconds)", "startup"):
+            yield
+
+    @contextlib.contextmanager
+    def _phase(self, timeout_s: float, setting: str, phase: str) -> Iterator[None]:
         previous = self._limit
         # The thread reads `_limit` before `_last`: setting `_last` first means it never pairs the
         # old silence with a shorter limit (here or when the block ends).
         self._last = time.monotonic()
-        self._limit = (timeout_s, "checkpoint.ioTimeoutSeconds", "checkpoint_io")
+        self._limit = (timeout_s, setting, phase)
         try:
             yield
         finally:
@@ -135,7 +154,9 @@ class StepWatchdog:
             if silent > timeout_s:
                 self._dump()  # when a poll jumped straight past DUMP_AT
                 self.events.emit(Watchdog(step=self._step, silent_s=round(silent, 3), timeout_s=timeout_s, phase=phase))
-                what = "no step completed" if phase == "step" else "checkpoint I/O unfinished"
+                what = {"step": "no step completed", "startup": "start-up unfinished"}.get(
+                    phase, "checkpoint I/O unfinished"
+                )
                 msg = (
                     f"torchrig: watchdog: {what} for {silent:.1f}s ({setting}={timeout_s}) after step "
                     f"{self._step}; exiting so the group restarts"

@@ -10,6 +10,7 @@ Determinism is `training.determinism`'s subject; the checkpointed state is `trai
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -116,7 +117,9 @@ def run_worker(
         preemption.watch_notice(preemption_notice, spec.spec.metrics.log_every)
     created_group = False
     trainer: Trainer | None = None
+    startup = contextlib.ExitStack()  # the watchdog's start-up limit, until the Trainer takes over
     try:
+        startup.enter_context(watchdog.startup(io_timeout_s))
         configure_determinism(cfg.deterministic)
         device = device_for(identity)
         enable_flight_recorder(identity)  # CUDA builds; before the process group exists
@@ -157,6 +160,7 @@ def run_worker(
         if prewarmed is not None:
             preemption.connect()
             log.info("spare: ready to train at %.3f s", time.perf_counter() - prewarmed.assigned_at)
+        startup.close()  # from here on the step timeout (restore: the checkpoint I/O limit)
         trainer = Trainer(
             spec,
             identity,
@@ -201,6 +205,7 @@ def run_worker(
             except Exception:
                 log.exception("closing the checkpoint manager failed")
         preemption.close()
+        startup.close()
         watchdog.stop()
         stacks.close()
         sink.close()

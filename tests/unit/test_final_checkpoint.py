@@ -151,3 +151,30 @@ def test_checkpoint_io_past_its_own_limit_still_fires(exits: _Exits, capsys: pyt
         assert "watchdog: checkpoint I/O unfinished" in err and "(checkpoint.ioTimeoutSeconds=0.3)" in err
     finally:
         dog.stop()
+
+
+def test_start_up_gets_the_larger_limit_and_the_first_step_the_step_timeout(
+    exits: _Exits, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A drill's short step timeout must not end a rank whose peers are still importing torch.
+    dog, sink = _watchdog(exits, 0.5)
+    try:
+        with dog.startup(3.0):
+            time.sleep(1.2)  # past the step timeout, within the start-up limit
+        assert exits.codes == [] and not sink.events
+        assert exits.fired.wait(5.0), "a silent first step after start-up must still fire"
+        fields: dict[str, Any] = dict(sink.events)[EventKind.WATCHDOG]
+        assert fields["phase"] == "step" and fields["timeout_s"] == 0.5
+    finally:
+        dog.stop()
+    exits.codes.clear()
+    exits.fired.clear()
+    dog, sink = _watchdog(exits, 0.2)
+    try:
+        with dog.startup(0.4):  # a start-up past its own (larger) limit is still a hang
+            assert exits.fired.wait(3.0)
+        fields = dict(sink.events)[EventKind.WATCHDOG]
+        assert fields["phase"] == "startup" and fields["timeout_s"] == 0.4
+        assert "watchdog: start-up unfinished" in capsys.readouterr().err
+    finally:
+        dog.stop()
