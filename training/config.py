@@ -225,8 +225,8 @@ class RestartsConfig(Model):
             "restarts every rank from the newest checkpoint. `auto` (the default): `inplace` for a world of 2 "
             "ranks, `restart` above, because with 3+ ranks a survivor blocked on a live peer (gloo cannot abort a "
             "collective) learns of the failure only through inPlaceTimeoutSeconds, which is slower than a restart "
-            "(docs/architecture.md, Recovery). In-place applies to DDP jobs launched by torchrig's torchrun command "
-            "on the local backend (docs/operations.md); everything else restarts."
+            "(docs/architecture.md, Recovery). In-place applies to one-node DDP jobs launched by torchrig's torchrun "
+            "command on the local backend (docs/operations.md); everything else restarts."
         ),
     )
     spares: int = Field(

@@ -54,6 +54,8 @@ def test_in_place_applies_only_to_ddp_with_spares_under_the_local_launch() -> No
     # `auto` (the default) recovers in place at world size 2 only; `inplace` opts in at any size.
     assert InPlace.from_spec(_worker_spec(), {**LAUNCHED, Env.WORLD_SIZE: "4"}) is None
     assert InPlace.from_spec(_worker_spec(mode="inplace"), {**LAUNCHED, Env.WORLD_SIZE: "4"}) is not None
+    # One node only: with several agents a lost node takes its spares along (kill-node restarts).
+    assert InPlace.from_spec(_worker_spec(mode="inplace"), {**LAUNCHED, Env.GROUP_WORLD_SIZE: "2"}) is None
     fsdp = _worker_spec()
     fsdp.spec.training.strategy = type(fsdp.spec.training.strategy)("fsdp")
     assert InPlace.from_spec(fsdp, LAUNCHED) is None

@@ -87,6 +87,11 @@ class InPlace:
         world_size = int(env.get(Env.WORLD_SIZE, "1") or 1)
         if not addr or not run_id or world_size < 2:
             return None
+        if int(env.get(Env.GROUP_WORLD_SIZE, "1") or 1) > 1:
+            # Several nodes (agents): each agent counts its own restarts (the key space would differ
+            # between nodes), and a lost node takes its spares with it, so the survivors would wait
+            # out the timeout for a spare that cannot come. Multi-node jobs restart the group.
+            return None
         if restarts.mode == "auto" and world_size > AUTO_MAX_WORLD_SIZE:
             # 3+ ranks: a survivor blocked on a live peer waits for the collective timeout (gloo cannot
             # abort), slower than a group restart; `mode: inplace` opts in anyway.
