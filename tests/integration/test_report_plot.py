@@ -32,6 +32,7 @@ def test_report_plot_of_a_run_with_a_worker_kill(tmp_path: Path) -> None:
             "spec.checkpoint.every.steps=10",
             "spec.metrics.logEvery=5",
             "spec.metrics.enabled=false",
+            "spec.restarts.mode=restart",  # the drawing of a group restart (outage, restore, loss-line break)
         ],
     )
     faults = json.dumps([{"kind": "kill", "rank": 1, "step": 25, "generation": 0}])
