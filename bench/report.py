@@ -199,8 +199,13 @@ def plot_scaling(results: Results, out_dir: Path = RESULTS) -> Path | None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
-    for key, label in (("save_s", "checkpoint save"), ("restore_s", "restore"), ("mttr_s", "MTTR")):
-        ax.plot(sc["world_sizes"], sc[key], marker="o", label=label)
+    paths = sc.get("recovery_paths") or []
+    mttr_label = "MTTR" + (f" ({paths[0]})" if paths and len(set(paths)) == 1 else "")
+    for key, label in (("save_s", "checkpoint save"), ("restore_s", "restore"), ("mttr_s", mttr_label)):
+        values = [float(v) for v in sc[key]]
+        if all(v != v for v in values):  # all NaN: in place nothing is restored; no empty legend entry
+            continue
+        ax.plot(sc["world_sizes"], values, marker="o", label=label)
     ax.set_xlabel("world size (local ranks)")
     ax.set_ylabel("seconds")
     ax.set_xticks(sc["world_sizes"])

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # The whole suite as CI runs it. pytest's exit 5 (no tests collected) fails like any other error.
+# The unit tests run on two workers (pytest-xdist); the integration, pod and chart tests run one at a
+# time (each starts real multi-process jobs and servers that need the machine's cores to themselves).
 set -euo pipefail
 venv=${1:-.venv}; shift || true
 export RAY_USAGE_STATS_ENABLED=0 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
@@ -8,11 +10,16 @@ echo "== lint"
 "$venv/bin/ruff" check .
 "$venv/bin/ruff" format --check .
 "$venv/bin/mypy"
-echo "== tests"
-rc=0
-"$venv/bin/pytest" -q --durations=25 -m "not soak" "$@" || rc=$?
-if [ "$rc" -eq 5 ]; then
+echo "== unit tests (2 workers)"
+unit=0
+"$venv/bin/pytest" -q -n 2 --durations=10 -m "not soak" tests/unit "$@" || unit=$?
+echo "== integration tests"
+rest=0
+"$venv/bin/pytest" -q --durations=25 -m "not soak" --ignore=tests/unit "$@" || rest=$?
+if [ "$unit" -eq 5 ] && [ "$rest" -eq 5 ]; then
   echo "pytest collected no tests: failing (a suite that runs nothing proves nothing)" >&2
   exit 1
 fi
-exit "$rc"
+for rc in "$unit" "$rest"; do
+  if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then exit "$rc"; fi
+done

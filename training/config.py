@@ -222,11 +222,10 @@ class RestartsConfig(Model):
             "How the group recovers from a lost rank. `inplace`: the surviving ranks keep their state in memory, "
             "a warm spare takes the dead rank's place and receives the state from a survivor (0 lost steps), "
             "falling back to `restart` when that cannot finish within inPlaceTimeoutSeconds. `restart`: torchrun "
-            "restarts every rank from the newest checkpoint. `auto` (the default): `inplace` for a world of 2 "
-            "ranks, `restart` above, because with 3+ ranks a survivor blocked on a live peer (gloo cannot abort a "
-            "collective) learns of the failure only through inPlaceTimeoutSeconds, which is slower than a restart "
-            "(docs/architecture.md, Recovery). In-place applies to one-node DDP jobs launched by torchrig's torchrun "
-            "command on the local backend (docs/operations.md); everything else restarts."
+            "restarts every rank from the newest checkpoint. `auto` (the default): `inplace` where it applies, "
+            "`restart` elsewhere. In-place applies to one-node DDP jobs of 2+ ranks launched by torchrig's torchrun "
+            "command on the local backend (docs/operations.md); everything else restarts. `inplace` differs from "
+            "`auto` only in the warning it logs when the job cannot recover in place."
         ),
     )
     spares: int = Field(
@@ -243,10 +242,10 @@ class RestartsConfig(Model):
         default=60.0,
         gt=0,
         description=(
-            "`mode: inplace`: the collective timeout of every process group, and half the time a new group may "
-            "take to form (the spare's assignment, every member joining, the state transfer); past it the group "
-            "falls back to a restart from the checkpoint. With 3+ ranks a survivor blocked on a live peer learns "
-            "of a failure only through this timeout, so in-place MTTR there is up to about this long."
+            "In-place recovery: the collective timeout of every process group (the last resort: a failure reaches "
+            "every survivor in milliseconds through closed connections), how long a host waits for a spare to be "
+            "ready, and half the time a new group may take to form (the spare's assignment, every member joining, "
+            "the state transfer); past it the group falls back to a restart from the checkpoint."
         ),
     )
 

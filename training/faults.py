@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, cast
 
@@ -103,6 +103,10 @@ class FaultInjector:
         self.events = events
         self._fired: set[Fault] = set()
         self._backward_step = 0  # the last step whose backward was slowed (once per step)
+        # In-place recovery: a kill waits (at most `ready_wait_s`) until this returns True, i.e. a warm
+        # spare is ready, so the drill measures recovery with a warm spare rather than its start-up.
+        self.ready: Callable[[], bool] | None = None
+        self.ready_wait_s = 60.0
 
     @classmethod
     def from_env(
@@ -159,6 +163,10 @@ class FaultInjector:
 
     def _fire(self, fault: Fault, step: int) -> None:
         self._fired.add(fault)
+        if fault.kind == "kill" and self.ready is not None:
+            deadline = time.monotonic() + self.ready_wait_s
+            while not self.ready() and time.monotonic() < deadline:
+                time.sleep(0.05)
         self.events.emit(FaultEvent(fault=fault.kind, step=step, pid=os.getpid()))
         print(f"torchrig: drill fault {fault.kind} at step {step} (rank {fault.rank})", file=sys.stderr, flush=True)
         if fault.kind in ("kill", "kill_during_checkpoint"):

@@ -127,7 +127,12 @@ class Agreement:
         import torch.distributed as dist
 
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        self._group: Any = dist.new_group(backend="gloo") if self.distributed else None
+        self._group: Any = None
+        if self.distributed:
+            from training.inplace import sockets
+
+            with sockets.recording():  # in-place recovery cuts these connections when the group breaks
+                self._group = dist.new_group(backend="gloo")
         self._work: Any = None
         self._flag: Any = None
 

@@ -273,8 +273,11 @@ class Trainer:
                 preemption = self.preemption
                 group.form(group.generation + 1, cancelled=lambda: preemption is not None and preemption.requested)
                 log.debug("in-place: formed at %.3f s", time.perf_counter() - start)
-                synced = group.sync_state(self.par.module, self.optimizer, self.progress, has_state=True)
+                synced = group.sync_state(
+                    self.par.module, self.optimizer, self.progress, has_state=True, bucket_order=self.par.bucket_order
+                )
                 log.debug("in-place: synced at %.3f s", time.perf_counter() - start)
+                self.par.bucket_order = synced.bucket_order
                 rewrap_ddp(self.par)
                 log.debug("in-place: DDP at %.3f s", time.perf_counter() - start)
                 self.state["app"] = ModelOptimizerState(self.par.model, self.optimizer)

@@ -131,6 +131,8 @@ def run_worker(
             group = InPlaceGroup(inplace, identity, "nccl" if device.type == "cuda" else "gloo")
             group.form(prewarmed.generation if prewarmed is not None else 0)
             created_group = True
+            faults.ready = group.spare_ready  # a drill's kill waits for a warm spare (not its start-up)
+            faults.ready_wait_s = min(inplace.timeout_s, spec.spec.restarts.step_timeout_seconds / 2)
         else:
             created_group = init_process_group(identity, device)
         spare_progress: TrainerProgress | None = None
@@ -153,7 +155,7 @@ def run_worker(
             spare_progress = TrainerProgress()
             with watchdog.io(spec.spec.restarts.in_place_timeout_seconds):
                 synced = group.sync_state(model, optimizer, spare_progress, has_state=False)
-            par = parallelize(model, task.blocks(model), cfg, identity, device)
+            par = parallelize(model, task.blocks(model), cfg, identity, device, bucket_order=synced.bucket_order)
             log.debug("spare: DDP at %.3f s", time.perf_counter() - prewarmed.assigned_at)
         with watchdog.io(spec.spec.checkpoint.io_timeout_seconds):  # opens the stores, takes the fence
             checkpoints = _default_checkpoint_manager(spec, identity, sink)

@@ -1,8 +1,8 @@
 """Scaling: checkpoint save, restore and MTTR against world size, from kill-worker drills (local, tiny model).
 
-The drills force in-place recovery (`restarts.mode: inplace`; the default `auto` restarts above 2 ranks):
-the MTTR target is flat, world
-size 8 at most 1.5x world size 2 (`mttr_ratio_max_vs_min`). Restore times come from restart-path runs
+The drills recover in place (`restarts.mode: inplace`, which `auto` also chooses on one node; the
+drill's kill waits until a warm spare is ready): the MTTR target is flat, world size 8 at most 1.5x
+world size 2 (`mttr_ratio_max_vs_min`). Restore times come from restart-path runs
 only (in place nothing is restored), so they are NaN here unless a run fell back."""
 
 from __future__ import annotations

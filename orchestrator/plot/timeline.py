@@ -326,6 +326,18 @@ def build_timeline(
         Marker(e.time - t0, e.step, f"checkpoint @{e.step}")
         for e in _first_per_cohort(evs, EventKind.CHECKPOINT_COMMITTED, restarts)
     ]
+    # A restore proves its checkpoint was committed even when the commit event never made it to the log
+    # (the committing rank was killed between writing the manifest and writing the event): mark it at the
+    # time its step completed.
+    committed = {m.step for m in commits}
+    for restore in restores:
+        if restore.step is None or restore.step in committed:
+            continue
+        reached = [when for when, s in points if s >= restore.step and when - t0 <= restore.time]
+        if reached:
+            commits.append(Marker(min(reached) - t0, restore.step, f"checkpoint @{restore.step} (seen on restore)"))
+            committed.add(restore.step)
+    commits.sort(key=lambda m: m.time)
     eval_loss: list[tuple[int, float, float]] = []
     for e in _first_per_cohort(evs, EventKind.EVAL, restarts):
         loss = (e.get("metrics") or {}).get("loss")

@@ -51,14 +51,24 @@ def test_in_place_applies_only_to_ddp_with_spares_under_the_local_launch() -> No
     assert InPlace.from_spec(_worker_spec(spares=0), LAUNCHED) is None
     assert InPlace.from_spec(_worker_spec(), {**LAUNCHED, Env.WORLD_SIZE: "1"}) is None
     assert InPlace.from_spec(_worker_spec(), {k: v for k, v in LAUNCHED.items() if k != Env.INPLACE_STORE}) is None
-    # `auto` (the default) recovers in place at world size 2 only; `inplace` opts in at any size.
-    assert InPlace.from_spec(_worker_spec(), {**LAUNCHED, Env.WORLD_SIZE: "4"}) is None
-    assert InPlace.from_spec(_worker_spec(mode="inplace"), {**LAUNCHED, Env.WORLD_SIZE: "4"}) is not None
+    # Any world size on one node (`auto`, the default, as `inplace`).
+    assert InPlace.from_spec(_worker_spec(), {**LAUNCHED, Env.WORLD_SIZE: "8"}) is not None
     # One node only: with several agents a lost node takes its spares along (kill-node restarts).
-    assert InPlace.from_spec(_worker_spec(mode="inplace"), {**LAUNCHED, Env.GROUP_WORLD_SIZE: "2"}) is None
+    assert InPlace.from_spec(_worker_spec(), {**LAUNCHED, Env.GROUP_WORLD_SIZE: "2"}) is None
     fsdp = _worker_spec()
     fsdp.spec.training.strategy = type(fsdp.spec.training.strategy)("fsdp")
     assert InPlace.from_spec(fsdp, LAUNCHED) is None
+
+
+def test_mode_inplace_says_why_a_launch_restarts_instead(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="training.inplace"):
+        assert InPlace.from_spec(_worker_spec(), {**LAUNCHED, Env.GROUP_WORLD_SIZE: "2"}) is None
+    assert not caplog.records, "auto chooses quietly"
+    with caplog.at_level("WARNING", logger="training.inplace"):
+        assert InPlace.from_spec(_worker_spec(mode="inplace"), {**LAUNCHED, Env.GROUP_WORLD_SIZE: "2"}) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "restarts.mode is inplace, but this launch recovers by a group restart: several nodes"
+    ]
 
 
 def test_a_lost_peer_is_told_from_a_bug() -> None:

@@ -116,6 +116,17 @@ def test_timeline_markers_world_size_and_startup() -> None:
     assert sx[:2] == [0.0, 35.0] and math.isnan(sx[2]) and sx[3:] == [30.0, 50.0]
 
 
+def test_a_restored_checkpoint_whose_commit_event_was_lost_is_still_marked() -> None:
+    # The committing rank was killed between writing step 30's manifest and logging it: the restore of
+    # step 30 proves the commit, drawn where step 30 completed (the metrics record at t=109).
+    events = [e for e in EVENTS if not (e.kind is EventKind.CHECKPOINT_COMMITTED and e.step == 30)]
+    tl = build_timeline(METRICS, events)
+    assert [(m.time, m.step, m.label) for m in tl.checkpoints] == [
+        (pytest.approx(9.0), 30, "checkpoint @30 (seen on restore)"),
+        (pytest.approx(45.0), 40, "checkpoint @40"),
+    ]
+
+
 def test_world_size_change_and_an_external_fault_marker() -> None:
     events = [
         ev(1000.0, EventKind.START, 0, world_size=4),

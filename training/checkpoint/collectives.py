@@ -31,8 +31,11 @@ class Collectives:
         self.group: Any = None
         self.control: Any = None
         if self.distributed:
-            self.group = dist.new_group(backend="gloo")
-            self.control = dist.new_group(backend="gloo")
+            from training.inplace import sockets
+
+            with sockets.recording():  # in-place recovery cuts these connections when the group breaks
+                self.group = dist.new_group(backend="gloo")
+                self.control = dist.new_group(backend="gloo")
 
     def broadcast_obj(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank."""

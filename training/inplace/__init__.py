@@ -2,8 +2,8 @@
 
 Without it every failure costs a group restart: torchrun kills and respawns every rank, and each new
 process pays `import torch`, the model build and a checkpoint restore (docs/architecture.md has the
-numbers). With `restarts.mode: inplace` (DDP, 2+ ranks, launched by torchrig's torchrun command; `auto`,
-the default, only at world size 2, see `AUTO_MAX_WORLD_SIZE`):
+numbers). With `restarts.mode: auto` (the default) or `inplace` (DDP, 2+ ranks on one node, launched by
+torchrig's torchrun command):
 
 - every process torchrun starts is a light per-rank **host** (`training.inplace.host`) that runs the
   real trainer as its child and watches it, so the torchrun agent never sees a trainer die;
@@ -11,7 +11,9 @@ the default, only at world size 2, see `AUTO_MAX_WORLD_SIZE`):
   processes that imported torch and built the task's model, blocked until a host assigns them a rank;
 - when a trainer dies with a retryable status, its host claims a ready spare (an atomic
   compare-and-set in the store) and assigns it the dead rank and the next process-group
-  **generation**; the survivors see their collective fail, destroy their group, and every member
+  **generation**; the survivors see their collective fail, cut their connections of the broken
+  generation (`training.inplace.sockets`: the survivors blocked on them fail at once, whatever the
+  world size), destroy their group, and every member
   forms generation g+1 on the same long-lived store under a new prefix (`training.inplace.group`);
   the most advanced rank broadcasts model, optimizer and progress; the step in flight is
   recomputed, so the result is bit-identical;
@@ -25,6 +27,7 @@ The store is one that outlives every trainer: the local run's rendezvous store p
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,9 +39,9 @@ from training.contract import Env
 if TYPE_CHECKING:
     from training.config import WorkerSpec
 
-__all__ = ["AUTO_MAX_WORLD_SIZE", "IDENTITY_ENV", "ROLE_SPARE", "ROLE_TRAINER", "InPlace"]
+__all__ = ["IDENTITY_ENV", "ROLE_SPARE", "ROLE_TRAINER", "InPlace"]
 
-AUTO_MAX_WORLD_SIZE = 2  # `restarts.mode: auto` recovers in place up to this world size
+log = logging.getLogger(__name__)
 ROLE_TRAINER = "trainer"
 ROLE_SPARE = "spare"
 # What a host hands its spare: the launcher variables that make up a `WorkerIdentity`.
@@ -82,7 +85,9 @@ class InPlace:
         if restarts.mode == "restart" or restarts.spares < 1:
             return None
         if spec.spec.training.strategy.value != "ddp":
-            return None  # FSDP/HSDP shards have no replica to copy from: they restart (docs/operations.md)
+            # FSDP/HSDP shards have no replica to copy from: they restart (docs/operations.md)
+            _not_in_place(restarts.mode, f"strategy {spec.spec.training.strategy.value} has no in-memory replica")
+            return None
         addr, run_id = env.get(Env.INPLACE_STORE, ""), env.get(Env.RUN_ID, "")
         world_size = int(env.get(Env.WORLD_SIZE, "1") or 1)
         if not addr or not run_id or world_size < 2:
@@ -91,10 +96,7 @@ class InPlace:
             # Several nodes (agents): each agent counts its own restarts (the key space would differ
             # between nodes), and a lost node takes its spares with it, so the survivors would wait
             # out the timeout for a spare that cannot come. Multi-node jobs restart the group.
-            return None
-        if restarts.mode == "auto" and world_size > AUTO_MAX_WORLD_SIZE:
-            # 3+ ranks: a survivor blocked on a live peer waits for the collective timeout (gloo cannot
-            # abort), slower than a group restart; `mode: inplace` opts in anyway.
+            _not_in_place(restarts.mode, "several nodes")
             return None
         return cls(
             store_addr=addr,
@@ -159,3 +161,9 @@ class InPlace:
     @staticmethod
     def pg_prefix(generation: int) -> str:
         return f"pg/{generation}/"
+
+
+def _not_in_place(mode: str, reason: str) -> None:
+    """This launch takes the restart path: `mode: inplace` says why (`auto` chooses quietly)."""
+    if mode == "inplace":
+        log.warning("restarts.mode is inplace, but this launch recovers by a group restart: %s", reason)

@@ -27,7 +27,7 @@ from torch import nn
 from torch._C._distributed_c10d import PrefixStore
 
 from training.contract import WorkerIdentity
-from training.inplace import InPlace
+from training.inplace import InPlace, sockets
 
 __all__ = ["InPlaceGroup", "RecoveryFailed", "StateSync", "is_peer_failure"]
 
@@ -58,6 +58,7 @@ class StateSync:
     source: int  # the rank that sent it
     replaced: list[int]  # ranks that held no state (spares)
     progress: dict[str, Any]  # the source's `TrainerProgress.state_dict()`
+    bucket_order: list[int] | None = None  # the source's DDP bucket layout (`Parallel.bucket_order`)
 
 
 class InPlaceGroup:
@@ -75,6 +76,10 @@ class InPlaceGroup:
         self.backend = backend
         self.store = inplace.connect()
         self.generation = -1
+        # The connections of this generation's groups (the default one here, the checkpoint manager's
+        # and the preemption agreement's where they are built), cut by `leave`.
+        self.ledger = sockets.SocketLedger()
+        sockets.active(self.ledger)
 
     def form(
         self, generation: int, *, timeout_s: float | None = None, cancelled: Callable[[], bool] | None = None
@@ -109,27 +114,46 @@ class InPlaceGroup:
                     )
                 time.sleep(0.005)
         pg_store = PrefixStore(self.inplace.pg_prefix(generation), self.store)
-        # gloo cannot be aborted, and with 3+ ranks a survivor may be blocked on a LIVE peer that has
-        # already left for the next generation (its sockets are not closed by destroying the group):
-        # the collective timeout is what unblocks it. A healthy collective that takes longer makes the
-        # group re-form with the same members and recompute the step (slower, never wrong).
-        dist.init_process_group(
-            backend=self.backend, store=pg_store, rank=rank, world_size=world, timeout=timedelta(seconds=limit)
-        )
+        # The collective timeout is the last resort only: a survivor blocked on a live peer learns of a
+        # failure when that peer cuts its connections (`leave`), a hung rank is ended by its watchdog.
+        with self.ledger.recording():
+            dist.init_process_group(
+                backend=self.backend, store=pg_store, rank=rank, world_size=world, timeout=timedelta(seconds=limit)
+            )
         self.generation = generation
 
     def mark_stepped(self) -> None:
         """This process completed a step (its host may replace it in place from now on)."""
         self.store.set(self.inplace.stepped_key(os.getpid()), "1")
 
+    def spare_ready(self) -> bool:
+        """Whether this node has a warm spare ready and unclaimed (a drill kills only once one is: it
+        measures recovery with a warm spare, not the spare's start-up)."""
+        inplace, store = self.inplace, self.store
+        for index in range(int(store.add(inplace.spawned_key, 0))):
+            ready, claimed = inplace.spare_key(index, "ready"), inplace.spare_key(index, "claim")
+            if store.check([ready]) and not store.check([claimed]):
+                return True
+        return False
+
     def leave(self) -> None:
-        """Destroy this generation's groups and free them, so their sockets close now.
+        """Cut this generation's connections, then destroy its groups.
 
         With 3+ ranks not every survivor sees the dead peer: one blocked on a live survivor learns of
-        the failure only when that survivor's sockets close. gloo cannot be aborted, so the group must
-        really be freed: DDP and its reducer hold it in reference cycles, hence the collection (the
-        caller has dropped its own references first). With 2 ranks the only peer is the dead one.
+        the failure only when that survivor's connections close. gloo cannot be aborted and destroying
+        a group does not close its sockets while anything still references it, so they are shut down
+        first (`sockets.SocketLedger.cut`): the peers blocked on this rank fail at once and cut theirs.
+        NCCL communicators are aborted with NCCL's own abort.
         """
+        cut = self.ledger.cut()
+        log.debug("in-place: rank %d cut %d connections of generation %d", self.identity.rank, cut, self.generation)
+        if self.backend == "nccl" and dist.is_initialized():
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            if abort is not None:
+                try:
+                    abort()  # every group: in-flight NCCL kernels return instead of hanging
+                except Exception:
+                    log.debug("aborting the NCCL groups failed", exc_info=True)
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -145,6 +169,7 @@ class InPlaceGroup:
         progress: Any,
         *,
         has_state: bool,
+        bucket_order: list[int] | None = None,
     ) -> StateSync:
         """Give every rank the state of the most advanced one (collective on the new group).
 
@@ -153,6 +178,8 @@ class InPlaceGroup:
             optimizer: Its optimizer.
             progress: This rank's `TrainerProgress` (loaded here when behind).
             has_state: False for a spare (it holds no trained state).
+            bucket_order: This rank's DDP bucket layout; the source's is returned to every rank, so the
+                new wrappers all start from the layout the run had (`training.strategies._OrderedDDP`).
         """
         world = self.identity.world_size
         t0 = time.perf_counter()
@@ -171,6 +198,7 @@ class InPlaceGroup:
                 "model": module.state_dict(),
                 "optim": optimizer.state_dict(),
                 "progress": progress.state_dict(),
+                "buckets": bucket_order,
             }
         dist.broadcast_object_list(box, src=source)
         payload = box[0]
@@ -184,4 +212,5 @@ class InPlaceGroup:
             source=source,
             replaced=[r for r, v in enumerate(values) if v < 0],
             progress=payload["progress"],
+            bucket_order=payload.get("buckets"),
         )

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -43,6 +44,25 @@ def _wait_assignment(inplace: InPlace, store: Any, index: int) -> dict[str, Any]
         time.sleep(0.01)
     data: dict[str, Any] = json.loads(store.get(key).decode())
     return data
+
+
+CONNECT_ATTEMPT_S = 5.0  # one attempt at the store; a spare retries until the in-place timeout
+
+
+def _connect(inplace: InPlace) -> Any:
+    """A client of the long-lived store, retried in short attempts: once in about eight 4-rank drills a
+    spare sat in the client's connect for the whole in-place timeout while every other process of the
+    run reached the store (cause not found); a fresh attempt after a few seconds gets through."""
+    deadline = time.monotonic() + inplace.timeout_s
+    while True:
+        try:
+            store = inplace.connect(timeout_s=CONNECT_ATTEMPT_S)
+            store.set_timeout(timedelta(seconds=inplace.timeout_s))  # for what follows the connect
+            return store
+        except Exception as exc:  # c10d raises DistStoreError / RuntimeError on a timeout
+            if time.monotonic() > deadline:
+                raise
+            log.warning("spare: connecting to the in-place store failed (%s); retrying", str(exc).splitlines()[0])
 
 
 def _rehearse(spec: WorkerSpec, task: Any, model: torch.nn.Module) -> None:
@@ -95,7 +115,7 @@ def run_spare(spec: WorkerSpec, inplace: InPlace, *, run_dir: str) -> dict[str, 
     model = task.build_model()
     optimizer = build_optimizer(model, cfg.optimizer)  # the first optimizer imports torch._dynamo
     _rehearse(spec, task, model)
-    store = inplace.connect()
+    store = _connect(inplace)
     store.set(inplace.spare_key(index, "ready"), str(os.getpid()))
     log.info("spare %d: ready (pid %d)", index, os.getpid())
     assignment = _wait_assignment(inplace, store, index)
