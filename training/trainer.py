@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as tdist
+from torch import nn
 from torch.utils.data import DataLoader
 
 from training.config import WorkerSpec
@@ -32,7 +33,7 @@ from training.faults import FaultInjector
 from training.metrics.base import MetricsSink, StepRecord
 from training.metrics.straggler import create_straggler_detector
 from training.state import ModelOptimizerState, TrainerProgress, full_params_sha256
-from training.strategies import Parallel, clip_grad_norm, lr_at, rewrap_ddp, unwrap_ddp
+from training.strategies import Parallel, clip_grad_norm, ddp_bucket_order, lr_at, rewrap_ddp, unwrap_ddp
 from training.task import Task
 from training.watchdog import StepWatchdog
 
@@ -68,6 +69,7 @@ class _Feed:
     flops_per_sample: float
 
 
+MANIFEST_BUCKETS = "ddp_buckets"  # manifest `extra`: DDP's rebuilt bucket layout (`_publish_bucket_order`)
 ABANDON_WAIT_S = 5.0  # how long a recovery waits for the broken group's checkpoint manager to close
 
 
@@ -135,6 +137,7 @@ class Trainer:
         self.inplace: InPlaceGroup | None = None
         self.checkpoint_factory: Callable[[], CheckpointManagerLike] | None = None  # a new group's manager
         self.skip_restore = False  # a spare got its state from a survivor, not from a checkpoint
+        self._buckets_for: object = None  # the manager whose manifests carry DDP's bucket layout already
         metrics = spec.spec.metrics
         self.straggler = create_straggler_detector(
             identity, sink, every=metrics.log_every, threshold=metrics.straggler_threshold, device=par.device
@@ -176,6 +179,7 @@ class Trainer:
             restored = self.checkpoints.restore(self.state)
         if restored is None:
             return
+        self._adopt_bucket_order(getattr(restored, "extra", None) or {})
         if self.identity.generation > 0 and self.identity.is_leader:
             # The group restarted (torchrun) and resumed from a checkpoint: the `restart` path.
             seconds = round(time.perf_counter() - start, 3)
@@ -187,6 +191,33 @@ class Trainer:
             self.progress.world_size,
             self.identity.world_size,
         )
+
+    def _adopt_bucket_order(self, extra: dict[str, Any]) -> None:
+        """Re-wrap DDP in the bucket layout the checkpoint's writer had rebuilt to (collective: every rank
+        restored the same checkpoint). With 3+ ranks the layout decides the rounding of the gradient
+        all-reduce, so a resumed run's first steps in module order would not be bit-identical."""
+        order = extra.get(MANIFEST_BUCKETS)
+        if not isinstance(self.par.model, nn.parallel.DistributedDataParallel) or not isinstance(order, list):
+            return
+        if not all(type(i) is int for i in order) or ddp_bucket_order(self.par.model) == order:
+            return  # (an unusable order from the store is ignored; `_OrderedDDP` also checks the permutation)
+        self.par.bucket_order = order
+        rewrap_ddp(self.par)
+        self.state["app"] = ModelOptimizerState(self.par.model, self.optimizer)
+
+    def _publish_bucket_order(self) -> None:
+        """Once DDP has rebuilt its buckets, name the layout in every manifest of this manager."""
+        if self.checkpoints is None or self._buckets_for is self.checkpoints:
+            return
+        if not isinstance(self.par.model, nn.parallel.DistributedDataParallel):
+            self._buckets_for = self.checkpoints  # nothing to record (FSDP, one process)
+            return
+        order = ddp_bucket_order(self.par.model)
+        extra = getattr(self.checkpoints, "manifest_extra", None)
+        if order is None or extra is None:
+            return  # not rebuilt yet (the first step), or a manager without manifests
+        extra[MANIFEST_BUCKETS] = order
+        self._buckets_for = self.checkpoints
 
     def close(self) -> None:
         """Wait for the last checkpoint to commit and release the manager (idempotent)."""
@@ -420,6 +451,7 @@ class Trainer:
             )
         self.faults.after_step(step)
         if self.checkpoints is not None:
+            self._publish_bucket_order()
             final = step == cfg.steps and self.spec.spec.checkpoint.save_final
             if final or self.checkpoints.should_save(step):
                 with self.watchdog.io(self.io_timeout_s):  # a synchronous save, or one waiting for the last

@@ -162,7 +162,7 @@ sys.exit(main(["--spec", sys.argv[1], "--run-dir", sys.argv[2]]))
 """
 
 STEP_TIMEOUT_S = 15.0  # covers the worker's start-up too: generous on a loaded machine
-SLOW_S = 20.0  # longer than the step timeout
+SLOW_S = 17.0  # longer than the step timeout
 
 
 def _slow_worker(tmp_path: Path, run_dir: Path, *, io_timeout_s: float, delays: dict[str, float]) -> tuple[int, str]:

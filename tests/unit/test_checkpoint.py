@@ -32,6 +32,7 @@ def test_save_goes_to_every_store_with_a_verifying_manifest(tmp_path: Path) -> N
     uris = [str(tmp_path / "a"), f"file://{tmp_path / 'b'}"]
     sink = Recorder()
     mgr = CheckpointManager(config(*uris), ctx(tmp_path), sink)
+    mgr.manifest_extra["ddp_buckets"] = [1, 0]  # what the trainer adds (DDP's rebuilt bucket layout)
     states = save_steps(mgr, [1, 2])
     mgr.close()
     for uri in uris:
@@ -42,10 +43,12 @@ def test_save_goes_to_every_store_with_a_verifying_manifest(tmp_path: Path) -> N
         assert manifest is not None and manifest.generation == 0 and manifest.world_size == 1
         assert {f.path for f in manifest.files} == {"gen-0000/.metadata", "gen-0000/__0_0.distcp"}
         assert verify_store(store, manifest).ok
+        assert manifest.extra == {"ddp_buckets": [1, 0]}
     committed = [r for r in sink.checkpoints if r.committed]
     assert [r.step for r in committed] == [1, 2] and committed[-1].stores_ok == ["s0", "s1"]
     result, target = restored(CheckpointManager(config(*uris), ctx(tmp_path, 1)))
     assert result is not None and result.step == 2 and result.store == "s0" and result.source == "store"
+    assert result.extra == {"ddp_buckets": [1, 0]}
     assert_same(target, states[2])
 
 

@@ -4,6 +4,7 @@ unpickled with an allow-list, manifests can be HMAC-signed, and manifest paths c
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -113,6 +114,30 @@ def test_inspect_of_a_hostile_store_runs_no_code(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
+def _forge(store: str, step: int, rel: str, data: bytes) -> None:
+    """Replace a file of a checkpoint and fix its manifest entry, as whoever can write the store can."""
+    (Path(store) / step_dir(step) / rel).write_bytes(data)
+    raw = _manifest_raw(store, step)
+    for entry in raw["files"]:
+        if entry["path"] == rel:
+            entry["sha256"], entry["size"] = hashlib.sha256(data).hexdigest(), len(data)
+    (Path(store) / step_dir(step) / MANIFEST_NAME).write_text(json.dumps(raw))
+
+
+def test_a_restore_from_a_hostile_store_runs_no_code(tmp_path: Path) -> None:
+    """Without a signing key a store writer can forge a checkpoint whose digests match; the restore still
+    unpickles nothing but DCP's metadata classes and plain data, so the payload never runs and the forged
+    step is skipped for the older authentic one."""
+    store, states = _one_checkpoint(tmp_path, (1, 2))
+    marker = tmp_path / "pwned"
+    _forge(store, 2, f"gen-0000/{DCP_METADATA}", pickle.dumps(_Reducer(os.system, f"touch {marker}")))
+    target = make_state(0)
+    result = CheckpointManager(config(store), ctx(tmp_path, 1)).restore(target)
+    assert not marker.exists(), "the hostile metadata ran"
+    assert result is not None and result.step == 1
+    assert_same(target, states[1])
+
+
 # -- point 3: signed manifests -------------------------------------------------------------------------
 def test_signed_manifests_restore_and_tampered_ones_never_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(Env.CHECKPOINT_KEY, KEY)
@@ -173,6 +198,16 @@ def test_manifest_paths_outside_the_writers_layout_are_refused(tmp_path: Path, b
     raw = _manifest_raw(store, 1)
     parse_manifest(json.dumps(raw), step=1)  # the writer's own manifest passes
     raw["files"][-1]["path"] = bad
+    with pytest.raises(ManifestLayoutError):
+        parse_manifest(json.dumps(raw), step=1)
+
+
+@pytest.mark.parametrize("extra", [["ddp_buckets", [0]], "x", 3, None])
+def test_a_manifest_extra_that_is_not_an_object_is_refused(tmp_path: Path, extra: Any) -> None:
+    store, _ = _one_checkpoint(tmp_path)
+    raw = _manifest_raw(store, 1)
+    assert isinstance(parse_manifest(json.dumps(raw), step=1).extra, dict)
+    raw["extra"] = extra
     with pytest.raises(ManifestLayoutError):
         parse_manifest(json.dumps(raw), step=1)
 

@@ -221,6 +221,11 @@ class CheckpointManager:
         if future is not None:
             future.result()
 
+    @property
+    def manifest_extra(self) -> dict[str, Any]:
+        """Plain JSON facts added to every manifest this manager commits from now on (rank 0's count)."""
+        return self._pipeline.manifest_extra
+
     def close(self) -> None:
         """Wait for the in-flight save and release the background threads."""
         if self._closed:

@@ -176,6 +176,8 @@ def check_layout(manifest: Manifest) -> None:
         raise ManifestLayoutError("step, generation, world_size and num_nodes must be non-negative integers")
     if not isinstance(m.job, str) or not isinstance(m.run_id, str):
         raise ManifestLayoutError("job and run_id must be strings")
+    if not isinstance(m.extra, dict):
+        raise ManifestLayoutError("extra must be a JSON object")
     seen: set[str] = set()
     metadata = 0
     for f in m.files:

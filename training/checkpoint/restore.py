@@ -16,6 +16,7 @@ The same search, with `owner=None` (any job) and a fixed step, serves `checkpoin
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import time
@@ -23,7 +24,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from training.checkpoint.collectives import Collectives
@@ -44,7 +48,7 @@ from training.checkpoint.writer import VerifiedReader
 from training.contract import EventKind, WorkerIdentity
 from training.metrics.base import MetricsSink
 
-__all__ = ["Candidate", "RestoreSearch"]
+__all__ = ["Candidate", "RestoreSearch", "SafeLoadPlanner"]
 
 log = logging.getLogger(__name__)
 
@@ -152,9 +156,11 @@ class RestoreSearch:
             world_size=cand.manifest.world_size,
             seconds=time.perf_counter() - start,
             source=source,
+            extra=dict(cand.manifest.extra),
         )
 
     def _load(self, state: dict[str, Any], cand: Candidate, view: _StoreView, name: str) -> str | None:
+        # (planner: SafeLoadPlanner, below: a store's bytes are never unpickled beyond plain data)
         """Collective: load `cand` from `view` with every file verified while read; None, or why it failed."""
         expected = {e.path: (e.sha256, e.size) for e in cand.manifest.files}
         reader = VerifiedReader(view.read_range, cand.manifest.dcp_dir, expected, local_path=view.local_file)
@@ -163,6 +169,7 @@ class RestoreSearch:
                 dcp_load(
                     state,
                     storage_reader=reader,
+                    planner=SafeLoadPlanner(),
                     process_group=self.coll.group,
                     no_dist=not self.coll.distributed,
                 )
@@ -323,3 +330,22 @@ def _why(exc: BaseException) -> str:
 def _steps(steps: list[int]) -> str:
     ordered = sorted(steps)
     return str(ordered[0]) if len(ordered) == 1 else f"{ordered[0]}-{ordered[-1]} ({len(ordered)})"
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that the non-tensor values of a checkpoint (the progress
+    counters, the optimizer's hyper-parameters) are read with `torch.load(weights_only=True)`.
+
+    DCP's own planner unpickles them with `weights_only=False`: a store's file could then run code on
+    every rank that restores it. The manifest's digests do not help against a hostile store (it writes
+    the manifest too) unless manifests are signed (`TORCHRIG_CHECKPOINT_KEY`). `weights_only` admits
+    tensors and plain data (numbers, strings, lists, dicts, tuples), all a torchrig checkpoint holds; any
+    other object fails the load, and the restore moves on to the next copy or checkpoint.
+    """
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        loaded = torch.load(value, weights_only=True)
+        safe = io.BytesIO()
+        torch.save(loaded, safe)  # the parent stores what torch.load of these bytes returns
+        safe.seek(0)
+        super().load_bytes(read_item, safe)

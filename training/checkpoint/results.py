@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["CheckpointError", "RestoreResult", "SaveOutcome"]
 
@@ -21,6 +22,7 @@ class RestoreResult:
     world_size: int  # world size that wrote the checkpoint
     seconds: float
     source: str  # "store" | "node-local" | "init" (a `checkpoint.initFrom` warm start)
+    extra: dict[str, Any] = field(default_factory=dict)  # the manifest's `extra` (untrusted: validate before use)
 
 
 @dataclass

@@ -129,6 +129,8 @@ class SavePipeline:
         self.key = key
         self._uploaders = ThreadPoolExecutor(max_workers=max(1, len(stores)), thread_name_prefix="torchrig-up")
         self._reflink_ok: dict[int, bool] = {}  # filesystem -> whether reflinks work on it
+        # Plain JSON facts the trainer adds to every manifest from now on (`CheckpointManager.manifest_extra`).
+        self.manifest_extra: dict[str, Any] = {}
 
     def close(self) -> None:
         self._uploaders.shutdown(wait=True)
@@ -295,6 +297,7 @@ class SavePipeline:
             final=final,
             restart_count=ident.generation,
             writer=writer,
+            extra=dict(self.manifest_extra),
         )
         result: dict[str, Any] = {"ok": [], "failed": {}}
         if ident.rank == 0:

@@ -530,8 +530,19 @@ class VerifiedReader(FileSystemReader):
         self._maps.clear()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        """DCP's metadata, verified, then unpickled with the allow-list of `dcp_metadata` (DCP's own reader
+        unpickles anything: a hostile store could run code on every restoring rank)."""
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        from training.checkpoint.dcp_metadata import load_metadata
+
         self._fetch([f"{self.path}/{DCP_METADATA}"])
-        return super().read_metadata(*args, **kwargs)
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as stream:
+            metadata = load_metadata(cast(Any, stream))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
     def read_data(self, plan: Any, planner: Any) -> Any:
         needed = sorted({f"{self.path}/{self.storage_data[i.storage_index].relative_path}" for i in plan.items})
