@@ -286,9 +286,8 @@ class Trainer:
             flush=True,
         )
         old_checkpoints, self.checkpoints = self.checkpoints, None
-        # Drop every reference to the broken groups before destroying them, so their gloo contexts are
-        # freed and their sockets close at once: with 3+ ranks a survivor blocked on a LIVE peer only
-        # learns of the failure when that peer's sockets close.
+        # Drop every reference to the broken groups before destroying them (DDP's reducer would keep them
+        # alive); `group.leave` first cuts their connections, which wakes the survivors blocked on us.
         unwrap_ddp(self.par)
         self.state["app"] = ModelOptimizerState(self.par.module, self.optimizer)
         if self.preemption is not None:
