@@ -171,10 +171,26 @@ def _preempt(results: Results) -> list[str]:
     return [*lines, ""]
 
 
+def _startup(results: Results) -> list[str]:
+    st = results.get("startup") or {}
+    if not st or "error" in st:
+        return []
+    return [
+        f"| {st['steps']}-step digits job, 2 ranks | wall s | first step s | teardown s |",
+        "|---|---|---|---|",
+        f"| torchrig run | {st['torchrig_wall']['median']:.2f} | {st['torchrig_first_step']['median']:.2f} | "
+        f"{st['torchrig_teardown']['median']:.2f} |",
+        f"| torchrun + naive loop | {st['torchrun_naive_wall']['median']:.2f} | | |",
+        "",
+        f"torchrig over torchrun, wall: {st['wall_ratio_vs_torchrun']:.2f}x.",
+        "",
+    ]
+
+
 def markdown(results: Results) -> str:
     """latest.md: one table per section that has results, then the sections that failed."""
     lines = [f"# torchrig benchmarks ({results['timestamp']}, {results['machine']['cpus']} CPUs)", ""]
-    for table in (_overhead, _checkpoint_stall, _checkpoint_io, _mttr, _exporter, _scaling, _preempt):
+    for table in (_overhead, _checkpoint_stall, _checkpoint_io, _mttr, _exporter, _scaling, _preempt, _startup):
         lines += table(results)
     for name, err in (results.get("errors") or {}).items():
         lines.append(f"- section `{name}` failed: `{err.splitlines()[-1] if err else err}`")

@@ -110,4 +110,6 @@ def _record_for_torchelastic(exc: BaseException) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from training.fastexit import exit_now
+
+    exit_now(main())  # without the ~1 s interpreter teardown (training.fastexit)

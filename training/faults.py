@@ -2,7 +2,8 @@
 
 `TORCHRIG_FAULTS` holds a JSON list of `{"kind", "rank", "step", "generation" (default 0),
 "seconds"}` (docs/architecture.md). A fault fires when global rank `rank` in restart generation
-`generation` has completed optimizer step `step`:
+`generation` has completed optimizer step `step` (once: a warm spare that takes the rank's place in
+memory fires only the `slow` kinds again):
 
 - `kill`: SIGKILL of this process (a hard crash: no cleanup, no exception handler runs);
 - `exit`: `os._exit(1)` (a crash with a non-zero exit code);
@@ -97,9 +98,17 @@ def parse_faults(text: str | None) -> list[Fault]:
 class FaultInjector:
     """Fires this rank's faults of this generation at the right moments of the loop."""
 
-    def __init__(self, faults: list[Fault], *, rank: int, generation: int, events: MetricsSink) -> None:
+    def __init__(
+        self, faults: list[Fault], *, rank: int, generation: int, events: MetricsSink, replacement: bool = False
+    ) -> None:
         # rank -1 / generation -1 match every rank / generation (drills pace a whole job this way).
         self.faults = [f for f in faults if f.rank in (rank, -1) and f.generation in (generation, -1)]
+        if replacement:
+            # A warm spare that took this rank's place in memory (`training.inplace`) is the same rank
+            # in the same generation: the one-shot faults already fired in the process it replaced.
+            # Only the pacing ones go on (a kill_during_checkpoint would otherwise strike every later
+            # save, since its spare never saw it fire).
+            self.faults = [f for f in self.faults if f.kind in _TIMED]
         self.events = events
         self._fired: set[Fault] = set()
         self._backward_step = 0  # the last step whose backward was slowed (once per step)
@@ -110,10 +119,17 @@ class FaultInjector:
 
     @classmethod
     def from_env(
-        cls, *, rank: int, generation: int, events: MetricsSink, env: Mapping[str, str] | None = None
+        cls,
+        *,
+        rank: int,
+        generation: int,
+        events: MetricsSink,
+        env: Mapping[str, str] | None = None,
+        replacement: bool = False,
     ) -> FaultInjector:
         env = os.environ if env is None else env
-        return cls(parse_faults(env.get(Env.FAULTS)), rank=rank, generation=generation, events=events)
+        faults = parse_faults(env.get(Env.FAULTS))
+        return cls(faults, rank=rank, generation=generation, events=events, replacement=replacement)
 
     def step_delay(self, step: int) -> float:
         """Extra seconds a `slow` fault adds to `step` (events are written once, when it starts)."""

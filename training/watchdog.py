@@ -52,7 +52,8 @@ class StepWatchdog:
     Args:
         timeout_s: Seconds without a completed step (the first period also covers start-up and restore).
         events: Where the `watchdog` event goes before the exit.
-        poll_s: Check interval (default: a tenth of the timeout, at most 1 s).
+        poll_s: Check interval (default: a tenth of the timeout, at most 0.25 s: a hang is detected at
+            most that late, and in-place recovery's target is the timeout + 1 s).
         stacks: Dumps this rank's stacks before the exit (None: no dump).
     """
 
@@ -71,7 +72,7 @@ class StepWatchdog:
         self.events = events
         self.stacks = stacks
         self._dumped_for: float | None = None  # the beat whose silence was dumped
-        self.poll_s = poll_s if poll_s is not None else min(1.0, timeout_s / 10)
+        self.poll_s = poll_s if poll_s is not None else min(0.25, timeout_s / 10)
         self._last = time.monotonic()
         self._step = 0
         self._stop = threading.Event()

@@ -108,7 +108,9 @@ def run_worker(
     sink.on_start(identity)
     stacks = StackDumper(identity, sink).install()  # stacks/gen-G/rank-R.txt on SIGUSR1 and the watchdog
     watchdog = StepWatchdog(spec.spec.restarts.step_timeout_seconds, sink, stacks=stacks).start()
-    faults = FaultInjector.from_env(rank=identity.rank, generation=identity.generation, events=sink)
+    faults = FaultInjector.from_env(
+        rank=identity.rank, generation=identity.generation, events=sink, replacement=prewarmed is not None
+    )
     io_timeout_s = spec.spec.checkpoint.io_timeout_seconds
     preemption = PreemptionHandler.from_spec(
         spec.spec.restarts, sink, rank=identity.rank, watchdog=watchdog, io_timeout_s=io_timeout_s

@@ -8,7 +8,17 @@ inside their functions only, so listing them here costs nothing.
 
 from __future__ import annotations
 
-from bench.sections import checkpoint_io, checkpoint_stall, exporter, gpu, mttr, overhead, preempt, scaling
+from bench.sections import (
+    checkpoint_io,
+    checkpoint_stall,
+    exporter,
+    gpu,
+    mttr,
+    overhead,
+    preempt,
+    scaling,
+    startup,
+)
 from bench.sections.base import Results, Section
 
 __all__ = ["SECTIONS", "Results", "Section"]
@@ -24,5 +34,6 @@ SECTIONS: dict[str, Section] = {
         scaling.SECTION,
         gpu.SECTION,
         preempt.SECTION,
+        startup.SECTION,
     )
 }

@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from orchestrator.backends._local_agent import PORT_PLACEHOLDER
 from orchestrator.backends.base import NodePlacement, SubmitOptions
 from orchestrator.errors import BackendError
 from orchestrator.spec import JobSpec
@@ -30,7 +31,8 @@ __all__ = ["LOG_LINE_PREFIX", "RDZV_CONF", "LocalPlan", "create_local_plan", "pi
 # peer; with these ~6-9 s. keep_alive_max_attempt is 5, not 2: on a loaded machine an agent's keep-alive
 # thread can lag 2 s, the agent then expires ITSELF from the complete round, and a joining node forms
 # a second, separate world (seen here: two world-size-1 groups side by side). `is_host=false`: no agent
-# hosts the store, the store process does.
+# hosts the store, the store process does. `last_call_timeout`: how long a round that has its minimum
+# of nodes waits for more (`LocalPlan.rdzv_conf`).
 RDZV_CONF: dict[str, str] = {
     "is_host": "false",
     "last_call_timeout": "2",
@@ -38,6 +40,12 @@ RDZV_CONF: dict[str, str] = {
     "keep_alive_max_attempt": "5",
     "join_timeout": "600",
 }
+# A run launched on one node has no second agent starting beside it: its rounds (the first one and
+# every group restart) wait 1 s for another node instead of 2 s (torch takes whole seconds; 0 would
+# close a round before a node added later, which polls the round once a second, could join it). A node
+# added later (`LocalRun.add_node`) waits in the wait list, the running agent restarts its workers and
+# opens the next round, and the new node joins it within that second (tried: world sizes [2, 4]).
+SINGLE_NODE_LAST_CALL_S = "1"
 # Every rank's line in logs/node<i>.log starts with its global rank: `torchrig logs --rank R` greps it.
 LOG_LINE_PREFIX = "[rank${rank}]:"
 _DEFAULT_PLACEMENT = NodePlacement()
@@ -117,19 +125,34 @@ class LocalPlan:
             return _DEFAULT_PLACEMENT
         return self.placements[min(node, len(self.placements) - 1)]
 
+    def rdzv_conf(self) -> dict[str, str]:
+        """The c10d rendezvous settings of this plan's agents (`RDZV_CONF`)."""
+        if self.nodes > 1:
+            return dict(RDZV_CONF)
+        return {**RDZV_CONF, "last_call_timeout": SINGLE_NODE_LAST_CALL_S}
+
     @property
     def store_host(self) -> str:
         return self.placement(0).addr
 
-    def agent_command(self, node: int, store_port: int | str, spec_file: str) -> list[str]:
-        """Agent `node`'s `python -m torch.distributed.run ...` command line."""
-        conf = ",".join(f"{k}={v}" for k, v in RDZV_CONF.items())
+    def agent_command(
+        self, node: int, store_port: int | str, spec_file: str, *, port_file: str | None = None
+    ) -> list[str]:
+        """Agent `node`'s `python -m torch.distributed.run ...` command line. With `port_file`, the
+        store is still starting: the agent imports torchrun meanwhile, then reads the port from that
+        file (`_local_agent`; `store_port` is ignored)."""
+        conf = ",".join(f"{k}={v}" for k, v in self.rdzv_conf().items())
         place = self.placement(node)
+        if port_file is not None:
+            store_port = PORT_PLACEHOLDER
+            launcher = ["orchestrator.backends._local_agent", port_file]
+        else:
+            launcher = ["torch.distributed.run"]
         return [
             *place.prefix,
             sys.executable,
             "-m",
-            "torch.distributed.run",
+            *launcher,
             f"--nnodes={self.nnodes}",
             f"--nproc-per-node={self.procs_per_node}",
             "--rdzv-backend=c10d",
@@ -159,7 +182,7 @@ class LocalPlan:
                 "backend": "c10d",
                 "id": self.rdzv_id,
                 "store": "127.0.0.1:<port chosen at launch, own process>",
-                "conf": dict(RDZV_CONF),
+                "conf": self.rdzv_conf(),
             },
             "env": dict(self.env),
             "agents": [

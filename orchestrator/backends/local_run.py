@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orchestrator.backends._local_agent import PORT_PLACEHOLDER, read_port
 from orchestrator.backends._local_procs import find_marked, kill_pids, process_start_ticks, spawn, terminate_then_kill
 from orchestrator.backends._local_view import LiveProgress, QuietView, RunView
 from orchestrator.backends.base import RunState
@@ -80,9 +81,12 @@ class LocalRun:
         self._started = time.monotonic()
         self._prepare_run_dir()
         try:
+            # The agents import torchrun while the store imports torch; they read its port from the
+            # file it writes (`_local_agent`).
             self._start_store()
             for node in range(self.plan.nodes):
                 self._start_agent(node)
+            self._await_store_port()
         except BaseException:
             self._kill_everything()
             raise
@@ -112,8 +116,13 @@ class LocalRun:
         self._store = self._spawn(
             [*cmd, str(port_file), self.plan.store_host], node=_STORE_NODE, log=self.files.store_log
         )
+
+    def _await_store_port(self) -> None:
+        """Wait for the store to write its port (kept in the file for the agents still reading it)."""
+        assert self._store is not None
+        port_file = self.files.store_port
         deadline = time.monotonic() + STORE_START_TIMEOUT_S
-        while not port_file.exists():
+        while (port := read_port(str(port_file), timeout_s=0)) is None:
             if self._store.poll() is not None:
                 raise BackendError(
                     f"the rendezvous store exited with {self._store.returncode}; see {self.files.store_log}"
@@ -121,8 +130,7 @@ class LocalRun:
             if time.monotonic() > deadline:
                 raise BackendError(f"the rendezvous store did not start in {STORE_START_TIMEOUT_S:.0f} s")
             time.sleep(0.05)
-        self._store_port = int(port_file.read_text())
-        port_file.unlink()
+        self._store_port = port
 
     def _node_spec_file(self, node: int) -> Path:
         """job.yaml for node 0; other nodes get a copy whose metrics port does not collide on this host."""
@@ -149,10 +157,12 @@ class LocalRun:
         spec_file = self._node_spec_file(node)
         env = {**self.plan.env, Env.SPEC: str(spec_file), Env.LOG_LINE_PREFIX_TEMPLATE: LOG_LINE_PREFIX}
         # In-place recovery forms every process-group generation on this store: it outlives every trainer.
-        env[Env.INPLACE_STORE] = self.store_address
+        starting = not self._store_port  # the store is still starting: the agent reads its port file
+        port_file = str(self.files.store_port) if starting else None
+        env[Env.INPLACE_STORE] = f"{self.plan.store_host}:{PORT_PLACEHOLDER}" if starting else self.store_address
         if ifname := self.plan.placement(node).ifname:
             env[Env.GLOO_SOCKET_IFNAME] = ifname
-        cmd = self.plan.agent_command(node, self._store_port, str(spec_file))
+        cmd = self.plan.agent_command(node, self._store_port, str(spec_file), port_file=port_file)
         agent = _Agent(node=node, proc=self._spawn(cmd, node=str(node), log=self.files.node_log(node), env=env))
         self._agents.append(agent)
         return agent

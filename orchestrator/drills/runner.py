@@ -40,8 +40,9 @@ _TIMELINE_EVENTS = {
 }
 
 
-def _pick_fault(spec: JobSpec, options: DrillOptions, rng: random.Random) -> tuple[int, int, int]:
-    """(step, rank, checkpoint every) of the fault: the options' when given, else drawn from `rng`."""
+def _pick_fault(spec: JobSpec, options: DrillOptions, rng: random.Random, latest: float = 1.0) -> tuple[int, int, int]:
+    """(step, rank, checkpoint every) of the fault: the options' when given, else drawn from `rng`
+    between the first checkpoint and `latest` x spec.training.steps."""
     steps = spec.spec.training.steps
     every = spec.spec.checkpoint.every.steps or max(1, steps // 4)
     world = (options.nodes or spec.spec.nodes.max) * spec.spec.procs_per_node
@@ -51,7 +52,7 @@ def _pick_fault(spec: JobSpec, options: DrillOptions, rng: random.Random) -> tup
         step = options.at_step
     else:
         low = min(every + 2, steps - 1)
-        step = rng.randint(low, max(low, steps - 2))
+        step = rng.randint(low, max(low, min(steps - 2, int(steps * latest))))
     if options.rank is not None:
         if not 0 <= options.rank < world:
             raise SpecError(f"--rank: must be between 0 and {world - 1} (world size {world})")
@@ -76,7 +77,7 @@ def run_drill(scenario_name: str, spec: JobSpec, options: DrillOptions) -> Drill
     rng = random.Random(options.seed)
     options = dataclasses.replace(options, nodes=_drill_nodes(scenario, spec, options))
     nodes = options.nodes or 1
-    fault_step, fault_rank, every = _pick_fault(spec, options, rng)
+    fault_step, fault_rank, every = _pick_fault(spec, options, rng, scenario.latest_fault)
     ctx = DrillContext(
         scenario=scenario.name,
         seed=options.seed,

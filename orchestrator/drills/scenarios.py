@@ -75,6 +75,9 @@ class Scenario:
     needs_restore: ClassVar[bool] = True
     needs_network: ClassVar[bool] = False  # each emulated node in its own network namespace
     resumes_after_preemption: ClassVar[bool] = False  # a run that ends `preempted` is started again
+    # The drawn fault step is at most this fraction of spec.training.steps (what follows the fault
+    # must fit in the rest of the job: kill-node shrinks, then grows back).
+    latest_fault: ClassVar[float] = 1.0
 
     # -- decisions ---------------------------------------------------------------------------------
     def unmet(self, spec: JobSpec, nodes: int | None = None) -> str | None:
@@ -231,8 +234,26 @@ class CrashDuringCheckpoint(Scenario):
     summary = "SIGKILL a rank while a checkpoint save is in flight (staged, not yet committed)."
     proves = "a half-written checkpoint is never restored; the job resumes from the previous committed one."
 
+    def patch(self, spec: JobSpec, ctx: DrillContext) -> JobSpec:
+        # In place, the survivors keep the state in memory and nothing is restored after the crash: the
+        # half-written checkpoint would never be put to the test. The group restarts here, so the
+        # resubmitted ranks find it beside the previous committed one and must pick the latter.
+        return patch_section(spec, "restarts", mode="restart")
+
     def faults(self, ctx: DrillContext) -> list[Fault]:
         return [Fault(kind="kill_during_checkpoint", rank=ctx.fault_rank, step=ctx.checkpoint_at_fault)]
+
+    def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> Verdict:
+        verdict = super().judge(report, history, ctx)
+        # The fault strikes the first save at or after the aimed one that runs; the final save is
+        # synchronous (committed before the fault could fire), so striking it proves nothing.
+        struck = report.fault_step
+        verdict.check(
+            "the kill struck a save in flight (not the final one)",
+            struck is not None and struck < ctx.steps,
+            f"aimed at the save of step {ctx.checkpoint_at_fault}, struck the save of step {struck}",
+        )
+        return verdict
 
 
 class Hang(Scenario):
@@ -390,6 +411,10 @@ class KillNode(Scenario):
     proves = "elastic jobs shrink and grow back without losing more than the steps since the last checkpoint."
     needs_nodes = 2
     compares_params = False  # the world size changes on purpose
+    # Losing the node, the restart at the smaller size, the progress there and the rejoin (a second
+    # restart) must all happen before the job ends: a fault drawn at step 270 of 300 left no time to
+    # grow back (campaign, seeds 0 and 2).
+    latest_fault = 0.4
 
     def faults(self, ctx: DrillContext) -> list[Fault]:
         return _pace(ctx)
@@ -426,7 +451,12 @@ class Partition(KillNode):
 
     def patch(self, spec: JobSpec, ctx: DrillContext) -> JobSpec:
         # Survivors block inside a collective when packets stop (no reset arrives): the watchdog ends it.
-        return _short_watchdog(spec, ctx)
+        # A partition during a checkpoint save blocks the save's collectives and the training loop that
+        # waits for it; both are bounded by checkpoint.ioTimeoutSeconds (default 30 min), so the drill
+        # bounds it too (seen: a cut during the final save held the job for the drill's whole timeout).
+        spec = _short_watchdog(spec, ctx)
+        io_timeout = min(spec.spec.checkpoint.io_timeout_seconds, 3 * spec.spec.restarts.step_timeout_seconds)
+        return patch_section(spec, "checkpoint", io_timeout_seconds=io_timeout)
 
     def actions(self, spec: JobSpec, ctx: DrillContext) -> list[Action]:
         # The cut-off node is declared lost (a cluster would replace it); after the link is healed a new
@@ -459,6 +489,9 @@ class Preemption(Scenario):
         "within restarts.preemptGraceSeconds, and the resumed job ends bit-identical."
     )
     resumes_after_preemption = True
+    # The signal must land while the job still runs: drawn at step 296 of 300, the paced job finished
+    # before its ranks agreed on a stop step (campaign, seed 2).
+    latest_fault = 0.8
 
     def faults(self, ctx: DrillContext) -> list[Fault]:
         return _pace(ctx)

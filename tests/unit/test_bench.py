@@ -28,6 +28,7 @@ SECTION_NAMES = [
     "scaling",
     "gpu",
     "preempt",
+    "startup",
 ]
 
 
@@ -70,6 +71,14 @@ def fake_results() -> dict[str, Any]:
             "lost_steps": {"torchrig": 5, "torchrun_naive": 5, "ray_train": None},
         },
         "scaling": {"world_sizes": [2, 4], "save_s": [0.1, 0.2], "restore_s": [0.05, 0.1], "mttr_s": [3.0, 6.0]},
+        "startup": {
+            "steps": 300,
+            "torchrig_wall": {**spread, "median": 15.0},
+            "torchrig_first_step": {**spread, "median": 9.5},
+            "torchrig_teardown": {**spread, "median": 1.25},
+            "torchrun_naive_wall": {**spread, "median": 10.0},
+            "wall_ratio_vs_torchrun": 1.5,
+        },
     }
 
 
@@ -129,6 +138,9 @@ def test_report_writes_json_markdown_and_plot(tmp_path: Path) -> None:
         "Speed-up against the fastest peer: 1.50x (target >= 2x).",
         "Exporter overhead: 0.420% of step time (target < 0.15%).",
         "| 4 | 0.200 | 0.100 | 6.00 |",
+        "| torchrig run | 15.00 | 9.50 | 1.25 |",
+        "| torchrun + naive loop | 10.00 | | |",
+        "torchrig over torchrun, wall: 1.50x.",
         "- section `gpu` failed: `RuntimeError: boom`",
     ):
         assert row in md, row

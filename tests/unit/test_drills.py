@@ -274,6 +274,11 @@ def test_fault_choice_is_seeded_and_bounded(examples_dir: Path) -> None:
     assert _pick_fault(spec, DrillOptions(seed=3), random.Random(3)) == _pick_fault(
         spec, DrillOptions(seed=3), random.Random(3)
     )
+    # kill-node must leave time to lose the node, restart smaller and grow back: drawn early.
+    early = [_pick_fault(spec, DrillOptions(seed=s), random.Random(s), KillNode.latest_fault)[0] for s in range(30)]
+    assert all(12 <= step <= int(60 * KillNode.latest_fault) for step in early), early
+    assert len(set(early)) > 3
+    assert get_scenario("preempt").latest_fault < 1 and get_scenario("preempt-short-grace").latest_fault < 1
     with pytest.raises(SpecError, match="--at-step"):
         _pick_fault(spec, DrillOptions(at_step=60), random.Random(0))
     with pytest.raises(SpecError, match="--rank"):
@@ -379,3 +384,31 @@ def test_hang_verdict_needs_every_rank_dumped_and_the_hung_rank_apart(tmp_path: 
     _write_jsonl(tmp_path / "events.jsonl", [e for e in events if not (e["event"] == "stacks" and e["rank"] == 0)])
     history = RunHistory.load(tmp_path)
     assert not checks(1)["every rank dumped its stacks"]
+
+
+def test_crash_during_checkpoint_restarts_the_group_and_must_strike_an_in_flight_save(examples_dir: Path) -> None:
+    spec = load_spec(examples_dir / "digits-ddp.yaml")
+    scenario = get_scenario("crash-during-checkpoint")
+    ctx = _ctx(scenario=scenario.name, steps=300, checkpoint_every=50, fault_step=262)
+    plan = scenario.plan(spec, ctx)
+    # In place nothing would be restored: the drill makes the group restart to test the half-written save.
+    assert plan.spec.spec.restarts.mode == "restart"
+    assert plan.faults[0].kind == "kill_during_checkpoint" and plan.faults[0].step == 250
+
+    def verdict(struck: int) -> dict[str, bool]:
+        report = DrillReport(scenario=scenario.name, backend="local", seed=0, status="succeeded")
+        report.fault_step, report.resumed_from_step = struck, 200
+        history = RunHistory(run_dir=Path("."), events=[], metrics=[])
+        return {c.name: c.passed for c in scenario.judge(report, history, ctx).checks}
+
+    name = "the kill struck a save in flight (not the final one)"
+    assert verdict(250)[name] and not verdict(300)[name]
+
+
+def test_partition_bounds_the_checkpoint_io_limit(examples_dir: Path) -> None:
+    spec = load_spec(examples_dir / "digits-ddp.yaml")
+    scenario = get_scenario("partition")
+    plan = scenario.plan(spec, _ctx(scenario=scenario.name, steps=300, checkpoint_every=50, nodes=2, world_size=4))
+    restarts, checkpoint = plan.spec.spec.restarts, plan.spec.spec.checkpoint
+    assert restarts.step_timeout_seconds == 10
+    assert checkpoint.io_timeout_seconds == 30, "a cut during a save must not hold the job for 30 minutes"

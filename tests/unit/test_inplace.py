@@ -105,6 +105,21 @@ def test_a_claimed_spare_gets_the_rank_and_the_next_generation(store: Any, monke
     assert claim_spare(quick, client, 1, None) is None
 
 
+def test_when_every_rank_lost_its_trainer_nobody_waits_for_a_spare(store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = InPlace(
+        store_addr=f"127.0.0.1:{store.port}", run_id="r", restart_count=0, node_rank=0, spares=1, timeout_s=60.0
+    )
+    client = settings.connect()
+    monkeypatch.setenv(Env.WORLD_SIZE, "4")
+    client.add(settings.lost_key, 3)  # three ranks lost theirs: the fourth still holds the state
+    quick = InPlace(**{**settings.__dict__, "timeout_s": 0.2})
+    assert claim_spare(quick, client, 1, None) is None  # waited out its (short) timeout
+    client.add(settings.lost_key, 1)  # the fourth too: no survivor holds the state
+    started = time.monotonic()
+    assert claim_spare(settings, client, 1, None) is None
+    assert time.monotonic() - started < 5, "the 60 s in-place timeout is not waited out"
+
+
 def test_a_promoted_spare_is_watched_until_its_exit_code_is_published(store: Any) -> None:
     settings = InPlace(
         store_addr=f"127.0.0.1:{store.port}", run_id="r", restart_count=0, node_rank=0, spares=1, timeout_s=5.0

@@ -232,3 +232,20 @@ def test_params_sha256_depends_on_bytes_in_key_order() -> None:
     a = {"b": torch.ones(2), "a": torch.zeros(3, dtype=torch.bfloat16)}
     assert params_sha256(a) == params_sha256(dict(reversed(list(a.items()))))
     assert params_sha256(a) != params_sha256({**a, "b": torch.tensor([1.0, 1.0 + 2**-20])})
+
+
+def test_a_spare_in_a_dead_ranks_place_does_not_fire_its_one_shot_faults() -> None:
+    # The spare is the same rank in the same generation; the process it replaced fired these already.
+    faults = [
+        Fault("kill_during_checkpoint", 1, 50),
+        Fault("kill", 1, 70),
+        Fault("hang", 1, 80),
+        Fault("slow", -1, 1, -1, 0.01),
+    ]
+    original = FaultInjector(faults, rank=1, generation=0, events=_Events())
+    assert [f.kind for f in original.faults] == ["kill_during_checkpoint", "kill", "hang", "slow"]
+    spare = FaultInjector(faults, rank=1, generation=0, events=_Events(), replacement=True)
+    assert [f.kind for f in spare.faults] == ["slow"], "pacing goes on, nothing strikes a second time"
+    spare.after_save_staged(100)  # would SIGKILL this test process if the fault were kept
+    spare.after_step(70)
+    assert spare.step_delay(5) == 0.01

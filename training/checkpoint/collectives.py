@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -18,7 +19,8 @@ __all__ = ["Collectives"]
 
 
 class Collectives:
-    """Two dedicated gloo groups, created at construction when a process group of size > 1 exists.
+    """Two dedicated gloo groups, created at construction when a process group of size > 1 exists,
+    whose collectives fail after `timeout_s` (default: torch's).
 
     `group` carries the background save's and the restore's traffic (DCP and the object exchanges);
     `control` carries the foreground decisions of `should_save`/`save`. The background save's
@@ -26,16 +28,20 @@ class Collectives:
     deadlocks under FSDP on gloo), nor with those foreground broadcasts.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float | None = None) -> None:
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.group: Any = None
         self.control: Any = None
         if self.distributed:
             from training.inplace import sockets
 
+            # `checkpoint.ioTimeoutSeconds`: the longest any checkpoint I/O may take (the watchdog's limit
+            # while training waits for it). A peer that stops answering (a network partition, a hung
+            # rank) fails these collectives after it, not after gloo's default 30 minutes.
+            timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
             with sockets.recording():  # in-place recovery cuts these connections when the group breaks
-                self.group = dist.new_group(backend="gloo")
-                self.control = dist.new_group(backend="gloo")
+                self.group = dist.new_group(backend="gloo", timeout=timeout)
+                self.control = dist.new_group(backend="gloo", timeout=timeout)
 
     def broadcast_obj(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank."""

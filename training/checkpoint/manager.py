@@ -103,7 +103,7 @@ class CheckpointManager:
         self.stores: list[CheckpointStorage] = [
             open_storage(s.resolved_uri(identity.run_dir), s.options, s.display_name) for s in config.stores
         ]
-        self._coll = Collectives()
+        self._coll = Collectives(timeout_s=config.io_timeout_seconds)
         self.node_dir = _node_dir(config, identity)
         os.makedirs(self.node_dir, exist_ok=True)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrig-ckpt")

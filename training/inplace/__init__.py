@@ -141,6 +141,12 @@ class InPlace:
         """How many spares this node's pool has started (indices 0 .. n-1)."""
         return f"node{self.node_rank}/spawned"
 
+    @property
+    def lost_key(self) -> str:
+        """How many ranks have lost their trainer and not yet stepped again with its replacement. At
+        the world size nobody holds the state any more: waiting for spares is pointless."""
+        return "lost"
+
     @staticmethod
     def exit_key(pid: int) -> str:
         return f"exit/{pid}"

@@ -38,7 +38,7 @@ from types import FrameType
 from typing import Any
 
 from training.contract import PERMANENT, Env, ExitCode
-from training.inplace import IDENTITY_ENV, ROLE_SPARE, ROLE_TRAINER, InPlace
+from training.inplace import IDENTITY_ENV, ROLE_SPARE, ROLE_TRAINER, InPlace, forked
 
 __all__ = ["die_with_parent", "run_host"]
 
@@ -67,7 +67,7 @@ def _status(code: int) -> int:
 class _Child:
     """The first trainer: this host's own child."""
 
-    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes] | forked.Process) -> None:
         self.proc = proc
         self.pid = proc.pid
 
@@ -127,14 +127,15 @@ class SparePool:
     exits, so a finished rank 0 never takes a still-running rank down with it (`PR_SET_PDEATHSIG`).
     """
 
-    def __init__(self, inplace: InPlace, store: Any, command: list[str], first_trainer: int) -> None:
+    def __init__(self, inplace: InPlace, store: Any, command: list[str], argv: list[str], first_trainer: int) -> None:
         self.inplace = inplace
         self.store = store
         self.command = command
+        self.argv = argv
         self.first_trainer = first_trainer
         self.spawned = 0
         self.last_spawn = 0.0
-        self.procs: dict[int, tuple[int, subprocess.Popen[bytes]]] = {}  # pid -> (index, process)
+        self.procs: dict[int, tuple[int, subprocess.Popen[bytes] | forked.Process]] = {}  # pid -> (index, process)
 
     def tick(self, *, spawn: bool = True) -> None:
         """Publish the exit codes of spares that ended; start spares until `spares` unclaimed ones live
@@ -152,8 +153,8 @@ class SparePool:
         if int(self.store.add(self.inplace.waiting_key, 0)) > 0 and self._starting_too_long():
             unclaimed = 0  # a host waits and the spares starting seem stuck (seen: one never got ready)
         while unclaimed < self.inplace.spares:
-            env = {**os.environ, Env.INPLACE_ROLE: ROLE_SPARE, Env.INPLACE_SPARE: str(self.spawned)}
-            proc = subprocess.Popen(self.command, env=env)
+            env = {Env.INPLACE_ROLE: ROLE_SPARE, Env.INPLACE_SPARE: str(self.spawned)}
+            proc = forked.start(self.command, self.argv, env)
             self.procs[proc.pid] = (self.spawned, proc)
             self.spawned += 1
             self.store.add(self.inplace.spawned_key, 1)
@@ -204,13 +205,20 @@ def _take_ready_spare(inplace: InPlace, store: Any, rank: int) -> tuple[int, int
     return None
 
 
+def every_rank_lost(inplace: InPlace, store: Any) -> bool:
+    """Whether every rank has lost its trainer (`InPlace.lost_key`): no survivor holds the state."""
+    world_size = int(os.environ.get(Env.WORLD_SIZE, "0") or 0)
+    return world_size > 0 and int(store.add(inplace.lost_key, 0)) >= world_size
+
+
 def claim_spare(inplace: InPlace, store: Any, rank: int, pool: SparePool | None) -> int | None:
-    """Claim a ready spare of this node and assign it `rank`; its pid, or None when none got ready in time."""
+    """Claim a ready spare of this node and assign it `rank`; its pid, or None when none got ready in
+    time or every rank lost its trainer (nothing left to recover from in memory)."""
     deadline = time.monotonic() + inplace.timeout_s
     store.add(inplace.waiting_key, 1)
     try:
         while (taken := _take_ready_spare(inplace, store, rank)) is None:
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or every_rank_lost(inplace, store):
                 return None
             if pool is not None:
                 pool.tick()  # this host starts the spares: the one to claim may not exist yet
@@ -243,9 +251,13 @@ def run_host(inplace: InPlace, argv: list[str]) -> int:
     rank = int(os.environ.get(Env.RANK, "0"))
     local_rank = int(os.environ.get(Env.LOCAL_RANK, "0"))
     command = [sys.executable, "-m", "training", *argv]
+    # The trainer and every spare are forked from this interpreter once it has imported their stack
+    # (`training.inplace.forked`), before this host opens its store connection.
+    forked.remember_signal_handlers(_FORWARD)
+    forked.warm_up()
+    current: _Child | _Promoted = _Child(forked.start(command, argv, {Env.INPLACE_ROLE: ROLE_TRAINER}))
     store = inplace.connect()
-    current: _Child | _Promoted = _Child(subprocess.Popen(command, env={**os.environ, Env.INPLACE_ROLE: ROLE_TRAINER}))
-    pool = SparePool(inplace, store, command, current.pid) if local_rank == 0 else None
+    pool = SparePool(inplace, store, command, argv, current.pid) if local_rank == 0 else None
     stopping = False
 
     def _forward(signum: int, frame: FrameType | None) -> None:
@@ -256,8 +268,13 @@ def run_host(inplace: InPlace, argv: list[str]) -> int:
 
     for sig in _FORWARD:
         signal.signal(sig, _forward)
+    lost = False  # this rank's trainer died and its replacement has not completed a step yet
     try:
         while True:
+            if lost and _stepped(store, inplace, current.pid):
+                with contextlib.suppress(Exception):
+                    store.add(inplace.lost_key, -1)
+                lost = False
             if pool is not None and not stopping:
                 try:
                     pool.tick()
@@ -281,10 +298,21 @@ def run_host(inplace: InPlace, argv: list[str]) -> int:
                 )
                 return int(ExitCode.RECOVERY_FAILED)
             try:
+                if not lost:
+                    store.add(inplace.lost_key, 1)
+                    lost = True
                 pid = claim_spare(inplace, store, rank, pool)
             except Exception as exc:  # the store is gone: nothing to recover in place with
                 log.warning("in-place: claiming a spare failed: %s", exc)
                 pid = None
+            if pid is None and every_rank_lost(inplace, store):
+                print(
+                    f"torchrig: in-place: every rank lost its trainer (world size {os.environ.get(Env.WORLD_SIZE)}): "
+                    "no survivor holds the state; the group restarts from the checkpoint",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return int(ExitCode.RECOVERY_FAILED)
             if pid is None:
                 print(
                     f"torchrig: in-place: no spare ready within {inplace.timeout_s:g} s "

@@ -1,0 +1,58 @@
+"""A local run's torchrun agent, started while the rendezvous store is still starting.
+
+The store (`_local_store`) binds a free port and writes it to a file; both it and torchrun spend their
+first seconds importing torch. Started one after the other they cost both imports in a row; here the
+agent imports torchrun first and only then waits for the port, so the two imports overlap.
+
+Usage: `python -m orchestrator.backends._local_agent PORT_FILE TORCHRUN_ARGS...`: every occurrence
+of `STORE_PORT` in TORCHRUN_ARGS and in `TORCHRIG_INPLACE_STORE` becomes the port; then this process
+is `python -m torch.distributed.run TORCHRUN_ARGS...` (same exit status, same output).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from training.contract import Env
+
+__all__ = ["PORT_PLACEHOLDER", "main", "read_port"]
+
+PORT_PLACEHOLDER = "STORE_PORT"
+WAIT_S = 60.0  # as long as the supervisor waits for the store
+
+
+def read_port(port_file: str, timeout_s: float = WAIT_S) -> int | None:
+    """The port in `port_file` once the store has written it (atomically), or None after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with open(port_file) as fh:
+                return int(fh.read())
+        except (FileNotFoundError, ValueError):
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+
+
+def main(argv: list[str]) -> int:
+    port_file, args = argv[0], argv[1:]
+    from torch.distributed.run import main as torchrun_main  # the slow import, beside the store's
+
+    port = read_port(port_file)
+    if port is None:
+        print(f"torchrig: the rendezvous store wrote no port to {port_file} in {WAIT_S:.0f} s", file=sys.stderr)
+        return 1
+    args = [a.replace(PORT_PLACEHOLDER, str(port)) for a in args]
+    if Env.INPLACE_STORE in os.environ:
+        os.environ[Env.INPLACE_STORE] = os.environ[Env.INPLACE_STORE].replace(PORT_PLACEHOLDER, str(port))
+    sys.argv = ["torchrun", *args]
+    torchrun_main(args)
+    return 0
+
+
+if __name__ == "__main__":
+    from training.fastexit import exit_now
+
+    exit_now(main(sys.argv[1:]))  # a failure raises out of torchrun: a traceback and exit 1, as torchrun's own
