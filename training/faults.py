@@ -2,8 +2,8 @@
 
 `TORCHRIG_FAULTS` holds a JSON list of `{"kind", "rank", "step", "generation" (default 0),
 "seconds"}` (docs/architecture.md). A fault fires when global rank `rank` in restart generation
-`generation` has completed optimizer step `step` (once: a warm spare that takes the rank's place in
-memory fires only the `slow` kinds again):
+`generation` has completed optimizer step `step` (a warm spare that takes the rank's place in memory
+leaves out the faults of the steps its predecessor had passed):
 
 - `kill`: SIGKILL of this process (a hard crash: no cleanup, no exception handler runs);
 - `exit`: `os._exit(1)` (a crash with a non-zero exit code);
@@ -103,12 +103,13 @@ class FaultInjector:
     ) -> None:
         # rank -1 / generation -1 match every rank / generation (drills pace a whole job this way).
         self.faults = [f for f in faults if f.rank in (rank, -1) and f.generation in (generation, -1)]
-        if replacement:
-            # A warm spare that took this rank's place in memory (`training.inplace`) is the same rank
-            # in the same generation: the one-shot faults already fired in the process it replaced.
-            # Only the pacing ones go on (a kill_during_checkpoint would otherwise strike every later
-            # save, since its spare never saw it fire).
-            self.faults = [f for f in self.faults if f.kind in _TIMED]
+        # A warm spare that took this rank's place in memory (`training.inplace`) is the same rank in the
+        # same generation, resuming where its predecessor stopped: the faults of steps before that were
+        # its predecessor's (`after_step` drops them at the spare's first step). Without this a
+        # kill_during_checkpoint, which fires at the first save at or after its step, struck every
+        # later save again, one spare after the other.
+        self.replacement = replacement
+        self._first_step: int | None = None
         self.events = events
         self._fired: set[Fault] = set()
         self._backward_step = 0  # the last step whose backward was slowed (once per step)
@@ -167,6 +168,10 @@ class FaultInjector:
 
     def after_step(self, step: int) -> None:
         """Called once step `step` has completed (before any checkpoint of it)."""
+        if self._first_step is None:
+            self._first_step = step
+            if self.replacement:
+                self.faults = [f for f in self.faults if f.kind in _TIMED or f.step >= step]
         for fault in self.faults:
             if fault.step == step and fault.kind in ("kill", "exit", "hang"):
                 self._fire(fault, step)

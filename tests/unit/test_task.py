@@ -234,8 +234,9 @@ def test_params_sha256_depends_on_bytes_in_key_order() -> None:
     assert params_sha256(a) != params_sha256({**a, "b": torch.tensor([1.0, 1.0 + 2**-20])})
 
 
-def test_a_spare_in_a_dead_ranks_place_does_not_fire_its_one_shot_faults() -> None:
-    # The spare is the same rank in the same generation; the process it replaced fired these already.
+def test_a_spare_in_a_dead_ranks_place_leaves_out_its_predecessors_faults() -> None:
+    # The spare is the same rank in the same generation and resumes at step 50, where the process it
+    # replaced was killed by the kill_during_checkpoint of step 50; the later faults are its own.
     faults = [
         Fault("kill_during_checkpoint", 1, 50),
         Fault("kill", 1, 70),
@@ -243,9 +244,13 @@ def test_a_spare_in_a_dead_ranks_place_does_not_fire_its_one_shot_faults() -> No
         Fault("slow", -1, 1, -1, 0.01),
     ]
     original = FaultInjector(faults, rank=1, generation=0, events=_Events())
+    original.after_step(1)
     assert [f.kind for f in original.faults] == ["kill_during_checkpoint", "kill", "hang", "slow"]
     spare = FaultInjector(faults, rank=1, generation=0, events=_Events(), replacement=True)
-    assert [f.kind for f in spare.faults] == ["slow"], "pacing goes on, nothing strikes a second time"
-    spare.after_save_staged(100)  # would SIGKILL this test process if the fault were kept
-    spare.after_step(70)
-    assert spare.step_delay(5) == 0.01
+    spare.after_step(51)  # its first step after the recovery
+    assert [f.kind for f in spare.faults] == ["kill", "hang", "slow"], "pacing and later faults go on"
+    spare.after_save_staged(100)  # would SIGKILL this test process if the step-50 fault were kept
+    assert spare.step_delay(60) == 0.01
+    restarted = FaultInjector(faults, rank=1, generation=0, events=_Events())
+    restarted.after_step(41)  # a group restart keeps "the first save at or after the step"
+    assert restarted.faults[0].kind == "kill_during_checkpoint"
