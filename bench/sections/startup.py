@@ -10,7 +10,6 @@ from the last rank's `finished` event to the exit (the teardown), and the ratio 
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 import time
@@ -19,6 +18,7 @@ from typing import Any
 
 from bench.common import DIGITS, PY, REPO, run, stats
 from bench.sections.base import Section
+from training.contract import EventKind, RunFiles, read_events
 
 STEPS = 300
 EVERY = 50
@@ -29,9 +29,9 @@ def _torchrig(tmp: Path) -> dict[str, float]:
     start = time.time()
     run([PY, "-m", "orchestrator.cli", "run", str(DIGITS), "--run-dir", str(run_dir), "--quiet"], cwd=tmp)
     end = time.time()
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
-    first = min(e["time"] for e in events if e["event"] == "first_step")
-    finished = max(e["time"] for e in events if e["event"] == "finished")
+    events = read_events(RunFiles(run_dir).events)
+    first = min(e.time for e in events if e.kind is EventKind.FIRST_STEP)
+    finished = max(e.time for e in events if e.kind is EventKind.FINISHED)
     return {"wall_s": end - start, "first_step_s": first - start, "teardown_s": end - finished}
 
 
