@@ -55,6 +55,9 @@ class CommTimer:
         self._intervals: list[tuple[float, float]] = []
         self._first_gradient: float | None = None
         self.pending = 0  # gradient collectives issued and not done (a rank waiting on its peers)
+        # A gradient collective failed (a peer is gone): this rank is about to recover, not hung. Set
+        # before the error reaches the training loop, so its watchdog cannot fire in between.
+        self.failed = False
 
     def gradient_issued(self, start: float) -> None:
         """A gradient collective was issued at `start` (`time.perf_counter()`)."""
@@ -158,9 +161,14 @@ def _timed_allreduce_hook(timer: CommTimer) -> Callable[[Any, GradBucket], torch
         fut = default_hooks.allreduce_hook(process_group, bucket)
 
         def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            timer.pending -= 1
-            timer.record(start, time.perf_counter())
-            return f.value()
+            try:
+                return f.value()
+            except Exception:
+                timer.failed = True
+                raise
+            finally:
+                timer.pending -= 1
+                timer.record(start, time.perf_counter())
 
         return fut.then(done)
 

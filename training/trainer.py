@@ -273,12 +273,19 @@ class Trainer:
         Raises:
             RecoveryFailed: the new generation did not form (the host then restarts the group).
         """
-        from training.inplace.group import RecoveryFailed
-
         group = self.inplace
         assert group is not None
-        start = time.perf_counter()
         limit = self.spec.spec.restarts.in_place_timeout_seconds
+        # The whole recovery (leaving the broken group, abandoning its checkpoint manager, forming the
+        # next one) runs under the in-place limit, not the step timeout: this rank is not hung.
+        with self.watchdog.io(limit * 3):
+            self._recover_in_place(group, failure, limit)
+        self.par.comm.failed = False
+
+    def _recover_in_place(self, group: InPlaceGroup, failure: str, limit: float) -> None:
+        from training.inplace.group import RecoveryFailed
+
+        start = time.perf_counter()
         print(
             f"torchrig: in-place: rank {self.identity.rank}: collective failed after step {self.progress.step} "
             f"({failure}); re-forming the group",
@@ -299,24 +306,23 @@ class Trainer:
             del old_checkpoints
         log.debug("in-place: abandoned the old checkpoint manager at %.3f s", time.perf_counter() - start)
         try:
-            with self.watchdog.io(limit * 3):
-                preemption = self.preemption
-                group.form(group.generation + 1, cancelled=lambda: preemption is not None and preemption.requested)
-                log.debug("in-place: formed at %.3f s", time.perf_counter() - start)
-                synced = group.sync_state(
-                    self.par.module, self.optimizer, self.progress, has_state=True, bucket_order=self.par.bucket_order
-                )
-                log.debug("in-place: synced at %.3f s", time.perf_counter() - start)
-                self.par.bucket_order = synced.bucket_order
-                rewrap_ddp(self.par)
-                log.debug("in-place: DDP at %.3f s", time.perf_counter() - start)
-                self.state["app"] = ModelOptimizerState(self.par.model, self.optimizer)
-                self.optimizer.zero_grad(set_to_none=True)
-                if self.checkpoint_factory is not None:
-                    self.checkpoints = self.checkpoint_factory()
-                log.debug("in-place: checkpoints at %.3f s", time.perf_counter() - start)
-                if self.preemption is not None:
-                    self.preemption.reconnect()
+            preemption = self.preemption
+            group.form(group.generation + 1, cancelled=lambda: preemption is not None and preemption.requested)
+            log.debug("in-place: formed at %.3f s", time.perf_counter() - start)
+            synced = group.sync_state(
+                self.par.module, self.optimizer, self.progress, has_state=True, bucket_order=self.par.bucket_order
+            )
+            log.debug("in-place: synced at %.3f s", time.perf_counter() - start)
+            self.par.bucket_order = synced.bucket_order
+            rewrap_ddp(self.par)
+            log.debug("in-place: DDP at %.3f s", time.perf_counter() - start)
+            self.state["app"] = ModelOptimizerState(self.par.model, self.optimizer)
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.checkpoint_factory is not None:
+                self.checkpoints = self.checkpoint_factory()
+            log.debug("in-place: checkpoints at %.3f s", time.perf_counter() - start)
+            if self.preemption is not None:
+                self.preemption.reconnect()
         except RecoveryFailed:
             raise
         except Exception as exc:  # a second failure while re-forming: give up, the group restarts

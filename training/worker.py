@@ -186,7 +186,7 @@ def run_worker(
 
             trainer.checkpoint_factory = new_checkpoints
             live = trainer
-            watchdog.waiting = lambda: live.par.comm.pending > 0
+            watchdog.waiting = lambda: live.par.comm.pending > 0 or live.par.comm.failed
             watchdog.waiting_grace_s = spec.spec.restarts.in_place_timeout_seconds
         if prewarmed is not None and synced is not None:
             trainer.progress.load_state_dict(synced.progress)
