@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import traceback
 import warnings
 from collections.abc import Mapping, Sequence
@@ -99,8 +100,6 @@ class Process:
             os.kill(self.pid, sig)
 
     def wait(self, timeout: float | None = None) -> int:
-        import time
-
         deadline = None if timeout is None else time.monotonic() + timeout
         while (code := self.poll()) is None:
             if deadline is not None and time.monotonic() > deadline:
