@@ -109,6 +109,9 @@ class FaultInjector:
         # kill_during_checkpoint, which fires at the first save at or after its step, struck every
         # later save again, one spare after the other.
         self.replacement = replacement
+        # The furthest step the group had reached before the failure, where it is ahead of the step the
+        # spare resumes after (FSDP in place returns to an in-memory snapshot: `training.inplace.replica`).
+        self.predecessor_reached: int | None = None
         self._first_step: int | None = None
         self.events = events
         self._fired: set[Fault] = set()
@@ -171,7 +174,8 @@ class FaultInjector:
         if self._first_step is None:
             self._first_step = step
             if self.replacement:
-                self.faults = [f for f in self.faults if f.kind in _TIMED or f.step >= step]
+                first = max(step, (self.predecessor_reached or 0) + 1)
+                self.faults = [f for f in self.faults if f.kind in _TIMED or f.step >= first]
         for fault in self.faults:
             if fault.step == step and fault.kind in ("kill", "exit", "hang"):
                 self._fire(fault, step)

@@ -33,12 +33,22 @@ from training.faults import FaultInjector
 from training.metrics.base import MetricsSink, StepRecord
 from training.metrics.straggler import create_straggler_detector
 from training.state import ModelOptimizerState, TrainerProgress, full_params_sha256
-from training.strategies import Parallel, clip_grad_norm, ddp_bucket_order, lr_at, rewrap_ddp, unwrap_ddp
+from training.strategies import (
+    Parallel,
+    build_optimizer,
+    clip_grad_norm,
+    ddp_bucket_order,
+    lr_at,
+    parallelize,
+    rewrap_ddp,
+    unwrap_ddp,
+)
 from training.task import Task
 from training.watchdog import StepWatchdog
 
 if TYPE_CHECKING:
     from training.inplace.group import InPlaceGroup
+    from training.inplace.replica import ReplicaSet
     from training.preemption import PreemptionHandler
 
 __all__ = ["CheckpointManagerLike", "Trainer"]
@@ -136,6 +146,8 @@ class Trainer:
         # In-place recovery (`training.inplace`, set by the worker; None: a failure ends the process).
         self.inplace: InPlaceGroup | None = None
         self.checkpoint_factory: Callable[[], CheckpointManagerLike] | None = None  # a new group's manager
+        # FSDP/HSDP in place: this rank's in-memory snapshots and its neighbour's (`training.inplace.replica`).
+        self.replicas: ReplicaSet | None = None
         self.skip_restore = False  # a spare got its state from a survivor, not from a checkpoint
         self._buckets_for: object = None  # the manager whose manifests carry DDP's bucket layout already
         metrics = spec.spec.metrics
@@ -239,6 +251,7 @@ class Trainer:
         first_step = self.progress.step
         train_s = 0.0
         stepped = False
+        self._snapshot()  # FSDP in place: a replica of the starting state (restored or fresh)
         while self.progress.step < self.cfg.steps:
             try:
                 record = self.step(self.progress.step + 1, feed)
@@ -256,6 +269,7 @@ class Trainer:
                 failure = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
             # Outside the handler: the traceback (and the old DDP wrapper it references) is gone.
             self.recover_in_place(failure)
+            self._snapshot()  # the spare took one on joining: every member takes this one
             feed = self._feed()  # the data order from the cursor: the step in flight is recomputed
             self.par.model.train()
         steps_run = self.progress.step - first_step
@@ -282,8 +296,27 @@ class Trainer:
             self._recover_in_place(group, failure, limit)
         self.par.comm.failed = False
 
+    def _snapshot(self) -> None:
+        """FSDP in place: snapshot this rank's shards and swap copies with its neighbours (collective)."""
+        if self.replicas is not None:
+            with self.watchdog.io(self.io_timeout_s):
+                self.replicas.take(self.progress.step, self.state)
+            log.debug("in-memory replica of step %d in %.3f s", self.progress.step, self.replicas.last_s)
+
+    def _rebuild_sharded(self) -> tuple[Parallel, torch.optim.Optimizer]:
+        """A new model and optimizer on the new group, as a restarted worker builds them (its state comes
+        from the in-memory replicas next)."""
+        from training.inplace import sockets
+
+        device = self.par.device
+        torch.manual_seed(self.cfg.seed)
+        model = self.task.build_model()
+        with sockets.recording():  # HSDP's mesh creates groups: cut on the next failure like the rest
+            par = parallelize(model, self.task.blocks(model), self.cfg, self.identity, device)
+        return par, build_optimizer(par.model, self.cfg.optimizer)
+
     def _recover_in_place(self, group: InPlaceGroup, failure: str, limit: float) -> None:
-        from training.inplace.group import RecoveryFailed
+        from training.inplace.group import RecoveryFailed, StateSync
 
         start = time.perf_counter()
         print(
@@ -295,10 +328,16 @@ class Trainer:
         old_checkpoints, self.checkpoints = self.checkpoints, None
         # Drop every reference to the broken groups before destroying them (DDP's reducer would keep them
         # alive); `group.leave` first cuts their connections, which wakes the survivors blocked on us.
-        unwrap_ddp(self.par)
-        self.state["app"] = ModelOptimizerState(self.par.module, self.optimizer)
+        sharded = self.replicas is not None
+        if sharded:
+            self.state["app"] = None  # the old model and optimizer go with the broken group
+        else:
+            unwrap_ddp(self.par)
+            self.state["app"] = ModelOptimizerState(self.par.module, self.optimizer)
         if self.preemption is not None:
             self.preemption.disconnect()
+        if self.replicas is not None:
+            self.replicas.disconnect()
         group.leave()
         log.debug("in-place: left the broken group in %.3f s", time.perf_counter() - start)
         if old_checkpoints is not None:
@@ -309,14 +348,24 @@ class Trainer:
             preemption = self.preemption
             group.form(group.generation + 1, cancelled=lambda: preemption is not None and preemption.requested)
             log.debug("in-place: formed at %.3f s", time.perf_counter() - start)
-            synced = group.sync_state(
-                self.par.module, self.optimizer, self.progress, has_state=True, bucket_order=self.par.bucket_order
-            )
-            log.debug("in-place: synced at %.3f s", time.perf_counter() - start)
-            self.par.bucket_order = synced.bucket_order
-            rewrap_ddp(self.par)
-            log.debug("in-place: DDP at %.3f s", time.perf_counter() - start)
-            self.state["app"] = ModelOptimizerState(self.par.model, self.optimizer)
+            if self.replicas is not None:
+                with group.ledger.recording():
+                    self.replicas.connect()
+                reached = self.progress.step
+                self.par, self.optimizer = self._rebuild_sharded()
+                self.state["app"] = ModelOptimizerState(self.par.model, self.optimizer)
+                plan = self.replicas.sync(self.state, has_state=True, at=reached)
+                synced = StateSync(
+                    step=plan.step, source=-1, replaced=sorted(plan.sends), progress=self.progress.state_dict()
+                )
+            else:
+                synced = group.sync_state(
+                    self.par.module, self.optimizer, self.progress, has_state=True, bucket_order=self.par.bucket_order
+                )
+                self.par.bucket_order = synced.bucket_order
+                rewrap_ddp(self.par)
+                self.state["app"] = ModelOptimizerState(self.par.model, self.optimizer)
+            log.debug("in-place: state at step %d at %.3f s", synced.step, time.perf_counter() - start)
             self.optimizer.zero_grad(set_to_none=True)
             if self.checkpoint_factory is not None:
                 self.checkpoints = self.checkpoint_factory()
@@ -336,6 +385,7 @@ class Trainer:
                 inplace_generation=group.generation,
                 replaced_ranks=synced.replaced,
                 role="survivor",
+                source="replica" if sharded else "peer",
             )
         )
         self.watchdog.beat(self.progress.step)
@@ -467,6 +517,8 @@ class Trainer:
                     )
                 self.faults.after_save_staged(step)
                 self.watchdog.beat(step)
+        if self.replicas is not None and self.replicas.due(step) and step < cfg.steps:
+            self._snapshot()
         if self.preemption is not None:  # collective: raises PreemptedExit at the agreed stop step
             self.preemption.at_step_boundary(step, self.checkpoints, self.state)  # type: ignore[arg-type]
 

@@ -31,11 +31,12 @@ from training.distributed import device_for, init_process_group
 from training.faults import FaultInjector
 from training.inplace import ROLE_SPARE, ROLE_TRAINER, InPlace
 from training.inplace.group import InPlaceGroup, StateSync
+from training.inplace.replica import ReplicaSet
 from training.metrics import create_sinks
 from training.metrics.base import MetricsSink
 from training.preemption import PreemptionHandler
 from training.stacks import StackDumper, enable_flight_recorder
-from training.state import TrainerProgress
+from training.state import ModelOptimizerState, TrainerProgress
 from training.strategies import build_optimizer, parallelize
 from training.task import Task, load_task
 from training.trainer import CheckpointManagerLike, Trainer
@@ -137,6 +138,12 @@ def run_worker(
             faults.ready_wait_s = min(inplace.timeout_s, spec.spec.restarts.step_timeout_seconds / 2)
         else:
             created_group = init_process_group(identity, device)
+        # FSDP/HSDP in place: snapshots of the shards in host memory, swapped with the neighbours.
+        replicas: ReplicaSet | None = None
+        if inplace is not None and cfg.strategy.value != "ddp":
+            every = spec.spec.checkpoint.in_memory.every
+            assert every is not None  # `InPlace.from_spec` requires it for sharded strategies
+            replicas = ReplicaSet(rank=identity.rank, world_size=identity.world_size, every=every)
         spare_progress: TrainerProgress | None = None
         synced: StateSync | None = None
         if prewarmed is None:
@@ -144,7 +151,12 @@ def run_worker(
             task = load_task(spec.spec.task.entrypoint, spec.spec.task.args)
             torch.manual_seed(cfg.seed)  # identical initial weights on every rank, in every generation
             model = task.build_model()
-            par = parallelize(model, task.blocks(model), cfg, identity, device)
+            with contextlib.ExitStack() as recording:
+                if group is not None:  # HSDP's mesh groups are cut on a failure like the rest
+                    recording.enter_context(group.ledger.recording())
+                par = parallelize(model, task.blocks(model), cfg, identity, device)
+                if replicas is not None:
+                    replicas.connect()
             optimizer = build_optimizer(par.model, cfg.optimizer)
         else:
             # A spare: the survivors' order of collectives (`Trainer.recover_in_place`): the state
@@ -152,13 +164,31 @@ def run_worker(
             assert group is not None
             task, model = prewarmed.task, prewarmed.model
             log.debug("spare: joined at %.3f s", time.perf_counter() - prewarmed.assigned_at)
-            model.to(device)  # the same Parameter objects: the prebuilt optimizer stays valid
-            optimizer = prewarmed.optimizer
             spare_progress = TrainerProgress()
-            with watchdog.io(spec.spec.restarts.in_place_timeout_seconds):
-                synced = group.sync_state(model, optimizer, spare_progress, has_state=False)
-            par = parallelize(model, task.blocks(model), cfg, identity, device, bucket_order=synced.bucket_order)
-            log.debug("spare: DDP at %.3f s", time.perf_counter() - prewarmed.assigned_at)
+            if replicas is not None:
+                # FSDP/HSDP: shard the prebuilt model on the new group (a new optimizer over its sharded
+                # parameters), then take the lost rank's shards from its neighbour's replica.
+                with watchdog.io(spec.spec.restarts.in_place_timeout_seconds):
+                    with group.ledger.recording():
+                        replicas.connect()
+                        par = parallelize(model, task.blocks(model), cfg, identity, device)
+                    optimizer = build_optimizer(par.model, cfg.optimizer)
+                    state = {"app": ModelOptimizerState(par.model, optimizer), "trainer": spare_progress}
+                    plan = replicas.sync(state, has_state=False)
+                faults.predecessor_reached = plan.reached  # its faults up to there have fired
+                synced = StateSync(
+                    step=plan.step,
+                    source=plan.sends[identity.rank],
+                    replaced=sorted(plan.sends),
+                    progress=spare_progress.state_dict(),
+                )
+            else:
+                model.to(device)  # the same Parameter objects: the prebuilt optimizer stays valid
+                optimizer = prewarmed.optimizer
+                with watchdog.io(spec.spec.restarts.in_place_timeout_seconds):
+                    synced = group.sync_state(model, optimizer, spare_progress, has_state=False)
+                par = parallelize(model, task.blocks(model), cfg, identity, device, bucket_order=synced.bucket_order)
+            log.debug("spare: parallel at %.3f s", time.perf_counter() - prewarmed.assigned_at)
         with watchdog.io(spec.spec.checkpoint.io_timeout_seconds):  # opens the stores, takes the fence
             checkpoints = _default_checkpoint_manager(spec, identity, sink)
         if prewarmed is not None:
@@ -179,6 +209,7 @@ def run_worker(
         trainer.preemption = preemption
         if group is not None:
             trainer.inplace = group
+            trainer.replicas = replicas
 
             def new_checkpoints() -> CheckpointManagerLike:
                 with watchdog.io(spec.spec.checkpoint.io_timeout_seconds):
@@ -199,6 +230,7 @@ def run_worker(
                     inplace_generation=prewarmed.generation,
                     replaced_ranks=synced.replaced,
                     role="spare",
+                    source="replica" if replicas is not None else "peer",
                 )
             )
         return trainer.run(wall_start).to_dict()

@@ -81,6 +81,8 @@ class DrillContext:
     fault_step: int
     fault_rank: int
     options: DrillOptions = field(default_factory=DrillOptions)
+    # `checkpoint.inMemory.every`: FSDP/HSDP in place returns to a snapshot at most this many steps back.
+    in_memory_every: int | None = None
     rng: random.Random = field(default_factory=random.Random, compare=False, repr=False)
 
     @property

@@ -89,6 +89,7 @@ def run_drill(scenario_name: str, spec: JobSpec, options: DrillOptions) -> Drill
         fault_rank=fault_rank,
         options=options,
         rng=rng,
+        in_memory_every=spec.spec.checkpoint.in_memory.every,
     )
     tag = time.strftime("%Y%m%d-%H%M%S")
     plan = scenario.plan(isolate_stores(spec, tag, "run"), ctx)

@@ -277,6 +277,9 @@ class Recovery:
     from a checkpoint; written by rank 0 of the new generation). `step` is the last completed step the
     group resumes after, `inplace_generation` the process-group generation it formed, `seconds` from
     noticing the failure to the state being in sync (in place) or the restore's duration (restart).
+    `source` says where the in-place state came from: `peer` (DDP: the most advanced survivor's state,
+    no step lost) or `replica` (FSDP/HSDP: every member's in-memory snapshot of `step`, so the steps
+    after it are recomputed: at most `checkpoint.inMemory.every`).
     """
 
     path: str  # "inplace" | "restart"
@@ -285,6 +288,7 @@ class Recovery:
     inplace_generation: int = 0
     replaced_ranks: list[int] = field(default_factory=list)  # ranks a spare took over (in place)
     role: str = "survivor"  # "survivor" | "spare" (in place); "restarted" (restart)
+    source: str = ""  # "peer" | "replica" (in place); "" (restart)
     kind: EventKind = field(default=EventKind.RECOVERY, init=False, repr=False)
 
 

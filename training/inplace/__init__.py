@@ -84,9 +84,10 @@ class InPlace:
         restarts = spec.spec.restarts
         if restarts.mode == "restart" or restarts.spares < 1:
             return None
-        if spec.spec.training.strategy.value != "ddp":
-            # FSDP/HSDP shards have no replica to copy from: they restart (docs/operations.md)
-            _not_in_place(restarts.mode, f"strategy {spec.spec.training.strategy.value} has no in-memory replica")
+        strategy = spec.spec.training.strategy.value
+        if strategy != "ddp" and spec.spec.checkpoint.in_memory.every is None:
+            # A lost rank's shards exist nowhere else in memory without replicas (`training.inplace.replica`)
+            _not_in_place(restarts.mode, f"strategy {strategy} without checkpoint.inMemory.every keeps no replica")
             return None
         addr, run_id = env.get(Env.INPLACE_STORE, ""), env.get(Env.RUN_ID, "")
         world_size = int(env.get(Env.WORLD_SIZE, "1") or 1)

@@ -1,0 +1,273 @@
+"""In-memory replicas of sharded state: how an FSDP/HSDP group recovers in place (Gemini, SOSP'23).
+
+DDP needs none of this: every rank holds the whole state, so a survivor hands it to the spare
+(`InPlaceGroup.sync_state`). Under FSDP a rank holds only its shards; when it dies they are gone from
+the group. So every `checkpoint.inMemory.every` steps each rank takes a **snapshot**: its own local
+shards (model, optimizer) and its progress, serialised once into host memory, and a ring exchange on a
+dedicated gloo group hands a copy to the next rank: rank r holds its own snapshot and rank r-1's.
+
+A recovery re-forms the group as for DDP, then (`ReplicaSet.sync`, collective on the new group):
+
+1. every member says which snapshot steps it holds of its own and of its left neighbour (a spare: none);
+2. the newest step S is chosen that every survivor holds of its own, and that the right neighbour of
+   every replaced rank holds for it; none (two neighbours lost, or a failure before the first exchange)
+   raises `RecoveryFailed`, and the group restarts from the durable checkpoint (the fallback);
+3. each replaced rank's neighbour sends it its snapshot of step S;
+4. every member rebuilds the model on the new group and loads its step-S shards into it the way DCP's
+   restore does (into the new state dict's local shards, then `set_state_dict`), so the run continues
+   from S exactly as a restore of a step-S checkpoint would: bit-identical, at most `every` steps lost.
+
+Two snapshots deep, because an exchange interrupted by the failure may have completed on some ranks
+and not on others: the one before it is complete everywhere. Snapshots cross only this job's own
+process group (trusted peers, never a store), and are read back with `weights_only=True` all the same.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from training.inplace.group import RecoveryFailed
+
+__all__ = ["DEPTH", "ReplicaPlan", "ReplicaSet", "Snapshot", "load_snapshot", "plan_recovery"]
+
+log = logging.getLogger(__name__)
+DEPTH = 2  # snapshots kept per kind: the newest may be incomplete on some ranks after a failure
+
+
+def _to_local(tree: Any) -> Any:
+    """A copy of `tree` with every tensor (a DTensor: its local shard) detached and cloned."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, DTensor):
+        return tree.to_local().detach().clone()
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, Mapping):
+        return {k: _to_local(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_to_local(v) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(_to_local(v) for v in tree)
+    return tree
+
+
+def _fill(dst: Any, src: Any, path: str = "") -> Any:
+    """`src` (a snapshot's local tree) poured into `dst` (a fresh state dict of the same model): local
+    shards copied into the new DTensors in place, everything else taken from `src`."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(dst, DTensor):
+        local = dst.to_local()
+        if not isinstance(src, torch.Tensor) or tuple(local.shape) != tuple(src.shape):
+            raise RecoveryFailed(f"in-memory replica: {path or 'state'} does not match this rank's shard")
+        local.copy_(src)
+        return dst
+    if isinstance(dst, torch.Tensor):
+        if not isinstance(src, torch.Tensor) or tuple(dst.shape) != tuple(src.shape):
+            raise RecoveryFailed(f"in-memory replica: {path or 'state'} does not match the model")
+        dst.copy_(src)
+        return dst
+    if isinstance(src, Mapping):
+        base = dst if isinstance(dst, Mapping) else {}
+        return {k: _fill(base.get(k), v, f"{path}.{k}" if path else str(k)) for k, v in src.items()}
+    if isinstance(src, list):
+        base_list = dst if isinstance(dst, list) and len(dst) == len(src) else [None] * len(src)
+        return [_fill(d, v, f"{path}[{i}]") for i, (d, v) in enumerate(zip(base_list, src, strict=True))]
+    return src
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One rank's state at `step`, serialised (`torch.save` of `{"app": local tree, "trainer": progress}`)."""
+
+    step: int
+    data: bytes
+
+
+def take_snapshot(step: int, state: Mapping[str, Any]) -> Snapshot:
+    """Serialise the checkpoint state (`Trainer.state`: `app` and `trainer` Statefuls) of this rank."""
+    tree = {"app": _to_local(state["app"].state_dict()), "trainer": state["trainer"].state_dict()}
+    buf = io.BytesIO()
+    torch.save(tree, buf)
+    return Snapshot(step=step, data=buf.getvalue())
+
+
+def load_snapshot(snapshot: Snapshot, state: Mapping[str, Any]) -> None:
+    """Load `snapshot` into the checkpoint state of a model rebuilt on the new group (same world size and
+    rank as the snapshot's writer, so every local shard has its old shape)."""
+    tree = torch.load(io.BytesIO(snapshot.data), map_location="cpu", weights_only=True)
+    app = state["app"]
+    app.load_state_dict(_fill(app.state_dict(), tree["app"]))
+    state["trainer"].load_state_dict(tree["trainer"])
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    """What a recovery does: the step everyone returns to, and who sends whom which snapshot."""
+
+    step: int
+    sends: dict[int, int]  # replaced rank -> the rank that sends it its snapshot (its right neighbour)
+    reached: int  # the furthest step any survivor had completed (the steps from `step` on are recomputed)
+
+
+def plan_recovery(holdings: list[dict[str, Any]]) -> ReplicaPlan:
+    """Choose the step to return to from what every member holds (pure: unit-tested).
+
+    Args:
+        holdings: Per rank, `{"spare": bool, "own": [steps], "peer": [steps], "at": step}`: the snapshot
+            steps it holds of its own state and of its left neighbour's (rank - 1 mod world), and the
+            step it had completed (a spare: -1).
+
+    Raises:
+        RecoveryFailed: no step is held by everyone who needs it.
+    """
+    world = len(holdings)
+    survivors = [r for r, h in enumerate(holdings) if not h["spare"]]
+    if not survivors:
+        raise RecoveryFailed("no member of the new group holds the training state (every rank was replaced)")
+    replaced = [r for r, h in enumerate(holdings) if h["spare"]]
+    for r in replaced:
+        if holdings[(r + 1) % world]["spare"]:
+            raise RecoveryFailed(
+                f"in-memory replica: rank {r}'s shards were held by rank {(r + 1) % world}, which was lost too"
+            )
+    candidates = set.intersection(*(set(holdings[r]["own"]) for r in survivors))
+    for r in replaced:
+        candidates &= set(holdings[(r + 1) % world]["peer"])
+    if not candidates:
+        raise RecoveryFailed(
+            "in-memory replica: no snapshot step is held by every survivor and by every lost rank's neighbour "
+            "(a failure before the first exchange completed)"
+        )
+    return ReplicaPlan(
+        step=max(candidates),
+        sends={r: (r + 1) % world for r in replaced},
+        reached=max(int(holdings[r].get("at", -1)) for r in survivors),
+    )
+
+
+@dataclass
+class ReplicaSet:
+    """This rank's snapshots: its own and its left neighbour's, newest last, `DEPTH` of each.
+
+    Args:
+        rank: This rank.
+        world_size: The group's size (in-place recovery keeps it).
+        every: `checkpoint.inMemory.every`.
+    """
+
+    rank: int
+    world_size: int
+    every: int
+    own: list[Snapshot] = field(default_factory=list)
+    peer: list[Snapshot] = field(default_factory=list)
+    group: Any = None  # the gloo group the exchange runs on (one per process-group generation)
+    last_s: float = 0.0  # seconds the newest snapshot took (copy + exchange), for the logs and the bench
+
+    def connect(self) -> None:
+        """Create this generation's exchange group (collective; record its connections first)."""
+        self.group = dist.new_group(backend="gloo")
+
+    def disconnect(self) -> None:
+        self.group = None
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def _keep(self, kind: list[Snapshot], snapshot: Snapshot) -> None:
+        kind[:] = [*[s for s in kind if s.step != snapshot.step][-(DEPTH - 1) :], snapshot]
+
+    def take(self, step: int, state: Mapping[str, Any]) -> None:
+        """Snapshot this rank's state at `step` and swap copies with the neighbours (collective)."""
+        start = time.perf_counter()
+        mine = take_snapshot(step, state)
+        theirs = self._exchange(mine)
+        # Kept only once the exchange completed here: a failure mid-exchange leaves the older pair.
+        self._keep(self.own, mine)
+        self._keep(self.peer, theirs)
+        self.last_s = time.perf_counter() - start
+
+    def _exchange(self, mine: Snapshot) -> Snapshot:
+        world, rank = self.world_size, self.rank
+        right, left = (rank + 1) % world, (rank - 1) % world
+        size = torch.tensor([len(mine.data)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(sizes, size, group=self.group)
+        incoming = torch.empty(int(sizes[left].item()), dtype=torch.uint8)
+        outgoing = torch.frombuffer(bytearray(mine.data), dtype=torch.uint8)
+        ops = [
+            dist.P2POp(dist.isend, outgoing, right, group=self.group),
+            dist.P2POp(dist.irecv, incoming, left, group=self.group),
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return Snapshot(step=mine.step, data=incoming.numpy().tobytes())
+
+    def holdings(self, at: int) -> dict[str, Any]:
+        return {"spare": False, "own": [s.step for s in self.own], "peer": [s.step for s in self.peer], "at": at}
+
+    def sync(self, state: Mapping[str, Any], *, has_state: bool, at: int = -1) -> ReplicaPlan:
+        """After the new generation formed: agree on a step, move snapshots to the replaced ranks, and load
+        this rank's step-S snapshot into `state` (collective on the new default group; see the module
+        docstring). `state` is the checkpoint state of a model already rebuilt on the new group; `at`
+        the step this rank had completed before the failure.
+
+        Raises:
+            RecoveryFailed: no common step (the caller falls back to a group restart).
+        """
+        start = time.perf_counter()
+        mine = self.holdings(at) if has_state else {"spare": True, "own": [], "peer": [], "at": -1}
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.group)
+        plan = plan_recovery(everyone)
+        rank = self.rank
+        snapshot: Snapshot | None = None
+        if has_state:
+            snapshot = next(s for s in self.own if s.step == plan.step)
+        ops: list[dist.P2POp] = []
+        sizes: dict[int, torch.Tensor] = {}
+        for lost, sender in plan.sends.items():  # sizes first (one small message per replaced rank)
+            if sender == rank:
+                data = next(s for s in self.peer if s.step == plan.step).data
+                sizes[lost] = torch.tensor([len(data)], dtype=torch.int64)
+                ops.append(dist.P2POp(dist.isend, sizes[lost], lost, group=self.group))
+            elif lost == rank:
+                sizes[lost] = torch.zeros(1, dtype=torch.int64)
+                ops.append(dist.P2POp(dist.irecv, sizes[lost], sender, group=self.group))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        ops, received = [], None
+        for lost, sender in plan.sends.items():
+            if sender == rank:
+                data = next(s for s in self.peer if s.step == plan.step).data
+                outgoing = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                ops.append(dist.P2POp(dist.isend, outgoing, lost, group=self.group))
+            elif lost == rank:
+                received = torch.empty(int(sizes[lost].item()), dtype=torch.uint8)
+                ops.append(dist.P2POp(dist.irecv, received, sender, group=self.group))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        if received is not None:
+            snapshot = Snapshot(step=plan.step, data=received.numpy().tobytes())
+        assert snapshot is not None
+        load_snapshot(snapshot, state)
+        # Start over from the agreed step: newer snapshots describe a future that no longer happens.
+        self.own = [s for s in self.own if s.step <= plan.step]
+        self.peer = [s for s in self.peer if s.step <= plan.step]
+        log.debug(
+            "in-place: rank %d back at step %d from in-memory replicas in %.3f s",
+            rank,
+            plan.step,
+            time.perf_counter() - start,
+        )
+        return plan
