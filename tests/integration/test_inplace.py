@@ -115,3 +115,31 @@ def test_hundred_consecutive_in_place_recoveries_end_bit_exact(tmp_path: Path) -
     assert summary.restarts == 0, "no fallback: the torchrun group never restarted"
     assert summary.recoveries == {"inplace": kills}
     assert summary.params_sha256 == _reference(tmp_path, spec).params_sha256
+
+
+@pytest.mark.slow
+def test_fsdp_recovers_in_place_from_replicas_and_falls_back_when_two_neighbours_die(tmp_path: Path) -> None:
+    """FSDP, 4 ranks, in-memory replicas every 3 steps. Rank 0 dies after step 7: the group re-forms in
+    place and returns to the step-6 snapshot (rank 1 holds rank 0's shards). Then ranks 1 and 2 die
+    together after step 17: rank 1's shards lived only on rank 2, so no in-place recovery is possible and
+    the group restarts from the durable checkpoint. Both paths end bit-identical to an uninterrupted run."""
+    spec = _spec("spec.training.strategy=fsdp", "spec.checkpoint.inMemory.every=3")
+    faults = [
+        {"kind": "kill", "rank": 0, "step": 7},
+        {"kind": "kill", "rank": 1, "step": 17},
+        {"kind": "kill", "rank": 2, "step": 17},
+    ]
+    options = SubmitOptions(run_dir=str(tmp_path / "run"), quiet=True, env={Env.FAULTS: json.dumps(faults)})
+    summary = get_backend("local").launch(spec, options).wait(300)
+    assert summary.status == RunState.SUCCEEDED, summary.reason
+    assert summary.recoveries == {"inplace": 1, "restart": 1}
+    assert summary.restarts == 1, "the second failure took the fallback"
+    events = read_events(tmp_path / "run" / "events.jsonl")
+    in_place = [e for e in events if e.kind is EventKind.RECOVERY and e.get("path") == "inplace"]
+    assert {e.step for e in in_place} == {6}, "back to the newest snapshot every member held"
+    assert {e.get("source") for e in in_place} == {"replica"}
+    assert sorted(e.get("role") for e in in_place) == ["spare", "survivor", "survivor", "survivor"]
+    log = (tmp_path / "run" / "logs" / "node0.log").read_text()
+    assert "rank 1's shards were held by rank 2, which was lost too" in log
+    assert summary.restored_from and summary.restored_from[0]["step"] in (10, 15)
+    assert summary.params_sha256 == _reference(tmp_path, spec).params_sha256

@@ -55,8 +55,13 @@ def test_in_place_applies_only_to_ddp_with_spares_under_the_local_launch() -> No
     assert InPlace.from_spec(_worker_spec(), {**LAUNCHED, Env.WORLD_SIZE: "8"}) is not None
     # One node only: with several agents a lost node takes its spares along (kill-node restarts).
     assert InPlace.from_spec(_worker_spec(), {**LAUNCHED, Env.GROUP_WORLD_SIZE: "2"}) is None
+    # FSDP/HSDP: in place only with in-memory replicas of the shards (`checkpoint.inMemory.every`).
     fsdp = _worker_spec()
     fsdp.spec.training.strategy = type(fsdp.spec.training.strategy)("fsdp")
+    assert InPlace.from_spec(fsdp, LAUNCHED) is None
+    fsdp.spec.checkpoint.in_memory.every = 5
+    assert InPlace.from_spec(fsdp, LAUNCHED) is not None
+    fsdp.spec.restarts.mode = "restart"
     assert InPlace.from_spec(fsdp, LAUNCHED) is None
 
 
