@@ -342,11 +342,28 @@ class JobSpec(Model):
         if s.kubernetes.runtime_kind != "ClusterTrainingRuntime" and not s.kubernetes.runtime_ref:
             out.append("spec.kubernetes.runtimeKind: has no effect without runtimeRef")
         out += _shared_credential_warnings(s)
+        out += _in_memory_warnings(s)
         if s.training.precision is Precision.fp16 and s.resources.gpus == 0:
             out.append("spec.training.precision: fp16 on CPU runs slowly and is emulated; prefer bf16 or fp32")
         if s.training.lr_schedule.decay == "constant" and s.training.lr_schedule.min_lr_ratio != 0.0:
             out.append("spec.training.lrSchedule.minLrRatio: has no effect with decay constant")
         return out
+
+
+def _in_memory_warnings(body: JobSpecBody) -> list[str]:
+    """`checkpoint.inMemory.every` serves only FSDP/HSDP recovering in place (`training.inplace.replica`)."""
+    if body.checkpoint.in_memory.every is None:
+        return []
+    field = "spec.checkpoint.inMemory.every"
+    if body.training.strategy is Strategy.ddp:
+        return [
+            f"{field}: has no effect with strategy ddp (every rank holds the whole state; a survivor hands it over)"
+        ]
+    if body.restarts.mode == "restart" or body.restarts.spares == 0:
+        return [f"{field}: has no effect without in-place recovery (restarts.mode restart or restarts.spares 0)"]
+    if body.training.strategy is Strategy.hsdp or body.nodes.min > 1:
+        return [f"{field}: has no effect on several nodes (in-place recovery is one node only; they restart)"]
+    return []
 
 
 def _shared_credential_warnings(body: JobSpecBody) -> list[str]:
