@@ -233,6 +233,8 @@ class Trainer:
 
     def close(self) -> None:
         """Wait for the last checkpoint to commit and release the manager (idempotent)."""
+        if self.replicas is not None:
+            self.replicas.close()
         checkpoints, self.checkpoints = self.checkpoints, None
         if checkpoints is not None:
             with self.watchdog.io(self.io_timeout_s):
@@ -299,9 +301,14 @@ class Trainer:
     def _snapshot(self) -> None:
         """FSDP in place: snapshot this rank's shards and swap copies with its neighbours (collective)."""
         if self.replicas is not None:
-            with self.watchdog.io(self.io_timeout_s):
+            with self.watchdog.io(self.io_timeout_s):  # it first waits for the previous exchange
                 self.replicas.take(self.progress.step, self.state)
-            log.debug("in-memory replica of step %d in %.3f s", self.progress.step, self.replicas.last_s)
+            log.debug(
+                "in-memory replica of step %d: training blocked %.3f s (the previous one took %.3f s)",
+                self.progress.step,
+                self.replicas.blocked_s,
+                self.replicas.last_s,
+            )
 
     def _rebuild_sharded(self) -> tuple[Parallel, torch.optim.Optimizer]:
         """A new model and optimizer on the new group, as a restarted worker builds them (its state comes
@@ -339,6 +346,8 @@ class Trainer:
         if self.replicas is not None:
             self.replicas.disconnect()
         group.leave()
+        if self.replicas is not None:  # its exchange in flight fails on the cut connections
+            self.replicas.abandon(min(limit, ABANDON_WAIT_S))
         log.debug("in-place: left the broken group in %.3f s", time.perf_counter() - start)
         if old_checkpoints is not None:
             _abandon(old_checkpoints, min(limit, ABANDON_WAIT_S))

@@ -157,3 +157,35 @@ def test_a_spare_skips_the_faults_its_predecessor_passed_before_the_rollback() -
     injector.predecessor_reached = 13
     injector.after_step(11)
     assert [f.step for f in injector.faults] == [20]
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_a_snapshot_is_kept_once_its_background_exchange_completed_and_a_failure_reaches_the_loop() -> None:
+    model, optimizer, state = _fsdp_state()
+    replicas = ReplicaSet(rank=0, world_size=1, every=2)
+    # gloo cannot send to itself: one process swaps with itself by hand (2+ ranks exchange for real in
+    # tests/integration/test_inplace.py); serialisation, the thread and the bookkeeping are the real ones.
+    replicas._exchange = lambda mine: mine  # type: ignore[method-assign]
+    replicas.take(0, state)
+    _train(model, optimizer, 1)  # training goes on while the exchange runs: the snapshot is a private copy
+    replicas.wait()
+    assert replicas.holdings(at=1) == {"spare": False, "own": [0], "peer": [0], "at": 1}
+    assert replicas.blocked_s <= replicas.last_s
+
+    def broken(mine: Snapshot) -> Snapshot:
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:1")
+
+    replicas._exchange = broken  # type: ignore[method-assign]
+    replicas.take(2, state)
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        replicas.take(4, state)  # the next snapshot first joins the failed one: the loop recovers
+    assert [s.step for s in replicas.own] == [0], "a failed exchange keeps nothing"
+
+
+def test_an_abandoned_generation_commits_nothing_late() -> None:
+    replicas = ReplicaSet(rank=0, world_size=2, every=1)
+    epoch = replicas._epoch
+    replicas.abandon(0.1)
+    replicas._exchange = lambda mine: mine  # type: ignore[method-assign]
+    replicas._complete(3, {"app": {}, "trainer": {}}, 0.0, epoch)  # an exchange of the broken generation
+    assert replicas.own == [] and replicas.peer == []

@@ -3,8 +3,10 @@
 DDP needs none of this: every rank holds the whole state, so a survivor hands it to the spare
 (`InPlaceGroup.sync_state`). Under FSDP a rank holds only its shards; when it dies they are gone from
 the group. So every `checkpoint.inMemory.every` steps each rank takes a **snapshot**: its own local
-shards (model, optimizer) and its progress, serialised once into host memory, and a ring exchange on a
-dedicated gloo group hands a copy to the next rank: rank r holds its own snapshot and rank r-1's.
+shards (model, optimizer) and its progress, copied on the training thread (the memcpy floor), then
+serialised into host memory and handed to the next rank by a ring exchange on a dedicated gloo group,
+both on a thread of their own (Gemini's "off the critical path"): rank r holds its own snapshot and
+rank r-1's, each kept once its exchange completed.
 
 A recovery re-forms the group as for DDP, then (`ReplicaSet.sync`, collective on the new group):
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import io
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -36,7 +39,17 @@ import torch.distributed as dist
 
 from training.inplace.group import RecoveryFailed
 
-__all__ = ["DEPTH", "ReplicaPlan", "ReplicaSet", "Snapshot", "load_snapshot", "plan_recovery"]
+__all__ = [
+    "DEPTH",
+    "ReplicaPlan",
+    "ReplicaSet",
+    "Snapshot",
+    "copy_state",
+    "load_snapshot",
+    "plan_recovery",
+    "serialise",
+    "take_snapshot",
+]
 
 log = logging.getLogger(__name__)
 DEPTH = 2  # snapshots kept per kind: the newest may be incomplete on some ranks after a failure
@@ -92,12 +105,21 @@ class Snapshot:
     data: bytes
 
 
-def take_snapshot(step: int, state: Mapping[str, Any]) -> Snapshot:
-    """Serialise the checkpoint state (`Trainer.state`: `app` and `trainer` Statefuls) of this rank."""
-    tree = {"app": _to_local(state["app"].state_dict()), "trainer": state["trainer"].state_dict()}
+def copy_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A private copy of this rank's checkpoint state (`Trainer.state`: `app` and `trainer` Statefuls):
+    local shards cloned, so training may go on while it is serialised and exchanged."""
+    return {"app": _to_local(state["app"].state_dict()), "trainer": dict(state["trainer"].state_dict())}
+
+
+def serialise(step: int, tree: Mapping[str, Any]) -> Snapshot:
     buf = io.BytesIO()
-    torch.save(tree, buf)
+    torch.save(dict(tree), buf)
     return Snapshot(step=step, data=buf.getvalue())
+
+
+def take_snapshot(step: int, state: Mapping[str, Any]) -> Snapshot:
+    """Serialise this rank's checkpoint state at `step` (copy and serialisation in one call)."""
+    return serialise(step, copy_state(state))
 
 
 def load_snapshot(snapshot: Snapshot, state: Mapping[str, Any]) -> None:
@@ -170,7 +192,13 @@ class ReplicaSet:
     own: list[Snapshot] = field(default_factory=list)
     peer: list[Snapshot] = field(default_factory=list)
     group: Any = None  # the gloo group the exchange runs on (one per process-group generation)
-    last_s: float = 0.0  # seconds the newest snapshot took (copy + exchange), for the logs and the bench
+    background: bool = True  # serialise and exchange on a thread of their own (off the training thread)
+    blocked_s: float = 0.0  # seconds the newest snapshot held the training thread (the copy)
+    last_s: float = 0.0  # seconds the newest completed snapshot took (copy, serialisation, exchange)
+    _thread: threading.Thread | None = field(default=None, repr=False)
+    _error: BaseException | None = field(default=None, repr=False)
+    _epoch: int = 0  # bumped when a generation is abandoned: a late exchange of it commits nothing
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def connect(self) -> None:
         """Create this generation's exchange group (collective; record its connections first)."""
@@ -179,6 +207,35 @@ class ReplicaSet:
     def disconnect(self) -> None:
         self.group = None
 
+    def abandon(self, limit_s: float) -> None:
+        """After the broken generation's connections were cut: let its exchange in flight end (it fails
+        at once on a cut connection), waiting at most `limit_s`, and keep nothing it may still commit."""
+        with self._lock:
+            self._epoch += 1
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=limit_s)
+            if thread.is_alive():
+                log.warning("in-place: the in-memory replica exchange of the broken group did not end in %g s", limit_s)
+        self._error = None
+
+    def wait(self) -> None:
+        """Join the exchange in flight; its failure (a peer died mid-exchange) is raised here, where the
+        training loop takes it for the failed collective it is."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        """The run ends: let the last exchange finish (its failure no longer matters)."""
+        try:
+            self.wait()
+        except Exception:
+            log.debug("the last in-memory replica exchange failed", exc_info=True)
+
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
@@ -186,13 +243,38 @@ class ReplicaSet:
         kind[:] = [*[s for s in kind if s.step != snapshot.step][-(DEPTH - 1) :], snapshot]
 
     def take(self, step: int, state: Mapping[str, Any]) -> None:
-        """Snapshot this rank's state at `step` and swap copies with the neighbours (collective)."""
+        """Snapshot this rank's state at `step` and swap copies with the neighbours (collective).
+
+        The training thread only copies the local shards (and first waits for the previous exchange:
+        snapshots never queue up); serialisation and the exchange run on a thread of their own, on this
+        set's own gloo group, and the pair is kept only once the exchange completed.
+        """
+        self.wait()
         start = time.perf_counter()
-        mine = take_snapshot(step, state)
+        tree = copy_state(state)
+        self.blocked_s = time.perf_counter() - start
+        if not self.background:
+            self._complete(step, tree, start, self._epoch)
+            return
+        self._thread = threading.Thread(
+            target=self._run, args=(step, tree, start, self._epoch), name="torchrig-replica", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, step: int, tree: dict[str, Any], start: float, epoch: int) -> None:
+        try:
+            self._complete(step, tree, start, epoch)
+        except BaseException as exc:  # raised on the training thread by the next `wait`
+            self._error = exc
+
+    def _complete(self, step: int, tree: dict[str, Any], start: float, epoch: int) -> None:
+        mine = serialise(step, tree)
         theirs = self._exchange(mine)
-        # Kept only once the exchange completed here: a failure mid-exchange leaves the older pair.
-        self._keep(self.own, mine)
-        self._keep(self.peer, theirs)
+        with self._lock:  # kept only once the exchange completed here, and only for a live generation
+            if epoch != self._epoch:
+                return
+            self._keep(self.own, mine)
+            self._keep(self.peer, theirs)
         self.last_s = time.perf_counter() - start
 
     def _exchange(self, mine: Snapshot) -> Snapshot:
@@ -212,7 +294,8 @@ class ReplicaSet:
         return Snapshot(step=mine.step, data=incoming.numpy().tobytes())
 
     def holdings(self, at: int) -> dict[str, Any]:
-        return {"spare": False, "own": [s.step for s in self.own], "peer": [s.step for s in self.peer], "at": at}
+        with self._lock:
+            return {"spare": False, "own": [s.step for s in self.own], "peer": [s.step for s in self.peer], "at": at}
 
     def sync(self, state: Mapping[str, Any], *, has_state: bool, at: int = -1) -> ReplicaPlan:
         """After the new generation formed: agree on a step, move snapshots to the replaced ranks, and load
