@@ -101,6 +101,7 @@ def build_summary(
     stores: list[dict[str, str]],
     total_steps: int | None = None,
     reason: str | None = None,
+    cancel_wins: bool = False,
 ) -> Summary:
     """summary.json from the files the workers wrote (result.json, events.jsonl, metrics.jsonl).
 
@@ -115,6 +116,9 @@ def build_summary(
         stores: `{name, uri}` of each checkpoint store (uri resolved against the run directory).
         total_steps: The steps the job asked for.
         reason: Why it failed or was cancelled.
+        cancel_wins: A `cancelled` status stays `cancelled` even when the workers' last act was a
+            preemption: on Ray a cancel shuts Ray down, which SIGTERMs the workers, so their emergency
+            checkpoint is the cancel's doing (locally a first Ctrl-C is a preemption on purpose).
     """
     files = RunFiles(run_dir)
     result = read_json(files.result) or {}
@@ -146,7 +150,8 @@ def build_summary(
     if final is not None and final.lost and status == RunState.SUCCEEDED.value:
         status, reason = RunState.FAILED.value, final.reason()
     preempted = preemption_of(events)
-    if preempted is not None and status != RunState.SUCCEEDED.value:
+    user_cancel = cancel_wins and status == RunState.CANCELLED.value
+    if preempted is not None and status != RunState.SUCCEEDED.value and not user_cancel:
         status, reason = RunState.PREEMPTED.value, preemption_reason(preempted)
 
     return Summary(

@@ -152,6 +152,7 @@ def ray_train_summary(
             stores=[{"name": n, "uri": u} for n, u in stores.items()],
             total_steps=spec.spec.training.steps,
             reason=reason,
+            cancel_wins=True,  # the cancel's Ray shutdown SIGTERMs the workers: still the user's cancel
         )
         address = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
         auth = os.environ.get(RAY_AUTH_MODE, "unset")  # what this driver's Ray runs with (`embedded_ray`)

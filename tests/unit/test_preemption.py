@@ -269,6 +269,20 @@ def test_a_run_that_ended_preempted_is_summarised_as_preempted(tmp_path: Path) -
     assert RunState.PREEMPTED.terminal and RunState.PREEMPTED.exit_code == 13
 
 
+def test_a_ray_cancel_stays_a_cancel_though_its_shutdown_made_the_workers_save(tmp_path: Path) -> None:
+    # Ray: `torchrig cancel` shuts the run's Ray down, which SIGTERMs the workers; they may write their
+    # emergency checkpoint's `preempted` events before the summary is built. The user asked for a cancel.
+    _write(tmp_path, (1.0, 0, Start(pid=1, world_size=1, node_rank=0, local_rank=0)), (5.0, 0, _preempted(60)))
+    cancelled = RunState.CANCELLED.value
+    ray = build_summary(
+        tmp_path, status=cancelled, wall_s=6.0, stores=[], reason="cancelled by the user", cancel_wins=True
+    )
+    assert (ray.status, ray.reason) == (cancelled, "cancelled by the user")
+    # Locally a first Ctrl-C is a graceful stop on purpose: the run ends preempted (resumable).
+    local = build_summary(tmp_path, status=cancelled, wall_s=6.0, stores=[], reason="cancelled by the user")
+    assert local.status == RunState.PREEMPTED.value
+
+
 def test_a_preemption_the_job_went_on_after_is_not_how_it_ended(tmp_path: Path) -> None:
     _write(
         tmp_path,

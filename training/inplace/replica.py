@@ -56,13 +56,14 @@ DEPTH = 2  # snapshots kept per kind: the newest may be incomplete on some ranks
 
 
 def _to_local(tree: Any) -> Any:
-    """A copy of `tree` with every tensor (a DTensor: its local shard) detached and cloned."""
+    """A copy of `tree` in host memory, every tensor (a DTensor: its local shard) detached and copied: the
+    replica must not cost GPU memory, and the exchange runs on gloo."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(tree, DTensor):
-        return tree.to_local().detach().clone()
+        return tree.to_local().detach().to("cpu", copy=True)
     if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
+        return tree.detach().to("cpu", copy=True)
     if isinstance(tree, Mapping):
         return {k: _to_local(v) for k, v in tree.items()}
     if isinstance(tree, list):
