@@ -129,8 +129,19 @@ def resources(spec: JobSpec) -> dict[str, Any]:
     return {"requests": requests, "limits": limits}
 
 
-def worker_env(spec: JobSpec) -> list[dict[str, Any]]:
-    """Environment of the worker container (architecture.md: backend -> worker contract)."""
+def inplace_store_env(spec: JobSpec) -> dict[str, str]:
+    """A one-node torchrun launch that may recover in place has its agent host the in-place store
+    (`Env.INPLACE_STORE_AGENT`, `training.torchrun.host_inplace_store`); several nodes restart the group
+    (docs/operations.md), so they get nothing. The worker still decides (`training.inplace.InPlace`)."""
+    s = spec.spec
+    if s.nodes.max != 1 or s.procs_per_node < 2 or s.restarts.mode == "restart" or s.restarts.spares < 1:
+        return {}
+    return {Env.INPLACE_STORE: Env.INPLACE_STORE_AGENT}
+
+
+def worker_env(spec: JobSpec, *, torchrun: bool = True) -> list[dict[str, Any]]:
+    """Environment of the worker container (architecture.md: backend -> worker contract); `torchrun`: the
+    container runs torchrun (PyTorchJob, TrainJob), not a Ray head."""
     env: dict[str, str] = {
         Env.SPEC: SPEC_FILE,
         Env.RUN_DIR: RUN_DIR,
@@ -141,6 +152,7 @@ def worker_env(spec: JobSpec) -> list[dict[str, Any]]:
         # torchrun waits past restarts.preemptGraceSeconds before it SIGKILLs its workers on a SIGTERM, so
         # their emergency checkpoint fits (training.preemption); the pod's grace period covers both.
         **launcher_env(spec.spec.restarts),
+        **(inplace_store_env(spec) if torchrun else {}),
     }
     env.update(spec.spec.kubernetes.env)
     return [{"name": k, "value": v} for k, v in env.items()]

@@ -48,7 +48,7 @@ def _container(
         "name": name,
         "image": image,
         "imagePullPolicy": spec.spec.kubernetes.image_pull_policy,
-        "env": c.worker_env(spec),
+        "env": c.worker_env(spec, torchrun=False),
         "resources": res,
         "volumeMounts": mounts,
         "securityContext": p.container_security_context(),

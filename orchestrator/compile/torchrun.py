@@ -93,5 +93,10 @@ def compile_torchrun(
         *c.worker_program(spec_path),
     ]
     # torchrun's shutdown timeout above restarts.preemptGraceSeconds (training.preemption).
-    env = {Env.DISABLE_SHARED_RDZV_STORE: "1", Env.SPEC: spec_path, **launcher_env(spec.spec.restarts)}
+    env = {
+        Env.DISABLE_SHARED_RDZV_STORE: "1",
+        Env.SPEC: spec_path,
+        **launcher_env(spec.spec.restarts),
+        **c.inplace_store_env(spec),
+    }
     return TorchrunCommand(args=tuple(args), env=env, launcher=tuple(p.launcher(spec_path)))

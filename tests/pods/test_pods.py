@@ -138,6 +138,39 @@ def test_killed_elastic_worker_pod_is_restarted_and_resumes_from_the_pvc(
     assert result["eval"]["loss"] == pytest.approx(reference_result["eval"]["loss"], rel=1e-5)
 
 
+def test_one_pod_job_replaces_a_killed_rank_in_place_without_restarting_the_pod(
+    pod_cluster: MakeCluster, tmp_path: Path
+) -> None:
+    """A one-node PyTorchJob's container runs the same in-place recovery as `torchrig run`: its torchrun
+    agent hosts the store (`TORCHRIG_INPLACE_STORE=agent` in the manifest), a warm spare in the pod takes
+    the killed rank's place, the pod never restarts and the run ends bit-identical to an uninterrupted
+    local run of the same spec."""
+    kill = '\'[{"kind": "kill", "rank": 1, "step": 15}]\''
+    objects = render("pytorchjob", "spec.nodes.max=1", f"spec.kubernetes.env.TORCHRIG_FAULTS={kill}")
+    assert [p.role for p in pytorchjob_pods(objects)] == ["master-0"]
+    container = one(objects, "PyTorchJob")["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in container["containers"][0]["env"]}
+    assert env["TORCHRIG_INPLACE_STORE"] == "agent"
+    cluster, outcome = _run_pytorchjob(pod_cluster, objects)
+    assert outcome.status == "Succeeded", _why(outcome, cluster)
+    assert {n: s.exit_codes for n, s in cluster.pods.items()} == {n: [0] for n in cluster.pods}, "no pod restart"
+    recoveries = [e for e in _events(cluster) if e.kind is EventKind.RECOVERY]
+    assert {e.get("path") for e in recoveries} == {"inplace"}, _why(outcome, cluster)
+    assert sorted(e.get("role") for e in recoveries) == ["spare", "survivor"]
+    assert {e.step for e in recoveries} == {15}, "no step lost"
+    result = _result(cluster)
+    assert (result["steps"], result["world_size"]) == (40, 2)
+    from orchestrator.backends import get_backend
+    from orchestrator.backends.base import SubmitOptions
+    from orchestrator.loader import load_spec
+    from tests.fixtures.common import free_port
+    from tests.pods.scenario import EXAMPLE, SCENARIO_SETS
+
+    spec = load_spec(EXAMPLE, [*SCENARIO_SETS, "spec.nodes.max=1", f"spec.metrics.port={free_port()}"])
+    reference = get_backend("local").launch(spec, SubmitOptions(run_dir=str(tmp_path / "ref"), quiet=True)).wait(240)
+    assert result["params_sha256"] == reference.params_sha256
+
+
 def test_trainjob_with_two_nodes_trains_like_torchrig_run(
     pod_cluster: MakeCluster, reference_result: dict[str, Any]
 ) -> None:

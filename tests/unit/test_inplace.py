@@ -158,3 +158,60 @@ def test_summary_counts_recoveries_by_path() -> None:
         recovery(0, 1, "restart"),
     ]
     assert recoveries_from_events(events) == {"inplace": 2, "restart": 1}
+
+
+def test_one_node_torchrun_targets_have_their_agent_host_the_in_place_store() -> None:
+    from orchestrator.compile import compile as compile_manifests
+    from orchestrator.compile.torchrun import compile_torchrun
+    from tests.unit.test_spec_rules import spec_of
+
+    def pod_env(spec: Any, target: str) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for obj in compile_manifests(spec, target):
+            for container in _containers(obj):
+                out.update({e["name"]: e.get("value") for e in container.get("env", [])})
+        return out
+
+    one_node = spec_of("spec.nodes.max=1", "spec.procsPerNode=2")
+    for target in ("pytorchjob", "trainjob"):
+        assert pod_env(one_node, target)[Env.INPLACE_STORE] == Env.INPLACE_STORE_AGENT, target
+    assert compile_torchrun(one_node).env[Env.INPLACE_STORE] == Env.INPLACE_STORE_AGENT
+    # Ray runs no torchrun; several nodes, restart mode, no spares or one process recover by a restart.
+    assert Env.INPLACE_STORE not in pod_env(one_node, "rayjob")
+    for sets in (
+        ("spec.nodes.max=2", "spec.checkpoint.stores=[{uri: 's3://bucket/x'}]"),
+        ("spec.nodes.max=1", "spec.restarts.mode=restart"),
+        ("spec.nodes.max=1", "spec.restarts.spares=0"),
+        ("spec.nodes.max=1", "spec.procsPerNode=1"),
+    ):
+        assert Env.INPLACE_STORE not in pod_env(spec_of(*sets), "pytorchjob"), sets
+
+
+def _containers(obj: Any) -> list[dict[str, Any]]:
+    """Every container spec inside a rendered object (any depth)."""
+    found: list[dict[str, Any]] = []
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if key == "containers" and isinstance(value, list):
+                found += [c for c in value if isinstance(c, dict)]
+            else:
+                found += _containers(value)
+    elif isinstance(obj, list):
+        for value in obj:
+            found += _containers(value)
+    return found
+
+
+def test_the_agent_hosts_a_store_its_workers_reach_and_an_unreplaced_marker_means_none() -> None:
+    from training.torchrun import host_inplace_store
+
+    assert host_inplace_store({}) is None
+    env = {Env.INPLACE_STORE: Env.INPLACE_STORE_AGENT}
+    store = host_inplace_store(env)
+    host, _, port = env[Env.INPLACE_STORE].rpartition(":")
+    assert host == "127.0.0.1" and int(port) == store.port > 0
+    client = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False)  # type: ignore[attr-defined]
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+    # Plain torchrun (no agent of ours replaced the marker): the launch recovers by a restart.
+    assert InPlace.from_spec(_worker_spec(), {**LAUNCHED, Env.INPLACE_STORE: Env.INPLACE_STORE_AGENT}) is None

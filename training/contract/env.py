@@ -40,6 +40,10 @@ class Env:
     # forms on (`host:port`: the local run's rendezvous store process, which outlives every trainer),
     # and which part a `python -m training` process plays (unset: the host decides; see the module).
     INPLACE_STORE = "TORCHRIG_INPLACE_STORE"
+    # `INPLACE_STORE`'s value in a compiled one-node pod (PyTorchJob, TrainJob) or `torchrun` target: the
+    # torchrun agent (`training.torchrun`, which a trainer's death never ends) hosts the store itself on
+    # 127.0.0.1 and hands its workers the address. Left unreplaced (plain torchrun): no in-place recovery.
+    INPLACE_STORE_AGENT = "agent"
     INPLACE_ROLE = "TORCHRIG_INPLACE_ROLE"  # "trainer" | "spare" (set by the per-rank host for its children)
     INPLACE_SPARE = "TORCHRIG_INPLACE_SPARE"  # a spare's index on its node (its keys in the store)
     # The CLI: seconds a Kubernetes / Ray Jobs API call may take, "S" or "CONNECT,READ" (default 10,30).

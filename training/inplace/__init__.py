@@ -21,8 +21,9 @@ torchrig's torchrun command):
   recovery, a stuck survivor) exits `ExitCode.RECOVERY_FAILED` and torchrun restarts the whole group
   from the durable checkpoint (the fallback, the `restart` path).
 
-The store is one that outlives every trainer: the local run's rendezvous store process
-(`Env.INPLACE_STORE`). This module imports no torch (the host stays light); keys are named here once.
+The store is one that outlives every trainer (`Env.INPLACE_STORE`): the local run's rendezvous store
+process, or in a one-node pod (and the `torchrun` target) a store the torchrun agent hosts itself
+(`training.torchrun.host_inplace_store`). This module imports no torch (the host stays light); keys are named here once.
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ class InPlace:
             _not_in_place(restarts.mode, f"strategy {strategy} without checkpoint.inMemory.every keeps no replica")
             return None
         addr, run_id = env.get(Env.INPLACE_STORE, ""), env.get(Env.RUN_ID, "")
+        if addr == Env.INPLACE_STORE_AGENT:  # no agent of ours replaced it (`training.torchrun`): no store
+            addr = ""
         world_size = int(env.get(Env.WORLD_SIZE, "1") or 1)
         if not addr or not run_id or world_size < 2:
             return None
