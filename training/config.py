@@ -225,9 +225,10 @@ class RestartsConfig(Model):
             "a warm spare takes the dead rank's place and receives the state from a survivor (0 lost steps), "
             "falling back to `restart` when that cannot finish within inPlaceTimeoutSeconds. `restart`: torchrun "
             "restarts every rank from the newest checkpoint. `auto` (the default): `inplace` where it applies, "
-            "`restart` elsewhere. In-place applies to one-node jobs of 2+ ranks launched by torchrig's torchrun "
-            "command on the local backend: DDP, and FSDP with checkpoint.inMemory.every (it returns to the newest "
-            "in-memory snapshot of the shards); everything else restarts (docs/operations.md). `inplace` differs from "
+            "`restart` elsewhere. In-place applies to one-node jobs of 2+ ranks (the local backend, a one-pod "
+            "PyTorchJob or TrainJob, the torchrun target on one node): DDP, and FSDP with checkpoint.inMemory.every "
+            "(it returns to the newest in-memory snapshot of the shards); everything else restarts "
+            "(docs/operations.md). `inplace` differs from "
             "`auto` only in the warning it logs when the job cannot recover in place."
         ),
     )
