@@ -223,6 +223,28 @@ def test_kitchen_sink_renders_what_torchrig_renders(target: str, tmp_path: Path)
     assert resolved["spec"]["checkpoint"]["every"] == {"seconds": 600}  # no inherited `steps: 100`
 
 
+@pytest.mark.parametrize("target", ["pytorchjob", "trainjob"])
+@pytest.mark.parametrize("mode", ["auto", "restart"])
+def test_one_node_job_has_its_agent_host_the_in_place_store_like_the_compiler(
+    target: str, mode: str, tmp_path: Path
+) -> None:
+    changes = {"spec": {"nodes": {"min": 1, "max": 1}, "restarts": {"mode": mode}, "kubernetes": {"target": target}}}
+    job = write_job(tmp_path, DIGITS, changes)
+    objs = helm_template("-f", str(job))
+    assert_same_objects(objs, compiled(job, target))
+    env = {e["name"]: e.get("value") for o in objs for c in _containers_of(o) for e in c.get("env", [])}
+    assert env.get("TORCHRIG_INPLACE_STORE") == ("agent" if mode == "auto" else None)
+
+
+def _containers_of(obj: Any) -> list[dict[str, Any]]:
+    if isinstance(obj, dict):
+        found = [c for c in obj.get("containers", []) if isinstance(c, dict)]
+        return found + [c for k, v in obj.items() if k != "containers" for c in _containers_of(v)]
+    if isinstance(obj, list):
+        return [c for v in obj for c in _containers_of(v)]
+    return []
+
+
 def test_volcano_fixed_size_and_disabled_node_local(tmp_path: Path) -> None:
     job = write_job(
         tmp_path,
