@@ -142,9 +142,15 @@ def _scaling(results: Results) -> list[str]:
     sc = results.get("scaling") or {}
     if not sc.get("world_sizes"):
         return []
-    lines = ["| world size | save s | restore s | MTTR s |", "|---|---|---|---|"]
+    cpu = sc.get("recovery_cpu_s_median") or [float("nan")] * len(sc["world_sizes"])
+    lines = [
+        "| world size | save s | restore s | MTTR s | recovery CPU s per member (median) |",
+        "|---|---|---|---|---|",
+    ]
     for i, w in enumerate(sc["world_sizes"]):
-        lines.append(f"| {w} | {sc['save_s'][i]:.3f} | {sc['restore_s'][i]:.3f} | {sc['mttr_s'][i]:.2f} |")
+        lines.append(
+            f"| {w} | {sc['save_s'][i]:.3f} | {sc['restore_s'][i]:.3f} | {sc['mttr_s'][i]:.2f} | {cpu[i]:.3f} |"
+        )
     lines.append("")
     if isinstance(sc.get("mttr_ratio_max_vs_min"), (int, float)):
         paths = ", ".join(str(p) for p in sc.get("recovery_paths") or [])

@@ -18,7 +18,7 @@ from training.contract import EventKind, RunFiles, read_events
 
 def bench_scaling(world_sizes: list[int]) -> dict[str, Any]:
     """Checkpoint save, restore and MTTR against world size (local, tiny model), from kill-worker drills."""
-    save_s, restore_s, mttr_s, paths = [], [], [], []
+    save_s, restore_s, mttr_s, paths, cpu_s = [], [], [], [], []
     for w in world_sizes:
         with tempfile.TemporaryDirectory() as d:
             report = kill_worker_drill(40, 35, w, Path(d), extra=("spec.restarts.mode=inplace",))
@@ -33,6 +33,13 @@ def bench_scaling(world_sizes: list[int]) -> dict[str, Any]:
         restores = [
             float(e.get("seconds")) for e in events if e.kind is EventKind.RESTORE and e.get("seconds") is not None
         ]
+        # CPU each member spent in its recovery: flat while MTTR grows = the members wait for cores
+        spent = sorted(
+            float(e.get("cpu_s"))
+            for e in events
+            if e.kind is EventKind.RECOVERY and e.get("path") == "inplace" and e.get("cpu_s") is not None
+        )
+        cpu_s.append(spent[len(spent) // 2] if spent else float("nan"))
         save_s.append(max(commits, default=float("nan")))
         restore_s.append(max(restores, default=float("nan")))
     out: dict[str, Any] = {
@@ -41,6 +48,7 @@ def bench_scaling(world_sizes: list[int]) -> dict[str, Any]:
         "restore_s": restore_s,
         "mttr_s": mttr_s,
         "recovery_paths": paths,
+        "recovery_cpu_s_median": cpu_s,
     }
     if mttr_s and mttr_s[0] > 0:
         out["mttr_ratio_max_vs_min"] = mttr_s[-1] / mttr_s[0]
