@@ -223,7 +223,15 @@ def plot_scaling(results: Results, out_dir: Path = RESULTS) -> Path | None:
     fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
     paths = sc.get("recovery_paths") or []
     mttr_label = "MTTR" + (f" ({paths[0]})" if paths and len(set(paths)) == 1 else "")
-    for key, label in (("save_s", "checkpoint save"), ("restore_s", "restore"), ("mttr_s", mttr_label)):
+    series = (
+        ("save_s", "checkpoint save"),
+        ("restore_s", "restore"),
+        ("mttr_s", mttr_label),
+        ("recovery_cpu_s_median", "recovery CPU per member (median)"),
+    )
+    for key, label in series:
+        if key not in sc:  # results of an older run
+            continue
         values = [float(v) for v in sc[key]]
         if all(v != v for v in values):  # all NaN: in place nothing is restored; no empty legend entry
             continue

@@ -325,7 +325,7 @@ class Trainer:
     def _recover_in_place(self, group: InPlaceGroup, failure: str, limit: float) -> None:
         from training.inplace.group import RecoveryFailed, StateSync
 
-        start, cpu_start = time.perf_counter(), time.process_time()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         print(
             f"torchrig: in-place: rank {self.identity.rank}: collective failed after step {self.progress.step} "
             f"({failure}); re-forming the group",
@@ -395,7 +395,7 @@ class Trainer:
                 replaced_ranks=synced.replaced,
                 role="survivor",
                 source="replica" if sharded else "peer",
-                cpu_s=round(time.process_time() - cpu_start, 3),
+                cpu_s=round(time.thread_time() - cpu_start, 3),
             )
         )
         self.watchdog.beat(self.progress.step)

@@ -63,7 +63,7 @@ class Prewarmed:
     optimizer: torch.optim.Optimizer  # over `model`'s parameters (its first build imports dynamo: seconds)
     generation: int  # the process-group generation to join
     assigned_at: float  # `time.perf_counter()` of the assignment
-    assigned_cpu: float = 0.0  # `time.process_time()` of the assignment
+    assigned_cpu: float = 0.0  # `time.thread_time()` of the assignment
 
 
 def run_worker(
@@ -232,7 +232,7 @@ def run_worker(
                     replaced_ranks=synced.replaced,
                     role="spare",
                     source="replica" if replicas is not None else "peer",
-                    cpu_s=round(time.process_time() - prewarmed.assigned_cpu, 3),
+                    cpu_s=round(time.thread_time() - prewarmed.assigned_cpu, 3),
                 )
             )
         return trainer.run(wall_start).to_dict()

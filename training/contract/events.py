@@ -289,8 +289,9 @@ class Recovery:
     replaced_ranks: list[int] = field(default_factory=list)  # ranks a spare took over (in place)
     role: str = "survivor"  # "survivor" | "spare" (in place); "restarted" (restart)
     source: str = ""  # "peer" | "replica" (in place); "" (restart)
-    # CPU seconds this process spent in the recovery (every thread): flat across world sizes while
-    # `seconds` grows means the members wait for cores, not for more work (docs/performance.md, scaling).
+    # CPU seconds the recovering thread spent in the recovery (its own work, not the exporter's or
+    # gloo's threads): against `seconds`, how much of the recovery was work and how much waiting (for
+    # peers, for cores) (docs/performance.md, scaling).
     cpu_s: float | None = None
     kind: EventKind = field(default=EventKind.RECOVERY, init=False, repr=False)
 

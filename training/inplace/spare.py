@@ -119,7 +119,7 @@ def run_spare(spec: WorkerSpec, inplace: InPlace, *, run_dir: str) -> dict[str, 
     store.set(inplace.spare_key(index, "ready"), str(os.getpid()))
     log.info("spare %d: ready (pid %d)", index, os.getpid())
     assignment = _wait_assignment(inplace, store, index)
-    assigned_at, assigned_cpu = time.perf_counter(), time.process_time()
+    assigned_at, assigned_cpu = time.perf_counter(), time.thread_time()
     os.environ.update(assignment["env"])  # this process IS that rank now (logs, identity, faults)
     identity = WorkerIdentity.from_env()
     log.info("spare %d: assigned rank %d, generation %d", index, identity.rank, assignment["generation"])
