@@ -300,8 +300,8 @@ class ReplicaSet:
 
     def sync(self, state: Mapping[str, Any], *, has_state: bool, at: int = -1) -> ReplicaPlan:
         """After the new generation formed: agree on a step, move snapshots to the replaced ranks, and load
-        this rank's step-S snapshot into `state` (collective on the new default group; see the module
-        docstring). `state` is the checkpoint state of a model already rebuilt on the new group; `at`
+        this rank's step-S snapshot into `state` (collective on this generation's replica group; see the
+        module docstring). `state` is the checkpoint state of a model already rebuilt on the new group; `at`
         the step this rank had completed before the failure.
 
         Raises:
@@ -309,34 +309,22 @@ class ReplicaSet:
         """
         start = time.perf_counter()
         mine = self.holdings(at) if has_state else {"spare": True, "own": [], "peer": [], "at": -1}
+        with self._lock:  # what a replaced neighbour will receive, so it can size its buffer
+            mine["peer_bytes"] = {s.step: len(s.data) for s in self.peer}
         everyone: list[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=self.group)
         plan = plan_recovery(everyone)
         rank = self.rank
-        snapshot: Snapshot | None = None
-        if has_state:
-            snapshot = next(s for s in self.own if s.step == plan.step)
+        snapshot = next(s for s in self.own if s.step == plan.step) if has_state else None
         ops: list[dist.P2POp] = []
-        sizes: dict[int, torch.Tensor] = {}
-        for lost, sender in plan.sends.items():  # sizes first (one small message per replaced rank)
-            if sender == rank:
-                data = next(s for s in self.peer if s.step == plan.step).data
-                sizes[lost] = torch.tensor([len(data)], dtype=torch.int64)
-                ops.append(dist.P2POp(dist.isend, sizes[lost], lost, group=self.group))
-            elif lost == rank:
-                sizes[lost] = torch.zeros(1, dtype=torch.int64)
-                ops.append(dist.P2POp(dist.irecv, sizes[lost], sender, group=self.group))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        ops, received = [], None
+        received: torch.Tensor | None = None
         for lost, sender in plan.sends.items():
             if sender == rank:
                 data = next(s for s in self.peer if s.step == plan.step).data
                 outgoing = torch.frombuffer(bytearray(data), dtype=torch.uint8)
                 ops.append(dist.P2POp(dist.isend, outgoing, lost, group=self.group))
             elif lost == rank:
-                received = torch.empty(int(sizes[lost].item()), dtype=torch.uint8)
+                received = torch.empty(int(everyone[sender]["peer_bytes"][plan.step]), dtype=torch.uint8)
                 ops.append(dist.P2POp(dist.irecv, received, sender, group=self.group))
         if ops:
             for work in dist.batch_isend_irecv(ops):
