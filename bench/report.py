@@ -152,6 +152,12 @@ def _scaling(results: Results) -> list[str]:
             f"| {w} | {sc['save_s'][i]:.3f} | {sc['restore_s'][i]:.3f} | {sc['mttr_s'][i]:.2f} | {cpu[i]:.3f} |"
         )
     lines.append("")
+    for w, phases in zip(sc["world_sizes"], sc.get("survivor_phases_median") or [], strict=False):
+        if phases:  # when each phase of a survivor's recovery ended (median member), seconds
+            ended = ", ".join(f"{k} {v:.3f}" for k, v in phases.items())
+            lines.append(f"- {w} ranks, survivor phases ended at (s): {ended}")
+    if sc.get("survivor_phases_median"):
+        lines.append("")
     if isinstance(sc.get("mttr_ratio_max_vs_min"), (int, float)):
         paths = ", ".join(str(p) for p in sc.get("recovery_paths") or [])
         lines += [

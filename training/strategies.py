@@ -255,6 +255,7 @@ def parallelize(
     device: torch.device,
     *,
     bucket_order: list[int] | None = None,
+    in_sync: bool = False,
 ) -> Parallel:
     """Apply activation checkpointing, then the strategy and its mixed precision, to `model` (in place).
 
@@ -265,6 +266,8 @@ def parallelize(
         identity: This rank's coordinates (HSDP mesh shape: num_nodes x local_world_size).
         device: Where to train.
         bucket_order: DDP: the bucket layout of an earlier wrapper of this model (`Parallel.bucket_order`).
+        in_sync: DDP: every rank's `model` already holds the same bytes (a spare after the in-place state
+            transfer), so DDP skips its construction-time check and broadcast (`init_sync`).
     """
     model.to(device)
     if cfg.activation_checkpointing:
@@ -289,7 +292,7 @@ def parallelize(
         if cfg.precision is Precision.fp16:
             par.scaler = torch.amp.GradScaler(device.type)
         if identity.world_size > 1:
-            par.model = ddp_wrap(par)
+            par.model = ddp_wrap(par, init_sync=not in_sync)
         return par
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -353,14 +356,16 @@ def ddp_bucket_order(ddp: nn.Module) -> list[int] | None:
     return order if sorted(order) == list(range(len(params))) else None
 
 
-def ddp_wrap(par: Parallel) -> nn.Module:
+def ddp_wrap(par: Parallel, *, init_sync: bool = True) -> nn.Module:
     """`par.module` in DDP over the current default group, its gradient all-reduce timed by `par.comm`;
-    its buckets laid out as `par.bucket_order` when an earlier wrapper recorded one."""
+    its buckets laid out as `par.bucket_order` when an earlier wrapper recorded one. `init_sync=False`
+    skips DDP's construction-time shape check and broadcast of the module's state from rank 0: only
+    where every rank is known to hold the same bytes (after the in-place state transfer)."""
     device_ids = [par.device.index] if par.device.type == "cuda" else None
     ddp = (
-        _OrderedDDP(par.module, par.bucket_order, device_ids=device_ids)
+        _OrderedDDP(par.module, par.bucket_order, device_ids=device_ids, init_sync=init_sync)
         if par.bucket_order is not None
-        else nn.parallel.DistributedDataParallel(par.module, device_ids=device_ids)
+        else nn.parallel.DistributedDataParallel(par.module, device_ids=device_ids, init_sync=init_sync)
     )
     ddp.register_comm_hook(None, _timed_allreduce_hook(par.comm))
     return ddp
@@ -389,7 +394,9 @@ def rewrap_ddp(par: Parallel) -> None:
     """
     unwrap_ddp(par)
     par.comm = CommTimer()
-    par.model = ddp_wrap(par)
+    # `InPlaceGroup.sync_state` just gave every member the source's exact bytes: DDP's own broadcast of
+    # them (and its shape check, an all-gather) would repeat that on the recovery's path.
+    par.model = ddp_wrap(par, init_sync=False)
 
 
 def clip_grad_norm(par: Parallel, max_norm: float) -> float:

@@ -326,6 +326,12 @@ class Trainer:
         from training.inplace.group import RecoveryFailed, StateSync
 
         start, cpu_start = time.perf_counter(), time.thread_time()
+        phases: dict[str, float] = {}
+
+        def mark(phase: str) -> None:
+            phases[phase] = round(time.perf_counter() - start, 4)
+            log.debug("in-place: %s at %.3f s", phase, phases[phase])
+
         print(
             f"torchrig: in-place: rank {self.identity.rank}: collective failed after step {self.progress.step} "
             f"({failure}); re-forming the group",
@@ -346,17 +352,17 @@ class Trainer:
         if self.replicas is not None:
             self.replicas.disconnect()
         group.leave()
+        mark("destroyed")
         if self.replicas is not None:  # its exchange in flight fails on the cut connections
             self.replicas.abandon(min(limit, ABANDON_WAIT_S))
-        log.debug("in-place: left the broken group in %.3f s", time.perf_counter() - start)
         if old_checkpoints is not None:
             _abandon(old_checkpoints, min(limit, ABANDON_WAIT_S))
             del old_checkpoints
-        log.debug("in-place: abandoned the old checkpoint manager at %.3f s", time.perf_counter() - start)
+        mark("left")
         try:
             preemption = self.preemption
             group.form(group.generation + 1, cancelled=lambda: preemption is not None and preemption.requested)
-            log.debug("in-place: formed at %.3f s", time.perf_counter() - start)
+            mark("formed")
             if self.replicas is not None:
                 with group.ledger.recording():
                     self.replicas.connect()
@@ -374,13 +380,14 @@ class Trainer:
                 self.par.bucket_order = synced.bucket_order
                 rewrap_ddp(self.par)
                 self.state["app"] = ModelOptimizerState(self.par.model, self.optimizer)
-            log.debug("in-place: state at step %d at %.3f s", synced.step, time.perf_counter() - start)
+            mark("state")
             self.optimizer.zero_grad(set_to_none=True)
             if self.checkpoint_factory is not None:
                 self.checkpoints = self.checkpoint_factory()
-            log.debug("in-place: checkpoints at %.3f s", time.perf_counter() - start)
+            mark("checkpoints")
             if self.preemption is not None:
                 self.preemption.reconnect()
+            mark("preemption")
         except RecoveryFailed:
             raise
         except Exception as exc:  # a second failure while re-forming: give up, the group restarts
@@ -396,6 +403,7 @@ class Trainer:
                 role="survivor",
                 source="replica" if sharded else "peer",
                 cpu_s=round(time.thread_time() - cpu_start, 3),
+                phases=phases,
             )
         )
         self.watchdog.beat(self.progress.step)

@@ -30,7 +30,7 @@ from training.determinism import configure_determinism
 from training.distributed import device_for, init_process_group
 from training.faults import FaultInjector
 from training.inplace import ROLE_SPARE, ROLE_TRAINER, InPlace
-from training.inplace.group import InPlaceGroup, StateSync
+from training.inplace.group import InPlaceGroup, StateSync, freeze_heap
 from training.inplace.replica import ReplicaSet
 from training.metrics import create_sinks
 from training.metrics.base import MetricsSink
@@ -132,6 +132,8 @@ def run_worker(
         inplace = InPlace.from_spec(spec) if os.environ.get(Env.INPLACE_ROLE) in (ROLE_TRAINER, ROLE_SPARE) else None
         group: InPlaceGroup | None = None
         if inplace is not None:
+            if prewarmed is None:
+                freeze_heap()  # the imports' objects: out of every recovery's gc.collect (`InPlaceGroup.leave`)
             group = InPlaceGroup(inplace, identity, "nccl" if device.type == "cuda" else "gloo")
             group.form(prewarmed.generation if prewarmed is not None else 0)
             created_group = True
@@ -147,6 +149,7 @@ def run_worker(
             replicas = ReplicaSet(rank=identity.rank, world_size=identity.world_size, every=every)
         spare_progress: TrainerProgress | None = None
         synced: StateSync | None = None
+        spare_phases: dict[str, float] = {}  # a spare's `Recovery.phases`
         if prewarmed is None:
             preemption.connect()  # its gloo group (collective)
             task = load_task(spec.spec.task.entrypoint, spec.spec.task.args)
@@ -164,7 +167,7 @@ def run_worker(
             # transfer, DDP, the checkpoint manager's groups, the preemption group.
             assert group is not None
             task, model = prewarmed.task, prewarmed.model
-            log.debug("spare: joined at %.3f s", time.perf_counter() - prewarmed.assigned_at)
+            spare_phases["formed"] = round(time.perf_counter() - prewarmed.assigned_at, 4)
             spare_progress = TrainerProgress()
             if replicas is not None:
                 # FSDP/HSDP: shard the prebuilt model on the new group (a new optimizer over its sharded
@@ -188,13 +191,17 @@ def run_worker(
                 optimizer = prewarmed.optimizer
                 with watchdog.io(spec.spec.restarts.in_place_timeout_seconds):
                     synced = group.sync_state(model, optimizer, spare_progress, has_state=False)
-                par = parallelize(model, task.blocks(model), cfg, identity, device, bucket_order=synced.bucket_order)
-            log.debug("spare: parallel at %.3f s", time.perf_counter() - prewarmed.assigned_at)
+                par = parallelize(
+                    model, task.blocks(model), cfg, identity, device, bucket_order=synced.bucket_order, in_sync=True
+                )
+            spare_phases["state"] = round(time.perf_counter() - prewarmed.assigned_at, 4)
         with watchdog.io(spec.spec.checkpoint.io_timeout_seconds):  # opens the stores, takes the fence
             checkpoints = _default_checkpoint_manager(spec, identity, sink)
         if prewarmed is not None:
+            spare_phases["checkpoints"] = round(time.perf_counter() - prewarmed.assigned_at, 4)
             preemption.connect()
-            log.info("spare: ready to train at %.3f s", time.perf_counter() - prewarmed.assigned_at)
+            spare_phases["preemption"] = round(time.perf_counter() - prewarmed.assigned_at, 4)
+            log.info("spare: ready to train at %.3f s (%s)", spare_phases["preemption"], spare_phases)
         startup.close()  # from here on the step timeout (restore: the checkpoint I/O limit)
         trainer = Trainer(
             spec,
@@ -233,6 +240,7 @@ def run_worker(
                     role="spare",
                     source="replica" if replicas is not None else "peer",
                     cpu_s=round(time.thread_time() - prewarmed.assigned_cpu, 3),
+                    phases=spare_phases,
                 )
             )
         return trainer.run(wall_start).to_dict()

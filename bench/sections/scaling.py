@@ -7,6 +7,7 @@ only (in place nothing is restored), so they are NaN here unless a run fell back
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from training.contract import EventKind, RunFiles, read_events
 def bench_scaling(world_sizes: list[int]) -> dict[str, Any]:
     """Checkpoint save, restore and MTTR against world size (local, tiny model), from kill-worker drills."""
     save_s, restore_s, mttr_s, paths, cpu_s = [], [], [], [], []
+    phases: list[dict[str, float]] = []
     for w in world_sizes:
         with tempfile.TemporaryDirectory() as d:
             report = kill_worker_drill(40, 35, w, Path(d), extra=("spec.restarts.mode=inplace",))
@@ -40,6 +42,18 @@ def bench_scaling(world_sizes: list[int]) -> dict[str, Any]:
             if e.kind is EventKind.RECOVERY and e.get("path") == "inplace" and e.get("cpu_s") is not None
         )
         cpu_s.append(spent[len(spent) // 2] if spent else float("nan"))
+        # Where the survivors' recovery time went: the median member's end of each phase (seconds).
+        survivors = [
+            e.get("phases") or {}
+            for e in events
+            if e.kind is EventKind.RECOVERY and e.get("path") == "inplace" and e.get("role") == "survivor"
+        ]
+        phases.append(
+            {
+                name: statistics.median(float(p[name]) for p in survivors if name in p)
+                for name in (survivors[0] if survivors else {})
+            }
+        )
         save_s.append(max(commits, default=float("nan")))
         restore_s.append(max(restores, default=float("nan")))
     out: dict[str, Any] = {
@@ -49,6 +63,7 @@ def bench_scaling(world_sizes: list[int]) -> dict[str, Any]:
         "mttr_s": mttr_s,
         "recovery_paths": paths,
         "recovery_cpu_s_median": cpu_s,
+        "survivor_phases_median": phases,
     }
     if mttr_s and mttr_s[0] > 0:
         out["mttr_ratio_max_vs_min"] = mttr_s[-1] / mttr_s[0]

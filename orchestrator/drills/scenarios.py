@@ -559,7 +559,10 @@ class PreemptionShortGrace(Preemption):
             f"step {event.step}, committed {event.get('committed')}, {event.get('reason')}" if event else "none",
         )
         # The newest checkpoint the preempted run committed (a periodic save may land between the signal
-        # and the deadline): the resubmitted job must restore exactly that one, older than the stop step.
+        # and the deadline): the resubmitted job must restore exactly that one, no newer than the step the
+        # deadline struck at. It equals that step when the deadline struck just after a periodic save of
+        # it committed (seen under load: stopped at 15, periodic checkpoint 15): a committed checkpoint,
+        # not a partial one, so restoring it is right.
         restores = history.restores_after(_fault_time(report) or 0.0)
         resubmitted = restores[0].time if restores else float("inf")
         previous = history.last_committed_before(resubmitted)
@@ -568,7 +571,7 @@ class PreemptionShortGrace(Preemption):
             "nothing partial restored: resumed from the previous checkpoint",
             report.resumed_from_step is not None
             and report.resumed_from_step == (previous or 0)
-            and (stop is None or report.resumed_from_step < stop),
+            and (stop is None or report.resumed_from_step <= stop),
             f"stopped at {stop}, newest committed before the restart {previous}, resumed from "
             f"{report.resumed_from_step}",
         )

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from tests.fixtures.checkpoint import ckpt_identity
-from tests.fixtures.common import REPO, free_port
+from tests.fixtures.common import REPO
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -84,6 +85,43 @@ def _full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, tor
     return out
 
 
+PHASE_TIMEOUT_S = 150.0
+
+
+def _join_group(rank: int, world: int, port: int) -> None:
+    """Join the phase's gloo group through the store the test process owns (`_spawn`)."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+
+
+def _spawn(fn: Any, world: int, *args: Any) -> None:
+    """Run `fn(rank, world, port, *args)` in `world` processes and wait for all of them.
+
+    The test process owns the rendezvous store, bound to a port the kernel picks (port 0): a port
+    picked free and bound later by a child can be taken meanwhile (a client's own outgoing connection
+    can even land on it). A phase that does not end within PHASE_TIMEOUT_S fails with every child's
+    Python stacks (py-spy) instead of hanging the suite until pytest's timeout.
+    """
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))  # type: ignore[attr-defined]
+    context = mp.start_processes(fn, args=(world, server.port, *args), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + PHASE_TIMEOUT_S
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            stacks = []
+            for proc in context.processes:
+                if proc.is_alive():
+                    dump = subprocess.run(
+                        [str(Path(sys.executable).with_name("py-spy")), "dump", "--pid", str(proc.pid)],
+                        capture_output=True,
+                        text=True,
+                        timeout=30,
+                        check=False,
+                    )
+                    stacks.append(f"pid {proc.pid}:\n{dump.stdout}{dump.stderr}")
+                    proc.kill()
+            pytest.fail(f"a phase of {fn.__name__} did not end within {PHASE_TIMEOUT_S} s:\n" + "\n".join(stacks))
+
+
 def _ctx(rank: int, world: int, root: str, generation: int, nodes: int = 1) -> Any:
     return ckpt_identity(root, generation=generation, rank=rank, world_size=world, num_nodes=nodes)
 
@@ -94,9 +132,7 @@ def _reshard_phase(
     from training.checkpoint import CheckpointManager
     from training.config import CheckpointConfig
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
+    _join_group(rank, world, port)
     try:
         model, optim = _build(strategy, world)
         app = AppState(model, optim)
@@ -135,7 +171,7 @@ def _reshard_phase(
 
 
 def _run_phase(world: int, strategy: str, phase: int, root: str, generation: int | None = None) -> dict[str, Any]:
-    mp.spawn(_reshard_phase, args=(world, free_port(), strategy, phase, root, generation), nprocs=world, join=True)
+    _spawn(_reshard_phase, world, strategy, phase, root, generation)
     result: dict[str, Any] = json.loads(Path(f"{root}/phase-{phase}.json").read_text())
     return result
 
@@ -181,9 +217,7 @@ def _two_node_phase(rank: int, world: int, port: int, phase: int, root: str) -> 
     from training.checkpoint import CheckpointManager
     from training.config import CheckpointConfig
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
+    _join_group(rank, world, port)
     try:
         model, optim = _build("fsdp", world)
         app = AppState(model, optim)
@@ -218,14 +252,14 @@ def _two_node_phase(rank: int, world: int, port: int, phase: int, root: str) -> 
 @pytest.mark.slow
 def test_two_nodes_node_local_with_peer_replica(tmp_path: Path) -> None:
     root = str(tmp_path)
-    mp.spawn(_two_node_phase, args=(2, free_port(), 0, root), nprocs=2, join=True)
+    _spawn(_two_node_phase, 2, 0, root)
     # each node holds its own shards and its peer's: a full copy
     node_dirs = [tmp_path / "shm" / "job" / f"node-{n}" / "step-00000001" for n in (0, 1)]
     for d in node_dirs:
         files = sorted(p.name for p in (d / "gen-0000").iterdir())
         assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"], (d, files)
         assert (d / "manifest.json").exists()
-    mp.spawn(_two_node_phase, args=(2, free_port(), 1, root), nprocs=2, join=True)
+    _spawn(_two_node_phase, 2, 1, root)
     for rank in (0, 1):
         out = json.loads((tmp_path / f"phase-1-rank-{rank}.json").read_text())
         assert out["restored"] == {"step": 1, "source": "node-local"}
@@ -234,7 +268,7 @@ def test_two_nodes_node_local_with_peer_replica(tmp_path: Path) -> None:
     import shutil
 
     shutil.rmtree(tmp_path / "shm" / "job" / "node-1")
-    mp.spawn(_two_node_phase, args=(2, free_port(), 2, root), nprocs=2, join=True)
+    _spawn(_two_node_phase, 2, 2, root)
     for rank in (0, 1):
         out = json.loads((tmp_path / f"phase-2-rank-{rank}.json").read_text())
         assert out["restored"] == {"step": 2, "source": "store"}

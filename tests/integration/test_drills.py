@@ -42,8 +42,14 @@ def _spec(*extra: str) -> Any:
 def _drill(scenario: str, tmp_path: Path, *extra: str, **options: Any) -> DrillReport:
     opts = DrillOptions(drill_dir=str(tmp_path / scenario), timeout_s=300, **{"shared_reference": True, **options})
     report = run_drill(scenario, _spec(*extra), opts)
-    assert report.passed, json.dumps(report.to_dict(), indent=1, default=str)[-4000:]
+    assert report.passed, _failure(report)
     return report
+
+
+def _failure(report: DrillReport) -> str:
+    """The failed checks first (a truncated CI log keeps its head), then the report's tail."""
+    failed = [(c.name, c.detail) for c in report.checks if not c.passed]
+    return f"failed checks: {failed}\n" + json.dumps(report.to_dict(), indent=1, default=str)[-3000:]
 
 
 @pytest.mark.slow
@@ -108,7 +114,7 @@ def test_kill_node_shrinks_and_grows_back(tmp_path: Path) -> None:
         _paced_two_node_spec(400),
         DrillOptions(seed=7, nodes=2, at_step=30, drill_dir=str(tmp_path / "kn"), timeout_s=400),
     )
-    assert report.passed, json.dumps(report.to_dict(), indent=1, default=str)[-4000:]
+    assert report.passed, _failure(report)
     assert report.final_params_match_reference is None  # the world size changed on purpose
     assert report.world_sizes[:2] == [2, 1] and report.world_sizes[-1] == 2
 
@@ -153,7 +159,7 @@ def test_partition_restarts_at_the_remaining_world_size(tmp_path: Path) -> None:
         _paced_two_node_spec(400),
         DrillOptions(seed=9, nodes=2, at_step=60, reference=False, drill_dir=str(tmp_path / "p"), timeout_s=400),
     )
-    assert report.passed, json.dumps(report.to_dict(), indent=1, default=str)[-4000:]
+    assert report.passed, _failure(report)
     assert report.world_sizes[:2] == [2, 1], "the cut-off node's rank left the world"
     assert report.resumed_from_step is not None and report.resumed_from_step <= 60
     assert not any(ns.startswith("trg") for ns in _netns_list()), "namespaces are cleaned up"

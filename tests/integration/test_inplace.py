@@ -66,6 +66,15 @@ def test_kill_rank_zero_of_four_recovers_in_place_bit_exactly(tmp_path: Path, re
     recoveries = [e for e in read_events(Path(report.run_dir) / "events.jsonl") if e.kind is EventKind.RECOVERY]
     assert sorted(e.get("role") for e in recoveries) == ["spare", "survivor", "survivor", "survivor"]
     assert {tuple(e.get("replaced_ranks")) for e in recoveries} == {(rank,)}
+    # Each member says where its recovery's time went, in order (the scaling analysis rests on it).
+    for e in recoveries:
+        phases = e.get("phases")
+        expected = ["formed", "state", "checkpoints", "preemption"]
+        if e.get("role") == "survivor":
+            expected = ["destroyed", "left", *expected]
+        assert list(phases) == expected, phases
+        times = list(phases.values())
+        assert times == sorted(times) and times[-1] <= e.get("seconds") + 0.01, phases
 
 
 @pytest.mark.slow

@@ -70,7 +70,13 @@ def fake_results() -> dict[str, Any]:
             "speedup_vs_fastest_peer": 1.5,
             "lost_steps": {"torchrig": 5, "torchrun_naive": 5, "ray_train": None},
         },
-        "scaling": {"world_sizes": [2, 4], "save_s": [0.1, 0.2], "restore_s": [0.05, 0.1], "mttr_s": [3.0, 6.0]},
+        "scaling": {
+            "world_sizes": [2, 4],
+            "save_s": [0.1, 0.2],
+            "restore_s": [0.05, 0.1],
+            "mttr_s": [3.0, 6.0],
+            "survivor_phases_median": [{}, {"left": 0.02, "formed": 0.07, "state": 0.2}],
+        },
         "startup": {
             "steps": 300,
             "torchrig_wall": {**spread, "median": 15.0},
@@ -138,6 +144,7 @@ def test_report_writes_json_markdown_and_plot(tmp_path: Path) -> None:
         "Speed-up against the fastest peer: 1.50x (target >= 2x).",
         "Exporter overhead: 0.420% of step time (target < 0.15%).",
         "| 4 | 0.200 | 0.100 | 6.00 |",
+        "- 4 ranks, survivor phases ended at (s): left 0.020, formed 0.070, state 0.200",
         "| torchrig run | 15.00 | 9.50 | 1.25 |",
         "| torchrun + naive loop | 10.00 | | |",
         "torchrig over torchrun, wall: 1.50x.",

@@ -412,3 +412,40 @@ def test_partition_bounds_the_checkpoint_io_limit(examples_dir: Path) -> None:
     restarts, checkpoint = plan.spec.spec.restarts, plan.spec.spec.checkpoint
     assert restarts.step_timeout_seconds == 10
     assert checkpoint.io_timeout_seconds == 30, "a cut during a save must not hold the job for 30 minutes"
+
+
+def test_short_grace_verdict_accepts_a_periodic_checkpoint_of_the_stop_step_but_nothing_newer() -> None:
+    """The deadline can strike just after a periodic save of the same step committed (seen under load:
+    stopped at 15, periodic checkpoint 15): restoring that committed checkpoint is right; restoring an
+    older one than the newest committed, or an emergency save that claims to have committed, is not."""
+    from training.contract import Event
+
+    scenario = get_scenario("preempt-short-grace")
+
+    def verdict(resumed: int, *, committed: bool = False, newest: int = 15) -> dict[str, bool]:
+        events = [
+            {"time": 1.0, "rank": 0, "generation": 0, "event": "checkpoint_committed", "step": 10},
+            {"time": 2.0, "rank": 0, "generation": 0, "event": "checkpoint_committed", "step": newest},
+            {
+                "time": 2.1,
+                "rank": 0,
+                "generation": 0,
+                "event": "preempted",
+                "step": 15,
+                "committed": committed,
+                "reason": "deadline",
+            },
+            {"time": 5.0, "rank": 0, "generation": 0, "event": "restore", "step": resumed, "store": "local"},
+        ]
+        history = RunHistory(run_dir=Path("."), events=[Event.from_dict(e) for e in events], metrics=[])
+        report = DrillReport(scenario=scenario.name, backend="local", seed=0, status="succeeded")
+        report.resumed_from_step = resumed
+        ctx = _ctx(scenario=scenario.name, checkpoint_every=5, fault_step=12)
+        return {c.name: c.passed for c in scenario.judge(report, history, ctx).checks}
+
+    restored = "nothing partial restored: resumed from the previous checkpoint"
+    uncommitted = "the deadline ended the emergency checkpoint uncommitted"
+    assert all(verdict(15).values())
+    assert not verdict(10)[restored]  # an older checkpoint than the newest committed one
+    assert verdict(10, newest=10)[restored]
+    assert not verdict(15, committed=True)[uncommitted]

@@ -29,11 +29,22 @@ from torch._C._distributed_c10d import PrefixStore
 from training.contract import WorkerIdentity
 from training.inplace import InPlace, sockets
 
-__all__ = ["InPlaceGroup", "RecoveryFailed", "StateSync", "is_peer_failure"]
+__all__ = ["InPlaceGroup", "RecoveryFailed", "StateSync", "freeze_heap", "is_peer_failure"]
 
 log = logging.getLogger(__name__)
 
 _PEER_MARKERS = ("gloo", "connection", "peer", "broken pipe", "socket", "timed out", "nccl", "closed")
+
+
+def freeze_heap() -> None:
+    """Move every object alive now into the collector's permanent generation (`gc.freeze`).
+
+    Called once a process has imported torch and built what it keeps (before its first process group):
+    the hundreds of thousands of objects of the imports are then never scanned again, so the
+    `gc.collect` of each recovery (`InPlaceGroup.leave`) only walks what was made since. Frozen objects
+    are still freed by reference counting; only cycles among them are never collected.
+    """
+    gc.freeze()
 
 
 class RecoveryFailed(RuntimeError):
@@ -160,6 +171,10 @@ class InPlaceGroup:
             except Exception:  # a broken group may refuse a clean shutdown; it is abandoned either way
                 log.debug("destroying the broken process group failed", exc_info=True)
         if self.identity.world_size > 2:
+            # The broken groups sit in reference cycles (tracebacks, DDP's reducer): free them now. Cheap
+            # because `freeze_heap` took everything that existed before the first group out of the
+            # collector's reach (a full collection of a process that imported torch: ~0.2 s of CPU per
+            # member, which 8 members on 2 cores turned into 0.8-1.0 s of the recovery).
             gc.collect()
 
     def sync_state(

@@ -11,6 +11,7 @@ checkpoint.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from training.config import WorkerSpec
 from training.contract import Env, WorkerIdentity
 from training.inplace import InPlace
+from training.inplace.group import freeze_heap
 from training.strategies import Parallel, build_optimizer, ddp_wrap
 from training.task import load_task
 from training.worker import Prewarmed, run_worker
@@ -115,6 +117,8 @@ def run_spare(spec: WorkerSpec, inplace: InPlace, *, run_dir: str) -> dict[str, 
     model = task.build_model()
     optimizer = build_optimizer(model, cfg.optimizer)  # the first optimizer imports torch._dynamo
     _rehearse(spec, task, model)
+    gc.collect()  # the rehearsal's garbage, before the rest is frozen
+    freeze_heap()  # a recovery's gc.collect then skips everything built so far
     store = _connect(inplace)
     store.set(inplace.spare_key(index, "ready"), str(os.getpid()))
     log.info("spare %d: ready (pid %d)", index, os.getpid())
