@@ -1,5 +1,5 @@
-"""The checkpoint manager's groups are built at their first collective, by the training thread only,
-and recorded for in-place recovery's cut (real 2-process gloo groups)."""
+"""The checkpoint manager's groups exist from construction on, their connections recorded for in-place
+recovery's cut, and a background thread (the save's) uses them (real 2-process gloo groups)."""
 
 from __future__ import annotations
 
@@ -23,37 +23,22 @@ def _rank(rank: int, world: int, port: int, results: Any) -> None:
     sockets.active(ledger)
     try:
         coll = Collectives(timeout_s=30)
-        built_at_construction = coll.built or len(ledger) > 0
-
-        # Another thread may not be the one that creates them (it would race the training thread's
-        # order of `new_group` calls).
-        errors: list[str] = []
-
-        def touch() -> None:
-            try:
-                _ = coll.group
-            except RuntimeError as exc:
-                errors.append(str(exc))
-
-        t = threading.Thread(target=touch)
-        t.start()
-        t.join()
-
-        anyone = coll.any_control(rank == 1)  # the first collective builds both groups
+        # Built now, not at the first save: a rank lost at that save must fail the others' collective
+        # at once (a closed connection), not leave them in new_group's wait for its address.
         recorded = len(ledger)
-        # Built now: a background thread (the save's) uses them.
+        anyone = coll.any_control(rank == 1)
         gathered: list[Any] = []
         t = threading.Thread(target=lambda: gathered.append(coll.all_gather_obj(rank * 10, world)))
         t.start()
         t.join()
-        results.put((rank, built_at_construction, errors, anyone, coll.built, recorded, gathered[0]))
+        results.put((rank, recorded, anyone, coll.broadcast_control(rank == 0), gathered[0]))
     finally:
         sockets.active(None)
         dist.destroy_process_group()
 
 
 @pytest.mark.timeout(120)
-def test_groups_are_built_at_the_first_collective_by_the_training_thread_and_recorded() -> None:
+def test_groups_exist_from_construction_and_are_recorded_for_the_recovery_cut() -> None:
     world = 2
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))  # type: ignore[attr-defined]
     ctx = mp.get_context("spawn")
@@ -68,15 +53,13 @@ def test_groups_are_built_at_the_first_collective_by_the_training_thread_and_rec
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    for rank, built_at_construction, errors, anyone, built, recorded, gathered in got:
-        assert not built_at_construction, f"rank {rank}: groups built before they were needed"
-        assert errors and "training thread" in errors[0], f"rank {rank}: {errors}"
-        assert anyone is True and built
+    for rank, recorded, anyone, from_rank_0, gathered in got:
         assert recorded > 0, f"rank {rank}: the groups' connections were not recorded for the recovery's cut"
+        assert anyone is True and from_rank_0 is True
         assert gathered == [0, 10]
 
 
 def test_one_process_needs_no_group() -> None:
     coll = Collectives()
-    assert not coll.distributed and coll.group is None and coll.control is None and not coll.built
+    assert not coll.distributed and coll.group is None and coll.control is None
     assert coll.any_control(True) and not coll.broadcast_control(False) and coll.all_gather_obj(3, 1) == [3]

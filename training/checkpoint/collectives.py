@@ -6,7 +6,6 @@ job runs in one process (no process group, or world size 1).
 
 from __future__ import annotations
 
-import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,61 +19,36 @@ __all__ = ["Collectives"]
 
 
 class Collectives:
-    """Two dedicated gloo groups, created at the first collective that needs them when a process group
-    of size > 1 exists, whose collectives fail after `timeout_s` (default: torch's).
+    """Two dedicated gloo groups, created at construction when a process group of size > 1 exists,
+    whose collectives fail after `timeout_s` (default: torch's).
+
+    At construction, not at the first collective: built lazily at the first save after an in-place
+    recovery, `new_group`'s wait for every member's address would sit in the failure window of that
+    save. A rank killed there (the 100-recovery soak kills at every 5th step, checkpoints every 50)
+    left the survivors waiting in the store until the group timeout instead of failing at once on a
+    closed connection, as a collective on groups that already exist does (measured: the soak stalled
+    at its 10th recovery). The recovery builds them instead (~0.05-0.1 s at 8 ranks, docs/performance.md).
 
     `group` carries the background save's and the restore's traffic (DCP and the object exchanges);
     `control` carries the foreground decisions of `should_save`/`save`. The background save's
     collectives must never share a group with training's (`dcp.async_save` on the default group
     deadlocks under FSDP on gloo), nor with those foreground broadcasts.
-
-    Lazily, because an in-place recovery rebuilds the checkpoint manager on every member and a
-    survivor restores nothing: building both groups there (two gloo meshes and two store barriers per
-    member) put about 0.1 s into the recovery at 8 ranks; the first save after it builds them instead.
-    Every rank reaches its first save (or restore) at the same point of the program, so the groups
-    are created in the same order everywhere, as `dist.new_group` requires. Only the thread that
-    built this object (the training loop) may create them: the background save finds them built,
-    because `save` runs a control collective before it hands the save to its thread.
     """
 
     def __init__(self, timeout_s: float | None = None) -> None:
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        self._timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
-        self._group: Any = None
-        self._control: Any = None
-        self._owner = threading.get_ident()
+        self.group: Any = None
+        self.control: Any = None
+        if self.distributed:
+            from training.inplace import sockets
 
-    @property
-    def built(self) -> bool:
-        """Whether the two groups exist (always False in one process)."""
-        return self._group is not None
-
-    def _build(self) -> None:
-        if not self.distributed or self._group is not None:
-            return
-        if threading.get_ident() != self._owner:
-            raise RuntimeError("checkpoint collectives: the groups must be created by the training thread first")
-        from training.inplace import sockets
-
-        # `checkpoint.ioTimeoutSeconds`: the longest any checkpoint I/O may take (the watchdog's limit
-        # while training waits for it). A peer that stops answering (a network partition, a hung
-        # rank) fails these collectives after it, not after gloo's default 30 minutes.
-        with sockets.recording():  # in-place recovery cuts these connections when the group breaks
-            group = dist.new_group(backend="gloo", timeout=self._timeout)
-            self._control = dist.new_group(backend="gloo", timeout=self._timeout)
-        self._group = group
-
-    @property
-    def group(self) -> Any:
-        """The data group (None in one process)."""
-        self._build()
-        return self._group
-
-    @property
-    def control(self) -> Any:
-        """The control group (None in one process)."""
-        self._build()
-        return self._control
+            # `checkpoint.ioTimeoutSeconds`: the longest any checkpoint I/O may take (the watchdog's limit
+            # while training waits for it). A peer that stops answering (a network partition, a hung
+            # rank) fails these collectives after it, not after gloo's default 30 minutes.
+            timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
+            with sockets.recording():  # in-place recovery cuts these connections when the group breaks
+                self.group = dist.new_group(backend="gloo", timeout=timeout)
+                self.control = dist.new_group(backend="gloo", timeout=timeout)
 
     def broadcast_obj(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank."""
