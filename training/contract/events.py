@@ -293,10 +293,11 @@ class Recovery:
     # gloo's threads): against `seconds`, how much of the recovery was work and how much waiting (for
     # peers, for cores) (docs/performance.md, scaling).
     cpu_s: float | None = None
-    # Seconds since the start of the recovery at which each phase ended, in order (in place): `left`
-    # (the broken groups cut and destroyed), `formed` (every member joined the new generation),
-    # `state` (the state transfer done), `checkpoints` (the checkpoint manager rebuilt), `preemption`
-    # (its agreement group re-formed). A spare's clock starts at its assignment.
+    # Seconds since the start of the recovery at which each phase ended, in order (in place): a
+    # survivor's `destroyed` (the broken groups cut and destroyed) and `left` (the old checkpoint
+    # manager and replica exchange abandoned); then everyone's `formed` (every member joined the new
+    # generation), `state` (the state transfer done), `checkpoints` (the checkpoint manager rebuilt),
+    # `preemption` (its agreement group re-formed). A spare's clock starts at its assignment.
     phases: dict[str, float] = field(default_factory=dict)
     kind: EventKind = field(default=EventKind.RECOVERY, init=False, repr=False)
 
