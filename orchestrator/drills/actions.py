@@ -93,6 +93,10 @@ class ActionRunner:
             if not self.do(action):
                 return
 
+    def committed_by_store(self) -> dict[str, list[int]]:
+        """Each store's steps with a manifest (oldest first), as the stores show them now."""
+        return {store.name: committed_steps(store.uri, store.options) for store in self.stores}
+
     # -- what the job shows -------------------------------------------------------------------------
     def _history(self) -> RunHistory:
         return RunHistory.load(self.run.run_dir)

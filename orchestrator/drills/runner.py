@@ -126,7 +126,10 @@ def run_drill(scenario_name: str, spec: JobSpec, options: DrillOptions) -> Drill
                 f"status {summary.status}: {summary.reason or ''}".rstrip(": "),
             )
             if summary.status == RunState.PREEMPTED:
-                outcome.record(DrillEventKind.RESUBMITTED, status=summary.status)
+                # What the stores hold as the preempted run left them: a save can commit on a store and
+                # the process end (the deadline's os._exit) before its `checkpoint_committed` event is
+                # written, so the events alone understate what a restart may rightly restore.
+                outcome.record(DrillEventKind.RESUBMITTED, status=summary.status, committed=runner.committed_by_store())
                 run = _launch(faulted_spec, drill_dir / "run", options, faults_env(plan.faults), placements(network))
                 summary = run.wait(options.timeout_s)
     for exc in outcome.errors:

@@ -133,6 +133,9 @@ def test_preempt_with_too_short_a_grace_resumes_from_the_previous_checkpoint(tmp
     reference run: bit-exact resumes from a periodic checkpoint are kill-worker's subject.)"""
     report = _drill("preempt-short-grace", tmp_path, "spec.training.steps=40", seed=3, at_step=12, reference=False)
     assert report.resumed_from_step is not None and report.resumed_from_step % 5 == 0  # a periodic checkpoint
+    # The resubmit records what the stores held, the verdict's evidence besides the events.
+    (resubmitted,) = [e for e in report.events if e["event"] == "resubmitted"]
+    assert report.resumed_from_step in resubmitted["committed"]["local"], resubmitted
 
 
 def _paced_two_node_spec(steps: int) -> Any:

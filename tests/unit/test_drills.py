@@ -422,7 +422,9 @@ def test_short_grace_verdict_accepts_a_periodic_checkpoint_of_the_stop_step_but_
 
     scenario = get_scenario("preempt-short-grace")
 
-    def verdict(resumed: int, *, committed: bool = False, newest: int = 15) -> dict[str, bool]:
+    def verdict(
+        resumed: int, *, committed: bool = False, newest: int = 15, stored: list[int] | None = None
+    ) -> dict[str, bool]:
         events = [
             {"time": 1.0, "rank": 0, "generation": 0, "event": "checkpoint_committed", "step": 10},
             {"time": 2.0, "rank": 0, "generation": 0, "event": "checkpoint_committed", "step": newest},
@@ -440,6 +442,8 @@ def test_short_grace_verdict_accepts_a_periodic_checkpoint_of_the_stop_step_but_
         history = RunHistory(run_dir=Path("."), events=[Event.from_dict(e) for e in events], metrics=[])
         report = DrillReport(scenario=scenario.name, backend="local", seed=0, status="succeeded")
         report.resumed_from_step = resumed
+        if stored is not None:  # what the stores held when the drill resubmitted the job
+            report.events = [{"time": 4.0, "event": "resubmitted", "committed": {"local": stored}}]
         ctx = _ctx(scenario=scenario.name, checkpoint_every=5, fault_step=12)
         return {c.name: c.passed for c in scenario.judge(report, history, ctx).checks}
 
@@ -449,3 +453,10 @@ def test_short_grace_verdict_accepts_a_periodic_checkpoint_of_the_stop_step_but_
     assert not verdict(10)[restored]  # an older checkpoint than the newest committed one
     assert verdict(10, newest=10)[restored]
     assert not verdict(15, committed=True)[uncommitted]
+    # CI: the deadline's os._exit ended the process between step 15's commit and its event. The stores
+    # held 15; the events said 10; restoring 15 is right, and 10 would have lost a committed checkpoint.
+    assert verdict(15, newest=10, stored=[5, 10, 15])[restored]
+    assert not verdict(10, newest=10, stored=[5, 10, 15])[restored]
+    # A restore of a step no store held a manifest for at the resubmit (nor newer than the stop step).
+    assert not verdict(15, newest=10, stored=[5, 10])[restored]
+    assert not verdict(20, newest=10, stored=[5, 10, 20])[restored]
