@@ -79,6 +79,12 @@ class _Feed:
     flops_per_sample: float
 
 
+def control_group(checkpoints: CheckpointManagerLike | None) -> Any:
+    """The checkpoint manager's control group, for the preemption agreement to share (None where the
+    manager has none: no stores, one process, or a stand-in without one)."""
+    return getattr(checkpoints, "control_group", None)
+
+
 MANIFEST_BUCKETS = "ddp_buckets"  # manifest `extra`: DDP's rebuilt bucket layout (`_publish_bucket_order`)
 ABANDON_WAIT_S = 5.0  # how long a recovery waits for the broken group's checkpoint manager to close
 
@@ -386,7 +392,7 @@ class Trainer:
                 self.checkpoints = self.checkpoint_factory()
             mark("checkpoints")
             if self.preemption is not None:
-                self.preemption.reconnect()
+                self.preemption.reconnect(control_group(self.checkpoints))
             mark("preemption")
         except RecoveryFailed:
             raise

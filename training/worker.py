@@ -39,7 +39,7 @@ from training.stacks import StackDumper, enable_flight_recorder
 from training.state import ModelOptimizerState, TrainerProgress
 from training.strategies import build_optimizer, parallelize
 from training.task import Task, load_task
-from training.trainer import CheckpointManagerLike, Trainer
+from training.trainer import CheckpointManagerLike, Trainer, control_group
 from training.watchdog import StepWatchdog
 
 __all__ = ["Prewarmed", "run_worker"]
@@ -151,7 +151,6 @@ def run_worker(
         synced: StateSync | None = None
         spare_phases: dict[str, float] = {}  # a spare's `Recovery.phases`
         if prewarmed is None:
-            preemption.connect()  # its gloo group (collective)
             task = load_task(spec.spec.task.entrypoint, spec.spec.task.args)
             torch.manual_seed(cfg.seed)  # identical initial weights on every rank, in every generation
             model = task.build_model()
@@ -164,7 +163,7 @@ def run_worker(
             optimizer = build_optimizer(par.model, cfg.optimizer)
         else:
             # A spare: the survivors' order of collectives (`Trainer.recover_in_place`): the state
-            # transfer, DDP, the checkpoint manager's groups, the preemption group.
+            # transfer, DDP, the checkpoint manager's groups (the preemption agreement rides on one).
             assert group is not None
             task, model = prewarmed.task, prewarmed.model
             spare_phases["formed"] = round(time.perf_counter() - prewarmed.assigned_at, 4)
@@ -199,7 +198,8 @@ def run_worker(
             checkpoints = _default_checkpoint_manager(spec, identity, sink)
         if prewarmed is not None:
             spare_phases["checkpoints"] = round(time.perf_counter() - prewarmed.assigned_at, 4)
-            preemption.connect()
+        preemption.connect(control_group(checkpoints))  # collective: on the manager's control group
+        if prewarmed is not None:
             spare_phases["preemption"] = round(time.perf_counter() - prewarmed.assigned_at, 4)
             log.info("spare: ready to train at %.3f s (%s)", spare_phases["preemption"], spare_phases)
         startup.close()  # from here on the step timeout (restore: the checkpoint I/O limit)

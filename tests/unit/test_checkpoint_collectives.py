@@ -63,3 +63,48 @@ def test_one_process_needs_no_group() -> None:
     coll = Collectives()
     assert not coll.distributed and coll.group is None and coll.control is None
     assert coll.any_control(True) and not coll.broadcast_control(False) and coll.all_gather_obj(3, 1) == [3]
+
+
+def _agreement_rank(rank: int, world: int, port: int, results: Any) -> None:
+    from training.preemption import Agreement
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", store=dist.PrefixStore("pg/", store), rank=rank, world_size=world)  # type: ignore[attr-defined]
+    try:
+        coll = Collectives(timeout_s=30)
+        groups = len(dist.distributed_c10d._world.pg_map)
+        agreement = Agreement(coll.control)
+        answers, decisions = [], []
+        for boundary in range(4):
+            # Rank 1 is signalled at boundary 2; the exchange started there is read at boundary 3. Between
+            # two polls the checkpoint manager's control decisions run on the same group, in flight with it.
+            answers.append(agreement.poll(rank == 1 and boundary >= 2))
+            decisions.append((coll.any_control(rank == 0 and boundary == 1), coll.broadcast_control(boundary % 2 == 0)))
+        agreement.close()
+        results.put((rank, len(dist.distributed_c10d._world.pg_map) - groups, answers, decisions))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_the_preemption_agreement_rides_on_the_control_group_in_step_with_its_decisions() -> None:
+    """One group fewer per generation (an in-place recovery builds every group anew): the agreement's
+    in-flight exchange and the control decisions interleave on one group and agree on every rank."""
+    world = 2
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))  # type: ignore[attr-defined]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_agreement_rank, args=(r, world, server.port, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        got = sorted(results.get(timeout=90) for _ in range(world))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for rank, new_groups, answers, decisions in got:
+        assert new_groups == 0, f"rank {rank}: the agreement built a group of its own"
+        assert answers == [False, False, False, True], (rank, answers)  # the same stop step on both ranks
+        assert decisions == [(False, True), (True, False), (False, True), (False, False)]

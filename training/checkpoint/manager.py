@@ -161,6 +161,12 @@ class CheckpointManager:
             self._init_search.sink = sink
 
     @property
+    def control_group(self) -> Any:
+        """The gloo group of the foreground decisions (None in one process): the preemption agreement
+        rides on it (`training.preemption.Agreement`) instead of building a group of its own."""
+        return self._coll.control
+
+    @property
     def last_committed_step(self) -> int | None:
         """Step of the newest checkpoint committed to at least one store (or restored), else None."""
         return self._last_committed_step
