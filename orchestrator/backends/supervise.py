@@ -122,7 +122,9 @@ def cancel_detached(run_dir: Path) -> None:
     if token:
         terminate_then_kill(find_marked(str(token)), 5.0, token=str(token))
     if not files.summary.exists():
-        Summary(status=RunState.CANCELLED.value, run_dir=str(run_dir), reason="cancelled").write(files.summary)
+        # The same words as the supervisor's own summary (`local_run`, `ray_run`), and why it is ours.
+        reason = f"cancelled by the user (the supervisor did not write a summary within {CANCEL_GRACE_S:g} s)"
+        Summary(status=RunState.CANCELLED.value, run_dir=str(run_dir), reason=reason).write(files.summary)
 
 
 def main(argv: list[str] | None = None) -> int:

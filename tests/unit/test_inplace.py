@@ -215,3 +215,50 @@ def test_the_agent_hosts_a_store_its_workers_reach_and_an_unreplaced_marker_mean
     assert store.get("k") == b"v"
     # Plain torchrun (no agent of ours replaced the marker): the launch recovers by a restart.
     assert InPlace.from_spec(_worker_spec(), {**LAUNCHED, Env.INPLACE_STORE: Env.INPLACE_STORE_AGENT}) is None
+
+
+_REHEARSE = """
+import json, logging, sys
+import torch
+from training.config import load_worker_spec
+from training.inplace.spare import _rehearse
+from training.task import load_task
+
+import torch.distributed.fsdp as fsdp
+
+logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)
+calls = []
+real = fsdp.fully_shard
+fsdp.fully_shard = lambda *a, **k: calls.append(1) or real(*a, **k)
+spec = load_worker_spec(sys.stdin.read())
+task = load_task(spec.spec.task.entrypoint, spec.spec.task.args)
+model = task.build_model()
+before = [p.detach().clone() for p in model.parameters()]
+_rehearse(spec, task, model)
+untouched = all(type(p) is torch.nn.Parameter and torch.equal(p, b) for p, b in zip(model.parameters(), before))
+print(json.dumps({
+    "fully_shard_calls": len(calls),
+    "model_untouched": untouched,
+    "group_left": not torch.distributed.is_initialized(),
+}))
+"""
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_spares_rehearsal_warms_the_jobs_own_strategy(strategy: str) -> None:
+    """A spare pays the first construction and step of the job's strategy before it is needed (FSDP's
+    fully_shard too, not DDP's for every job), on a scratch copy: the model it hands over is untouched."""
+    doc = json.loads(json.dumps(BASE))
+    doc["spec"]["training"]["strategy"] = strategy
+    out = subprocess.run(
+        [sys.executable, "-c", _REHEARSE],
+        input=yaml.safe_dump(doc),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "rehearsal step failed" not in out.stderr, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["model_untouched"] and got["group_left"], got
+    assert (got["fully_shard_calls"] > 0) is (strategy == "fsdp"), got

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -156,3 +157,32 @@ def test_rank_lines_filter_by_prefix(tmp_path: Path) -> None:
     assert list(iter_rank_lines(tmp_path, 1)) == ["[rank1]:b", "[rank1]:d"]
     assert len(list(iter_rank_lines(tmp_path, None))) == 5
     assert [rank_of_line(x) for x in ("[rank10]:c", "agent line", "[rank]:x")] == [10, None, None]
+
+
+def test_cancel_of_a_supervisor_that_ignores_sigterm_records_the_users_cancel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A supervisor that outlives the cancel's grace: `cancel_detached` writes the summary itself, with
+    the same reason the supervisor would have written (scripts match on it) and why it is its own."""
+    from orchestrator.backends import supervise
+
+    monkeypatch.setattr(supervise, "CANCEL_GRACE_S", 0.5)
+    stubborn = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert stubborn.stdout is not None and stubborn.stdout.readline()  # its handler is in place
+        (tmp_path / "supervisor.json").write_text(json.dumps({"pid": stubborn.pid}))
+        supervise.cancel_detached(tmp_path)
+        summary = json.loads((tmp_path / "summary.json").read_text())
+        assert summary["status"] == "cancelled"
+        assert summary["reason"].startswith("cancelled by the user"), summary
+        assert "did not write a summary within 0.5 s" in summary["reason"]
+    finally:
+        stubborn.kill()
+        stubborn.wait()

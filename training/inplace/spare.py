@@ -22,11 +22,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from training.config import WorkerSpec
+from training.config import Strategy, WorkerSpec
 from training.contract import Env, WorkerIdentity
 from training.inplace import InPlace
 from training.inplace.group import freeze_heap
-from training.strategies import Parallel, build_optimizer, ddp_wrap
+from training.strategies import Parallel, build_optimizer, ddp_wrap, parallelize
 from training.task import load_task
 from training.worker import Prewarmed, run_worker
 
@@ -85,18 +85,23 @@ def _rehearse(spec: WorkerSpec, task: Any, model: torch.nn.Module) -> None:
         batch = task.collate([dataset[i] for i in range(min(cfg.batch_size, len(dataset)))])
         scratch = copy.deepcopy(model)
         optimizer = build_optimizer(scratch, cfg.optimizer)
-        # DDP's first construction and step in a process cost about a second: rehearse them on a
-        # one-process group of its own (no port), destroyed before the real generation forms.
+        # The strategy's first construction and step in a process (DDP; FSDP's fully_shard, its device
+        # mesh and its hooks) cost about a second: rehearse them on a one-process group of its own (no
+        # port), destroyed before the real generation forms.
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
         try:
-            par = Parallel(
-                model=scratch,
-                module=scratch,
-                strategy=cfg.strategy,
-                device=torch.device("cpu"),
-                precision=cfg.precision,
-            )
-            par.model = ddp_wrap(par)
+            if cfg.strategy is Strategy.ddp:
+                par = Parallel(
+                    model=scratch,
+                    module=scratch,
+                    strategy=cfg.strategy,
+                    device=torch.device("cpu"),
+                    precision=cfg.precision,
+                )
+                par.model = ddp_wrap(par)  # `parallelize` wraps only above one rank
+            else:
+                par = parallelize(scratch, task.blocks(scratch), cfg, WorkerIdentity(), torch.device("cpu"))
+                optimizer = build_optimizer(par.model, cfg.optimizer)  # over the sharded parameters
             with par.micro_step(sync=True):
                 loss = task.loss(par.model, to_device(batch, torch.device("cpu")))
             loss.backward()
