@@ -138,19 +138,28 @@ def _exporter(results: Results) -> list[str]:
     return [f"Exporter overhead: {100 * ratio:.3f}% of step time (target < 0.15%){cost}.", ""]
 
 
+def _paths(sc: dict[str, Any]) -> set[str]:
+    """Every recovery path the scaling runs took (a list per world size; one path each in older results)."""
+    out: set[str] = set()
+    for p in sc.get("recovery_paths") or []:
+        out.update(str(x) for x in p) if isinstance(p, list) else out.add(str(p))
+    return out
+
+
 def _scaling(results: Results) -> list[str]:
     sc = results.get("scaling") or {}
     if not sc.get("world_sizes"):
         return []
     cpu = sc.get("recovery_cpu_s_median") or [float("nan")] * len(sc["world_sizes"])
+    runs = sc.get("mttr_s_runs") or [[] for _ in sc["world_sizes"]]
     lines = [
-        "| world size | save s | restore s | MTTR s | recovery CPU s per member (median) |",
-        "|---|---|---|---|---|",
+        "| world size | save s | restore s | MTTR s (median) | MTTR of each run, s | recovery CPU s per member |",
+        "|---|---|---|---|---|---|",
     ]
     for i, w in enumerate(sc["world_sizes"]):
-        lines.append(
-            f"| {w} | {sc['save_s'][i]:.3f} | {sc['restore_s'][i]:.3f} | {sc['mttr_s'][i]:.2f} | {cpu[i]:.3f} |"
-        )
+        each = ", ".join(f"{v:.3f}" for v in runs[i]) if i < len(runs) else ""
+        save, restore, mttr = sc["save_s"][i], sc["restore_s"][i], sc["mttr_s"][i]
+        lines.append(f"| {w} | {save:.3f} | {restore:.3f} | {mttr:.3f} | {each} | {cpu[i]:.3f} |")
     lines.append("")
     for w, phases in zip(sc["world_sizes"], sc.get("survivor_phases_median") or [], strict=False):
         if phases:  # when each phase of a survivor's recovery ended (median member), seconds
@@ -159,7 +168,7 @@ def _scaling(results: Results) -> list[str]:
     if sc.get("survivor_phases_median"):
         lines.append("")
     if isinstance(sc.get("mttr_ratio_max_vs_min"), (int, float)):
-        paths = ", ".join(str(p) for p in sc.get("recovery_paths") or [])
+        paths = ", ".join(sorted(_paths(sc)))
         lines += [
             f"MTTR largest/smallest world size: {sc['mttr_ratio_max_vs_min']:.2f}x (target <= 1.5x; {paths}).",
             "",
@@ -227,8 +236,8 @@ def plot_scaling(results: Results, out_dir: Path = RESULTS) -> Path | None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
-    paths = sc.get("recovery_paths") or []
-    mttr_label = "MTTR" + (f" ({paths[0]})" if paths and len(set(paths)) == 1 else "")
+    paths = _paths(sc)
+    mttr_label = "MTTR" + (f" ({next(iter(paths))}, median)" if len(paths) == 1 else " (median)")
     series = (
         ("save_s", "checkpoint save"),
         ("restore_s", "restore"),
@@ -241,7 +250,11 @@ def plot_scaling(results: Results, out_dir: Path = RESULTS) -> Path | None:
         values = [float(v) for v in sc[key]]
         if all(v != v for v in values):  # all NaN: in place nothing is restored; no empty legend entry
             continue
-        ax.plot(sc["world_sizes"], values, marker="o", label=label)
+        line = ax.plot(sc["world_sizes"], values, marker="o", label=label)[0]
+        if key == "mttr_s" and sc.get("mttr_s_runs"):  # every run, around its median
+            xs = [w for w, runs in zip(sc["world_sizes"], sc["mttr_s_runs"], strict=False) for _ in runs]
+            ys = [float(v) for runs in sc["mttr_s_runs"] for v in runs]
+            ax.scatter(xs, ys, s=12, color=line.get_color(), alpha=0.5, label="MTTR of each run")
     ax.set_xlabel("world size (local ranks)")
     ax.set_ylabel("seconds")
     ax.set_xticks(sc["world_sizes"])

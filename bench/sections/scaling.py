@@ -17,58 +17,75 @@ from bench.workloads import kill_worker_drill
 from training.contract import EventKind, RunFiles, read_events
 
 
-def bench_scaling(world_sizes: list[int]) -> dict[str, Any]:
-    """Checkpoint save, restore and MTTR against world size (local, tiny model), from kill-worker drills."""
-    save_s, restore_s, mttr_s, paths, cpu_s = [], [], [], [], []
-    phases: list[dict[str, float]] = []
+def _one_drill(w: int) -> dict[str, Any]:
+    """One kill-worker drill at world size `w`: its MTTR, path, save/restore times, CPU and phases."""
+    with tempfile.TemporaryDirectory() as d:
+        report = kill_worker_drill(40, 35, w, Path(d), extra=("spec.restarts.mode=inplace",))
+        events = read_events(RunFiles(report.run_dir).events)
+    commits = [
+        float(e.get("save_s"))
+        for e in events
+        if e.kind is EventKind.CHECKPOINT_COMMITTED and e.get("save_s") is not None
+    ]
+    restores = [float(e.get("seconds")) for e in events if e.kind is EventKind.RESTORE and e.get("seconds") is not None]
+    # CPU each member spent in its recovery: flat while MTTR grows = the members wait for cores
+    spent = sorted(
+        float(e.get("cpu_s"))
+        for e in events
+        if e.kind is EventKind.RECOVERY and e.get("path") == "inplace" and e.get("cpu_s") is not None
+    )
+    # Where the survivors' recovery time went: the median member's end of each phase (seconds).
+    survivors = [
+        e.get("phases") or {}
+        for e in events
+        if e.kind is EventKind.RECOVERY and e.get("path") == "inplace" and e.get("role") == "survivor"
+    ]
+    return {
+        "mttr": float(report.mttr_seconds),
+        "path": report.recovery_path,
+        "save": max(commits, default=float("nan")),
+        "restore": max(restores, default=float("nan")),
+        "cpu": spent[len(spent) // 2] if spent else float("nan"),
+        "phases": {
+            name: statistics.median(float(p[name]) for p in survivors if name in p)
+            for name in (survivors[0] if survivors else {})
+        },
+    }
+
+
+def _median(values: list[float]) -> float:
+    finite = [v for v in values if v == v]
+    return statistics.median(finite) if finite else float("nan")
+
+
+def bench_scaling(world_sizes: list[int], repeats: int = 3) -> dict[str, Any]:
+    """Checkpoint save, restore and MTTR against world size (local, tiny model), from kill-worker drills:
+    `repeats` drills per size, taken in rounds over the sizes (2, 4, 8, 2, 4, 8, ...) so that the
+    machine's drift reaches every size alike; the medians are reported, every run's MTTR too."""
+    runs: dict[int, list[dict[str, Any]]] = {w: [] for w in world_sizes}
+    for _ in range(repeats):
+        for w in world_sizes:
+            runs[w].append(_one_drill(w))
+    mttr_s = [_median([r["mttr"] for r in runs[w]]) for w in world_sizes]
+    phases = []
     for w in world_sizes:
-        with tempfile.TemporaryDirectory() as d:
-            report = kill_worker_drill(40, 35, w, Path(d), extra=("spec.restarts.mode=inplace",))
-            events = read_events(RunFiles(report.run_dir).events)
-        mttr_s.append(float(report.mttr_seconds))
-        paths.append(report.recovery_path)
-        commits = [
-            float(e.get("save_s"))
-            for e in events
-            if e.kind is EventKind.CHECKPOINT_COMMITTED and e.get("save_s") is not None
-        ]
-        restores = [
-            float(e.get("seconds")) for e in events if e.kind is EventKind.RESTORE and e.get("seconds") is not None
-        ]
-        # CPU each member spent in its recovery: flat while MTTR grows = the members wait for cores
-        spent = sorted(
-            float(e.get("cpu_s"))
-            for e in events
-            if e.kind is EventKind.RECOVERY and e.get("path") == "inplace" and e.get("cpu_s") is not None
-        )
-        cpu_s.append(spent[len(spent) // 2] if spent else float("nan"))
-        # Where the survivors' recovery time went: the median member's end of each phase (seconds).
-        survivors = [
-            e.get("phases") or {}
-            for e in events
-            if e.kind is EventKind.RECOVERY and e.get("path") == "inplace" and e.get("role") == "survivor"
-        ]
-        phases.append(
-            {
-                name: statistics.median(float(p[name]) for p in survivors if name in p)
-                for name in (survivors[0] if survivors else {})
-            }
-        )
-        save_s.append(max(commits, default=float("nan")))
-        restore_s.append(max(restores, default=float("nan")))
+        middle = sorted(runs[w], key=lambda r: r["mttr"])[len(runs[w]) // 2]  # the median run's phases
+        phases.append(middle["phases"])
     out: dict[str, Any] = {
         "world_sizes": world_sizes,
-        "save_s": save_s,
-        "restore_s": restore_s,
+        "repeats": repeats,
+        "save_s": [_median([r["save"] for r in runs[w]]) for w in world_sizes],
+        "restore_s": [_median([r["restore"] for r in runs[w]]) for w in world_sizes],
         "mttr_s": mttr_s,
-        "recovery_paths": paths,
-        "recovery_cpu_s_median": cpu_s,
+        "mttr_s_runs": [[round(r["mttr"], 4) for r in runs[w]] for w in world_sizes],
+        "recovery_paths": [sorted({str(r["path"]) for r in runs[w]}) for w in world_sizes],
+        "recovery_cpu_s_median": [_median([r["cpu"] for r in runs[w]]) for w in world_sizes],
         "survivor_phases_median": phases,
     }
     if mttr_s and mttr_s[0] > 0:
         out["mttr_ratio_max_vs_min"] = mttr_s[-1] / mttr_s[0]
-        out["target"] = "in-place MTTR at the largest world size <= 1.5x the smallest"
+        out["target"] = "in-place MTTR at the largest world size <= 1.5x the smallest (medians)"
     return out
 
 
-SECTION = Section("scaling", lambda quick: bench_scaling([2, 4] if quick else [2, 4, 8]))
+SECTION = Section("scaling", lambda quick: bench_scaling([2, 4], 1) if quick else bench_scaling([2, 4, 8], 3))
