@@ -37,22 +37,27 @@ def _rank(rank: int, world: int, port: int, results: Any) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.timeout(120)
-def test_groups_exist_from_construction_and_are_recorded_for_the_recovery_cut() -> None:
+def _two_ranks(target: Any) -> list[Any]:
+    """Run `target(rank, world, port, results)` in two spawned processes on one store; their results, sorted."""
     world = 2
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))  # type: ignore[attr-defined]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, server.port, results)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, server.port, results)) for r in range(world)]
     for p in procs:
         p.start()
     try:
-        got = sorted(results.get(timeout=90) for _ in range(world))
+        return sorted(results.get(timeout=90) for _ in range(world))
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+
+
+@pytest.mark.timeout(120)
+def test_groups_exist_from_construction_and_are_recorded_for_the_recovery_cut() -> None:
+    got = _two_ranks(_rank)
     for rank, recorded, anyone, from_rank_0, gathered in got:
         assert recorded > 0, f"rank {rank}: the groups' connections were not recorded for the recovery's cut"
         assert anyone is True and from_rank_0 is True
@@ -90,20 +95,7 @@ def _agreement_rank(rank: int, world: int, port: int, results: Any) -> None:
 def test_the_preemption_agreement_rides_on_the_control_group_in_step_with_its_decisions() -> None:
     """One group fewer per generation (an in-place recovery builds every group anew): the agreement's
     in-flight exchange and the control decisions interleave on one group and agree on every rank."""
-    world = 2
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))  # type: ignore[attr-defined]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_agreement_rank, args=(r, world, server.port, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        got = sorted(results.get(timeout=90) for _ in range(world))
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    got = _two_ranks(_agreement_rank)
     for rank, new_groups, answers, decisions in got:
         assert new_groups == 0, f"rank {rank}: the agreement built a group of its own"
         assert answers == [False, False, False, True], (rank, answers)  # the same stop step on both ranks
