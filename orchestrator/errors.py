@@ -10,6 +10,7 @@ Exit codes of the `torchrig` CLI (docs/operations.md has the same table):
 | 3 | the backend failed: the cluster or launcher refused, or did not answer within `TORCHRIG_API_TIMEOUT` |
 | 4 | the job could not recover within its restart budget (or found no checkpoint it required) |
 | 5 | the job trained to the end but no store committed its final checkpoint: its last steps are lost |
+| 6 | a drill was inconclusive: its fault struck after the job had finished, so it proved nothing |
 | 130 | cancelled (Ctrl-C, `torchrig cancel`) |
 | 202 | preempted (a first Ctrl-C, SIGTERM): stopped after an emergency checkpoint; run it again to resume |
 
@@ -23,6 +24,7 @@ __all__ = [
     "EXIT_BACKEND",
     "EXIT_CHECKPOINT_LOST",
     "EXIT_FAILED",
+    "EXIT_INCONCLUSIVE",
     "EXIT_OK",
     "EXIT_PREEMPTED",
     "EXIT_RECOVERY",
@@ -42,6 +44,7 @@ EXIT_USAGE = 2  # bad input: spec, flags, unknown names
 EXIT_BACKEND = 3  # the cluster or launcher could not do what was asked
 EXIT_RECOVERY = 4  # a job could not recover within its restart budget
 EXIT_CHECKPOINT_LOST = 5  # trained to the end, but no store committed the final checkpoint
+EXIT_INCONCLUSIVE = 6  # a drill proved nothing: its fault struck a job that had already finished
 EXIT_PREEMPTED = 202  # stopped after an emergency checkpoint (training.contract.ExitCode.PREEMPTED): retryable
 
 

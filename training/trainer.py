@@ -184,6 +184,8 @@ class Trainer:
             samples_per_s=samples_per_s,
             wall_s=time.perf_counter() - wall_start,
             final_checkpoint=self.final_checkpoint,
+            device=str(self.par.device),
+            backend=str(tdist.get_backend()) if tdist.is_initialized() else "",
         )
         self.report(result)
         return result

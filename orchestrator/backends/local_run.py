@@ -27,7 +27,7 @@ from orchestrator.errors import BackendError, UnsupportedFeature
 from orchestrator.loader import dump_spec
 from orchestrator.rundir import build_summary, latest_failure_log
 from orchestrator.spec import JobSpec
-from training.contract import Env, RunFiles, Summary, write_json
+from training.contract import Env, Result, RunFiles, Summary, read_events, write_json
 from training.preemption import torchrun_shutdown_timeout
 
 __all__ = ["DEFAULT_GRACE_S", "LocalRun"]
@@ -64,6 +64,7 @@ class LocalRun:
     _store_port: int = 0
     _metrics_ports: dict[int, int] = field(default_factory=dict)
     _started: float = 0.0
+    _started_at: float = 0.0  # wall clock of `start`: a result.json older than that is an earlier attempt's
     _cancel_requested: bool = False
     _force: bool = False
     _preempt_deadline: float | None = None  # set by the first Ctrl-C when preemption is on
@@ -79,6 +80,7 @@ class LocalRun:
     def start(self) -> None:
         """Prepare the run directory, start the rendezvous store and one agent per node."""
         self._started = time.monotonic()
+        self._started_at = time.time()
         self._prepare_run_dir()
         try:
             # The agents import torchrun while the store imports torch; they read its port from the
@@ -246,17 +248,41 @@ class LocalRun:
         self._cancel_requested = True
 
     def poll(self) -> RunState:
-        """RUNNING while any (not deliberately killed) agent runs; else how the run ended."""
+        """RUNNING while any (not deliberately killed) agent runs; else how the run ended.
+
+        A run whose workers finished every step (`_workers_finished`) succeeded whatever its agents'
+        exit codes, and whether or not a cancel came meanwhile: an agent that a signal reaches after
+        its workers succeeded, before its monitor loop noticed, exits 1 (torchrun's `SignalException`).
+        """
         if self.summary is not None:
             return RunState(self.summary.status)
         live = [a for a in self._agents if not a.killed]
         if any(a.proc.poll() is None for a in live):
             return RunState.RUNNING
+        if self._workers_finished():
+            return RunState.SUCCEEDED
         if self._cancel_requested:
             return RunState.CANCELLED
         if live and all(a.proc.returncode == 0 for a in live):
             return RunState.SUCCEEDED
         return RunState.FAILED
+
+    def _workers_finished(self) -> bool:
+        """True when rank 0 of this attempt wrote result.json with every step of `spec.training.steps` done.
+
+        Rank 0 writes result.json last, after the final checkpoint's outcome (a lost one still turns the
+        run `failed` in `build_summary`). Only a result.json written since `start` counts: a resubmitted
+        run reuses the run directory, and an earlier attempt's result proves nothing about this one.
+        """
+        path = self.files.result
+        try:
+            written = path.stat().st_mtime
+        except OSError:
+            return False
+        if written < self._started_at:
+            return False
+        result = Result.read(path)
+        return result is not None and result.steps >= self.spec.spec.training.steps
 
     def wait(self, timeout_s: float | None = None, *, view: RunView | None = None, interval_s: float = 0.25) -> Summary:
         """Supervise until the run ends (or is cancelled, or `timeout_s` passes: then it is cancelled).
@@ -319,7 +345,10 @@ class LocalRun:
 
         Args:
             state: How the run ended; CANCELLED stops the agents with a grace period first. A run whose
-                workers stopped on a preemption (a first Ctrl-C) ends `preempted` (`build_summary`).
+                workers stopped on a preemption (a first Ctrl-C) ends `preempted` (`build_summary`); a
+                run whose workers had finished every step by the time everything stopped ends
+                `succeeded`, whatever `state` says (`_workers_finished`: a cancel or a signal that came
+                after the work was done takes nothing away).
             grace_s: That grace period (default 10 s; none after a second Ctrl-C).
         """
         if self.summary is not None:
@@ -331,13 +360,12 @@ class LocalRun:
             reason = "cancelled by the user"
         else:
             self._kill_everything()
+        if state in (RunState.CANCELLED, RunState.FAILED) and self._workers_finished():
+            # Checked once everything has stopped: the workers may have written their result meanwhile.
+            state, reason = RunState.SUCCEEDED, None
         log = latest_failure_log(self.run_dir) if state is RunState.FAILED else None
         if state is RunState.FAILED:
-            codes = {a.node: a.proc.returncode for a in self._agents if not a.killed}
-            reason = (
-                f"restarts exhausted (spec.restarts.max={self.spec.spec.restarts.max}); agent exit codes {codes}"
-                + (f"; failing rank's log: {log}" if log else "")
-            )
+            reason = self._failure_reason() + (f"; failing rank's log: {log}" if log else "")
         stores = [
             {"name": s.display_name, "uri": s.resolved_uri(self.run_dir)} for s in self.spec.spec.checkpoint.stores
         ]
@@ -355,9 +383,26 @@ class LocalRun:
         self.summary = summary
         return summary
 
+    def _failure_reason(self) -> str:
+        """Why the agents ended the run: "restarts exhausted" only when the events show the restart budget
+        was spent (the workers' highest restart generation, as `build_summary` counts `restarts`, of
+        this attempt: a resubmitted run's events.jsonl holds the earlier attempts' generations too)."""
+        codes = {a.node: a.proc.returncode for a in self._agents if not a.killed}
+        budget = self.spec.spec.restarts.max
+        events = [e for e in read_events(self.files.events) if e.time >= self._started_at]
+        restarts = max((e.generation for e in events), default=0)
+        if budget > 0 and restarts >= budget:
+            return f"restarts exhausted (spec.restarts.max={budget}); agent exit codes {codes}"
+        plural = "" if restarts == 1 else "s"
+        return (
+            f"the torchrun agent(s) exited with codes {codes} after {restarts} restart{plural} "
+            f"(spec.restarts.max={budget})"
+        )
+
     def stop(self, grace_s: float = DEFAULT_GRACE_S) -> None:
         """Stop the run now: SIGTERM the agents (they stop their workers), SIGKILL whatever is left after
-        `grace_s`; the summary says `cancelled` (unless the run had already ended)."""
+        `grace_s`; the summary says `cancelled` (unless the run had already ended, or its workers had
+        finished every step: `finish`)."""
         state = self.poll()
         self._cancel_requested = True
         self.finish(state if state.terminal else RunState.CANCELLED, grace_s)

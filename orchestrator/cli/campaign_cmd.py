@@ -28,8 +28,9 @@ if TYPE_CHECKING:
     epilog="Examples:\n\n"
     "  torchrig drill campaign examples/digits-ddp.yaml --out drills/\n\n"
     "  torchrig drill campaign job.yaml --scenarios kill-worker,hang --seed-list 7,8 --max-failures 1 --out drills/\n\n"
-    "Exit codes: 0 every case that could run passed, 1 a case failed or could not run (or --max-failures "
-    "stopped the campaign), 2 bad input, 130 interrupted (run it again with the same --out to resume).",
+    "Exit codes: 0 every case that could run passed, 1 a case failed, was inconclusive or could not run (or "
+    "--max-failures stopped the campaign), 2 bad input, 130 interrupted (run it again with the same --out to "
+    "resume).",
 )
 @click.argument("job", type=click.Path(dir_okay=False))
 @click.option(
@@ -113,7 +114,14 @@ def _clock(seconds: float | None) -> str:
     return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}" if minutes >= 60 else f"{minutes}:{secs:02d}"
 
 
-_STYLE = {"passed": "green", "failed": "red", "error": "yellow", "skipped": "dim", "not-run": "dim"}
+_STYLE = {
+    "passed": "green",
+    "failed": "red",
+    "inconclusive": "magenta",
+    "error": "yellow",
+    "skipped": "dim",
+    "not-run": "dim",
+}
 
 
 class _RichProgress(CampaignProgress):
@@ -166,7 +174,9 @@ class _RichProgress(CampaignProgress):
                 f"lost {'-' if lost is None else lost}" + (" (finished earlier)" if result.resumed else "")
             )
             failed = [c["name"] for c in result.failed_checks]
-            if failed:
+            if state == "inconclusive":
+                detail += f"; {result.reason}"  # its failed checks only show the fault came too late
+            elif failed:
                 detail += "; failed: " + "; ".join(failed)
         elapsed = _clock(time.monotonic() - self.t0)
         self.console.print(
@@ -192,6 +202,8 @@ def _print_summary(data: dict[str, Any], out: str) -> None:
     for scenario, agg in data["scenarios"].items():
         mttr, lost = agg["mttr_s"], agg["lost_steps"]
         passed = f"{agg['passed']}/{agg['ran']}" if agg["ran"] else "skipped"
+        if agg.get("inconclusive"):
+            passed += f", {agg['inconclusive']} inconclusive"
         if agg["not_run"]:
             passed += f", {agg['not_run']} not run"
         if agg.get("skip_reason"):

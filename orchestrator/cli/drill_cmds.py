@@ -50,7 +50,8 @@ class _DrillCommand(click.Command):
     "  torchrig drill kill-node examples/digits-ddp.yaml --nodes 2 --plot drill.png\n\n"
     "  torchrig drill campaign examples/digits-ddp.yaml --out drills/   (every scenario x 3 seeds; "
     "`torchrig drill campaign --help`)\n\n"
-    "Exit codes: 0 the job passed the drill, 1 the verdict failed, 2 bad input, 3 backend error.",
+    "Exit codes: 0 the job passed the drill, 1 the verdict failed, 2 bad input, 3 backend error, "
+    "6 inconclusive (the fault struck after the job had finished: more steps or an earlier --at-step).",
 )
 @click.argument("scenario", metavar="SCENARIO")
 @click.argument("job", type=click.Path(dir_okay=False))
@@ -161,4 +162,4 @@ def _finish(report: DrillReport, report_path: str | None, output: str) -> None:
         console.print(render_table(report))
         for note in report.notes:
             console.print(f"[dim]note: {note}[/]")
-    sys.exit(0 if report.passed else 1)
+    sys.exit(report.exit_code)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.backends.base import NodePlacement, SupervisedRun
+from orchestrator.backends.base import NodePlacement, RunState, SupervisedRun
 from orchestrator.drills.damage import committed_steps, corrupt_newest, make_store_unreachable
 from orchestrator.drills.history import RunHistory
 from orchestrator.drills.plan import (
@@ -81,6 +81,7 @@ class ActionRunner:
     ) -> None:
         self.run = run
         self.outcome = outcome
+        self.total_steps = spec.spec.training.steps
         self.timeout_s = timeout_s
         self.network = network
         self.lose_store_hook = lose_store_hook
@@ -108,9 +109,29 @@ class ActionRunner:
         return wait_for(predicate, self.timeout_s, self.run)
 
     def _strike(self, kind: str, **where: Any) -> None:
-        """Record the fault at the step the job had actually reached (later than planned, from outside)."""
-        self.outcome.fault_step = self._latest_step()
-        self.outcome.record(DrillEventKind.FAULT_INJECTED, kind=kind, **where, step=self.outcome.fault_step)
+        """Record the fault at the step the job had actually reached (later than planned, from outside).
+
+        A fault that strikes a job which already did every step (or whose run already ended
+        successfully) tests nothing: the drill's poll saw the planned step too late. That is recorded
+        in `Outcome.too_late`, and the runner makes the verdict inconclusive rather than pass or fail.
+        """
+        step = self._latest_step()
+        self.outcome.fault_step = step
+        if self.outcome.too_late is None:
+            self.outcome.too_late = self._too_late(step)
+        self.outcome.record(DrillEventKind.FAULT_INJECTED, kind=kind, **where, step=step)
+
+    def _too_late(self, step: int) -> str | None:
+        """Why a fault striking now, at `step`, comes after the job's end; None while there is work left."""
+        total = self.total_steps
+        # Only a successful end counts: a run that failed before the fault is the drill's failure to
+        # report (its checks say so), not a reason to call the drill unproven.
+        if step < total and self.run.poll() is not RunState.SUCCEEDED:
+            return None
+        return (
+            f"the job finished before the fault: step {step} of {total}; run it with more steps "
+            "(--set spec.training.steps=...) or an earlier --at-step"
+        )
 
     # -- one action ---------------------------------------------------------------------------------
     def do(self, action: Action) -> bool:

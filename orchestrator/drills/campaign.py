@@ -165,7 +165,8 @@ class CampaignResult:
 
     @property
     def passed(self) -> bool:
-        """Every case that could run did, and passed (skipped cases are reported, not failed)."""
+        """Every case that could run did, and passed (skipped cases are reported, not failed; an
+        inconclusive case did not pass)."""
         ran = [r for r in self.cases if r.state is not CaseState.SKIPPED]
         return bool(ran) and all(r.state is CaseState.PASSED for r in ran)
 
@@ -198,8 +199,15 @@ class CampaignResult:
 
 # -- running --------------------------------------------------------------------------------------------
 def _result_of(case: Case, report: dict[str, Any], duration_s: float, case_dir: str) -> CaseResult:
-    state = CaseState.PASSED if report.get("verdict") == "pass" else CaseState.FAILED
-    return CaseResult(case.scenario, case.seed, state, round(duration_s, 3), case_dir, report=report)
+    verdict = report.get("verdict")
+    reason = None
+    if verdict == "pass":
+        state = CaseState.PASSED
+    elif verdict == "inconclusive":
+        state, reason = CaseState.INCONCLUSIVE, str(report.get("inconclusive") or "inconclusive")
+    else:
+        state = CaseState.FAILED
+    return CaseResult(case.scenario, case.seed, state, round(duration_s, 3), case_dir, reason=reason, report=report)
 
 
 def _load_references(out: Path, spec: JobSpec, drill: DrillOptions) -> dict[str, str]:

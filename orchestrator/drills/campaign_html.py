@@ -18,10 +18,18 @@ __all__ = ["render_html"]
 
 _CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
 
-_STATE_LABEL = {"passed": "PASS", "failed": "FAIL", "error": "ERROR", "skipped": "SKIP", "not-run": "NOT RUN"}
+_STATE_LABEL = {
+    "passed": "PASS",
+    "failed": "FAIL",
+    "inconclusive": "INCONCLUSIVE",
+    "error": "ERROR",
+    "skipped": "SKIP",
+    "not-run": "NOT RUN",
+}
 _STATE_COLOR = {
     "passed": "#1a7f37",
     "failed": "#cf222e",
+    "inconclusive": "#8250df",
     "error": "#9a6700",
     "skipped": "#8c959f",
     "not-run": "#afb8c1",
@@ -290,7 +298,7 @@ def _case(case: dict[str, Any], out_dir: str | None) -> str:
     state = case["state"]
     report = case.get("report") or {}
     label = _STATE_LABEL.get(state, state)
-    opened = " open" if state in ("failed", "error") else ""
+    opened = " open" if state in ("failed", "inconclusive", "error") else ""
     earlier = " · from an earlier run" if case.get("resumed") else ""
     head = (
         f'<summary><span style="color:{_STATE_COLOR.get(state, "#57606a")}">{label}</span> '

@@ -3,8 +3,9 @@
 The dialect is the one GitHub Actions (test reporter actions), GitLab (`artifacts:reports:junit`) and
 Jenkins (`junit` step) all read: `<testsuites>` of `<testsuite>`s with `tests`/`failures`/`errors`/
 `skipped`/`time` counts, each `<testcase>` with `classname`, `name` and `time`, and at most one
-`<failure>` (the verdict failed: the failed checks), `<error>` (the drill could not run) or
-`<skipped>` (the job cannot take the scenario, or --max-failures stopped the campaign) child.
+`<failure>` (the verdict failed: the failed checks; or it was inconclusive: why), `<error>` (the drill
+could not run) or `<skipped>` (the job cannot take the scenario, or --max-failures stopped the
+campaign) child. An inconclusive case is a failure: a gate must not pass on a drill that proved nothing.
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ def render_junit(data: dict[str, Any]) -> str:
                 message = "; ".join(f"{c['name']}: {c['detail']}" for c in failed) or "verdict failed"
                 body = "\n".join(f"FAILED: {c['name']}: {c['detail']}" for c in failed)
                 ET.SubElement(tc, "failure", message=message, type="DrillVerdictFailed").text = body + "\n"
+            elif state == "inconclusive":
+                counts["failures"] += 1
+                message = f"inconclusive: {case.get('reason') or 'the drill proved nothing'}"
+                ET.SubElement(tc, "failure", message=message, type="DrillInconclusive").text = message + "\n"
             elif state == "error":
                 counts["errors"] += 1
                 ET.SubElement(tc, "error", message=case.get("reason") or "error", type="DrillError")

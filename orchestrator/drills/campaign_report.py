@@ -36,13 +36,15 @@ _TIMELINE_POINTS = 240  # per series in report.json: enough for a 600-pixel-wide
 class CaseState(StrEnum):
     PASSED = "passed"
     FAILED = "failed"  # the verdict failed
+    INCONCLUSIVE = "inconclusive"  # the drill proved nothing: its fault struck a job that had finished
     ERROR = "error"  # the drill could not be carried out (a backend error, a timeout)
     SKIPPED = "skipped"  # the job (or this machine) cannot take the scenario
     NOT_RUN = "not-run"  # stopped early by --max-failures
 
     @property
     def counts_as_failure(self) -> bool:
-        return self in (CaseState.FAILED, CaseState.ERROR)
+        """Fails the campaign and counts towards --max-failures: an unproven case is no proof either."""
+        return self in (CaseState.FAILED, CaseState.INCONCLUSIVE, CaseState.ERROR)
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ class CaseResult:
     state: CaseState
     duration_s: float = 0.0
     dir: str | None = None  # the case directory, relative to the out directory
-    reason: str | None = None  # why skipped, not run, or in error
+    reason: str | None = None  # why skipped, not run, inconclusive or in error
     report: dict[str, Any] | None = None  # `DrillReport.to_dict()`
     timeline: dict[str, Any] | None = None  # `timeline_of` the faulted run
     resumed: bool = False  # finished by an earlier invocation of the campaign
@@ -92,12 +94,16 @@ def _nearest_rank(values: Sequence[float], q: float) -> float:
 
 
 def aggregate(results: Sequence[CaseResult]) -> dict[str, Any]:
-    """Per-scenario pass rate, MTTR median/p90/max, lost steps median/max, and recovery paths."""
+    """Per-scenario pass rate, MTTR median/p90/max, lost steps median/max, and recovery paths.
+
+    An inconclusive case ran but passed nothing: it is in `ran` (the pass rate counts it against the
+    scenario) and counted apart from `failed`."""
     out: dict[str, Any] = {}
     for scenario in dict.fromkeys(r.scenario for r in results):
         mine = [r for r in results if r.scenario == scenario]
-        ran = [r for r in mine if r.state in (CaseState.PASSED, CaseState.FAILED, CaseState.ERROR)]
+        ran = [r for r in mine if r.state not in (CaseState.SKIPPED, CaseState.NOT_RUN)]
         passed = sum(r.state is CaseState.PASSED for r in ran)
+        inconclusive = sum(r.state is CaseState.INCONCLUSIVE for r in ran)
         reports = [r.report for r in ran if r.report is not None]
         mttr = [float(x["mttr_seconds"]) for x in reports if x.get("mttr_seconds") is not None]
         lost = [int(x["lost_steps"]) for x in reports if x.get("lost_steps") is not None]
@@ -109,7 +115,8 @@ def aggregate(results: Sequence[CaseResult]) -> dict[str, Any]:
             "cases": len(mine),
             "ran": len(ran),
             "passed": passed,
-            "failed": len(ran) - passed,
+            "failed": len(ran) - passed - inconclusive,
+            "inconclusive": inconclusive,
             "skipped": sum(r.state is CaseState.SKIPPED for r in mine),
             "not_run": sum(r.state is CaseState.NOT_RUN for r in mine),
             "pass_rate": round(passed / len(ran), 4) if ran else None,

@@ -250,6 +250,8 @@ class Outcome:
     timeline: list[DrillEvent] = field(default_factory=list)
     damage: dict[str, Any] | None = None
     errors: list[BaseException] = field(default_factory=list)
+    # Why an outside fault proved nothing: it struck a job that had done every step (or already succeeded).
+    too_late: str | None = None
 
     def record(self, event: DrillEventKind, /, *, at: float | None = None, **data: Any) -> None:
         """Add `event` to the timeline, now or `at` a time the job's own records give."""

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.drills.history import RunHistory
+from orchestrator.errors import EXIT_FAILED, EXIT_INCONCLUSIVE, EXIT_OK
 from training.contract import DrillEventKind, write_json
 
 __all__ = ["Check", "DrillReport", "Verdict", "plot_report", "render_table"]
@@ -52,6 +53,13 @@ class Verdict(_Checks):
 
 @dataclass
 class DrillReport(_Checks):
+    """One drill's account: what ran, where the fault struck, how the job recovered, and the verdict.
+
+    The verdict is `pass` (every check passed), `fail`, or `inconclusive` when the drill proved nothing
+    either way (`inconclusive` holds why: its fault struck a job that had already finished). An
+    inconclusive report keeps its checks for people to read, but never passes.
+    """
+
     scenario: str
     backend: str
     seed: int
@@ -76,6 +84,24 @@ class DrillReport(_Checks):
     events: list[dict[str, Any]] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    inconclusive: str | None = None  # why the drill proved nothing (None: its checks decide)
+
+    @property
+    def passed(self) -> bool:
+        """Every check passed and the drill was not inconclusive."""
+        return self.inconclusive is None and super().passed
+
+    @property
+    def verdict(self) -> str:
+        """`pass`, `fail` or `inconclusive`."""
+        if self.inconclusive is not None:
+            return "inconclusive"
+        return "pass" if self.passed else "fail"
+
+    @property
+    def exit_code(self) -> int:
+        """`torchrig drill`'s exit code: 0 pass, 1 fail, 6 inconclusive (`orchestrator.errors`)."""
+        return {"pass": EXIT_OK, "inconclusive": EXIT_INCONCLUSIVE}.get(self.verdict, EXIT_FAILED)
 
     def add(self, verdict: Verdict) -> None:
         """Take a judge's checks and notes into the report."""
@@ -88,7 +114,7 @@ class DrillReport(_Checks):
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        data["verdict"] = "pass" if self.passed else "fail"
+        data["verdict"] = self.verdict
         return data
 
     def write(self, path: str | Path) -> None:
@@ -97,9 +123,14 @@ class DrillReport(_Checks):
 
 def render_table(report: DrillReport) -> Any:
     """A rich Table of the verdict (imported lazily: rich is only needed for people)."""
+    from rich.markup import escape
     from rich.table import Table
 
-    verdict = "[bold green]PASS[/]" if report.passed else "[bold red]FAIL[/]"
+    verdict = {
+        "pass": "[bold green]PASS[/]",
+        "fail": "[bold red]FAIL[/]",
+        "inconclusive": f"[bold yellow]INCONCLUSIVE[/] ({escape(report.inconclusive or '')})",
+    }[report.verdict]
     table = Table(title=f"drill {report.scenario} on {report.backend} (seed {report.seed}): {verdict}")
     table.add_column("check")
     table.add_column("result")
@@ -126,7 +157,7 @@ def plot_report(report: DrillReport, history: RunHistory, path: str | Path) -> N
     drill's injected faults marked and its verdict in the title (PNG)."""
     from orchestrator.plot import plot_run
 
-    verdict = "PASS" if report.passed else "FAIL"
+    verdict = report.verdict.upper()
     mttr = f", MTTR {report.mttr_seconds:.1f} s" if report.mttr_seconds is not None else ""
     plot_run(
         history,

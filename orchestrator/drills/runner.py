@@ -151,6 +151,10 @@ def run_drill(scenario_name: str, spec: JobSpec, options: DrillOptions) -> Drill
     timeline += [e.to_dict() for e in history.events if e.kind in _TIMELINE_EVENTS]
     report.events = sorted(timeline, key=lambda e: float(e["time"]))
     report.add(scenario.judge(report, history, ctx))
+    if outcome.too_late is not None:
+        # Judged all the same (the checks show what the run did), but a fault that struck a finished
+        # job proved neither that it recovers nor that it does not.
+        report.inconclusive = outcome.too_late
     report.write(drill_dir / "report.json")
     return report
 

@@ -21,7 +21,7 @@ from orchestrator.backends.local import LocalBackend, LocalRun
 from orchestrator.loader import validate_document
 from tests.fixtures.common import REPO, free_port
 from tests.fixtures.jobs import write_job
-from training.contract import Env, read_jsonl
+from training.contract import Env, Result, RunFiles, read_jsonl
 
 STANDIN = str(Path(__file__).with_name("standin_worker.py"))
 
@@ -414,3 +414,54 @@ def test_first_ctrl_c_saves_and_stops_preempted_and_a_new_run_resumes_from_that_
     resumed = json.loads(again.stdout)
     assert resumed["status"] == "succeeded" and resumed["steps"] == 120
     assert resumed["restored_from"][0]["step"] == stop  # 0 lost steps
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_sigterm_after_the_workers_finished_is_still_a_success(tmp_path: Path) -> None:
+    """The real worker finishes every step and writes result.json; a SIGTERM then reaches the torchrun
+    agent before its monitor loop noticed the workers' success, and the agent exits 1. The run succeeded."""
+    job = write_job(
+        tmp_path,
+        REPO / "examples" / "digits-ddp.yaml",
+        overrides=[
+            "spec.training.steps=20",
+            "spec.checkpoint.every.steps=10",
+            "spec.training.evalAtEnd=false",
+            "spec.nodes.min=1",
+            "spec.nodes.max=1",
+            f"spec.metrics.port={free_port()}",
+        ],
+    )
+    spec = validate_document(yaml.safe_load(job.read_text()))
+    # torchrun's `--monitor-interval` (default 0.1 s; the local plan does not set it) read from its
+    # PET_ variable: the agent looks at its workers every 3 s, so the signal surely lands in that sleep.
+    env = {"PET_MONITOR_INTERVAL": "3"}
+    options = SubmitOptions(run_dir=str(tmp_path / "run"), env=env, local=LocalOptions(nodes=1))
+    run = LocalBackend().launch(spec, options)
+    assert isinstance(run, LocalRun)
+    try:
+        deadline = time.monotonic() + 200
+        while Result.read(RunFiles(run.run_dir).result) is None:
+            assert time.monotonic() < deadline, "no result.json in 200 s"
+            assert not run.poll().terminal, (run.run_dir / "logs" / "node0.log").read_text()[-3000:]
+            time.sleep(0.02)
+        agents = run.agent_pids()
+        assert agents, "the agent noticed its workers' success before the signal: no window was hit"
+        for pid in agents.values():
+            os.kill(pid, signal.SIGTERM)
+        # What the drills' `wait_for` sees, before `finish` writes any summary.
+        while not (state := run.poll()).terminal:
+            assert time.monotonic() < deadline, "the agent outlived the signal"
+            time.sleep(0.05)
+        summary = run.wait(timeout_s=60)
+    finally:
+        if run.summary is None:
+            run.finish("cancelled")
+    # The window was real: torchrun raised SignalException out of its monitor loop's sleep (exit 1).
+    assert [a.proc.returncode for a in run._agents] == [1]
+    assert state is RunState.SUCCEEDED
+    assert summary.status == "succeeded", summary
+    assert summary.steps == 20 and summary.reason is None and summary.restarts == 0
+    assert summary.final_checkpoint is not None and summary.final_checkpoint.committed
+    assert_no_processes_left(run.run_dir)

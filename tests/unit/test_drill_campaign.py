@@ -21,6 +21,7 @@ from orchestrator.drills.campaign import (
     skip_reason,
 )
 from orchestrator.drills.plan import DrillOptions
+from orchestrator.drills.report import DrillReport
 from orchestrator.drills.scenarios import SCENARIOS
 from orchestrator.errors import BackendError, SpecError
 from orchestrator.loader import load_spec
@@ -196,6 +197,7 @@ def test_cli_campaign_exit_codes_and_reports(
     assert data["verdict"] == "fail" and data["counts"] == {
         "passed": 3,
         "failed": 1,
+        "inconclusive": 0,
         "error": 0,
         "skipped": 2,
         "not-run": 0,
@@ -227,3 +229,56 @@ def test_a_resumed_campaign_adopts_its_succeeded_reference(
     write_json(out / "references.json", {"by_nodes": {"1": str(good), "2": str(bad)}})
     result = run_campaign(spec, _options(tmp_path, "kill-worker", seeds=1), drill=FakeDrill())
     assert result.references == {"2": str(good)}  # world size 2 = 1 node x 2 ranks; the failed one is not kept
+
+
+class TooLateDrill(FakeDrill):
+    """FakeDrill whose `too_late` cases struck a finished job: their reports are inconclusive."""
+
+    def __init__(self, too_late: set[tuple[str, int]]) -> None:
+        super().__init__()
+        self.too_late = too_late
+
+    def __call__(self, scenario: str, spec: JobSpec, options: DrillOptions) -> DrillReport:
+        report = super().__call__(scenario, spec, options)
+        if (scenario, options.seed) in self.too_late:
+            report.inconclusive = "the job finished before the fault: step 60 of 60"
+            report.write(Path(options.drill_dir or "") / "report.json")
+        return report
+
+
+def test_an_inconclusive_case_is_reported_and_does_not_pass_the_campaign(tmp_path: Path, examples_dir: Path) -> None:
+    fake = TooLateDrill({("hang", 1)})
+    result = run_campaign(_spec(examples_dir), _options(tmp_path), drill=fake)
+    [case] = [r for r in result.cases if r.state is CaseState.INCONCLUSIVE]
+    assert (case.scenario, case.seed) == ("hang", 1)
+    assert case.reason == "the job finished before the fault: step 60 of 60"
+    assert not result.passed and result.exit_code == 1
+
+    data = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert data["verdict"] == "fail"
+    assert data["counts"]["inconclusive"] == 1 and data["counts"]["passed"] == 5 and data["counts"]["failed"] == 0
+    hang = data["scenarios"]["hang"]
+    assert (hang["ran"], hang["passed"], hang["failed"], hang["inconclusive"]) == (3, 2, 0, 1)
+    assert hang["pass_rate"] == round(2 / 3, 4), "an unproven case counts against the pass rate"
+
+    junit = ET.parse(tmp_path / "out" / "junit.xml").getroot()
+    assert junit.get("failures") == "1" and junit.get("errors") == "0"
+    failure = junit.find(".//testcase[@classname='drill.hang'][@name='seed 1']/failure")
+    assert failure is not None and failure.get("type") == "DrillInconclusive"
+    assert failure.get("message") == "inconclusive: the job finished before the fault: step 60 of 60"
+
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert ">INCONCLUSIVE</a>" in page and "1 inconclusive" in page
+
+    # A re-run reads the finished case back as inconclusive, not failed.
+    again = run_campaign(_spec(examples_dir), _options(tmp_path), drill=FakeDrill())
+    assert [r.state for r in again.cases if r.resumed].count(CaseState.INCONCLUSIVE) == 1
+    assert again.exit_code == 1
+
+
+def test_inconclusive_cases_count_towards_max_failures(tmp_path: Path, examples_dir: Path) -> None:
+    fake = TooLateDrill({("kill-worker", 0), ("hang", 0)})
+    result = run_campaign(_spec(examples_dir), _options(tmp_path, max_failures=2), drill=fake)
+    assert len(fake.calls) == 2
+    assert [r.state for r in result.cases] == [CaseState.INCONCLUSIVE] * 2 + [CaseState.NOT_RUN] * 4
+    assert result.exit_code == 1

@@ -251,3 +251,17 @@ def test_a_drill_runs_on_two_unnamed_absolute_stores(tmp_path: Path, scripted_ba
         assert [s.display_name for s in launched.spec.checkpoint.stores] == ["ckpt_a", "ckpt_b"]
         assert all(not s.uri.startswith("file:///ckpt") for s in launched.spec.checkpoint.stores)
     assert (tmp_path / "d" / "report.json").exists()
+
+
+def test_a_drill_whose_fault_struck_a_finished_job_is_inconclusive(
+    tmp_path: Path, scripted_backend: type[ScriptedBackend]
+) -> None:
+    """lose-store strikes from outside; the scripted run has already succeeded when it does."""
+    spec = _spec([{"uri": "file://./ckpt", "name": "ckpt_a"}])
+    options = DrillOptions(backend="scripted", at_step=23, nodes=1, reference=False, drill_dir=str(tmp_path / "d"))
+    report = run_drill("lose-store", spec, options)
+    assert report.verdict == "inconclusive" and not report.passed and report.exit_code == 6
+    assert report.inconclusive is not None and report.inconclusive.startswith("the job finished before the fault")
+    assert report.checks, "judged all the same, for people to read"
+    written = json.loads((tmp_path / "d" / "report.json").read_text())
+    assert written["verdict"] == "inconclusive" and written["inconclusive"] == report.inconclusive

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from orchestrator.backends.base import RunState
 from orchestrator.drills.damage import (
     CorruptionKind,
     committed_steps,
@@ -460,3 +461,90 @@ def test_short_grace_verdict_accepts_a_periodic_checkpoint_of_the_stop_step_but_
     # A restore of a step no store held a manifest for at the resubmit (nor newer than the stop step).
     assert not verdict(15, newest=10, stored=[5, 10])[restored]
     assert not verdict(20, newest=10, stored=[5, 10, 20])[restored]
+
+
+# -- a fault that strikes a finished job: inconclusive ---------------------------------------------------
+def _finished_at(run_dir: Path, step: int) -> Path:
+    """A run directory whose rank 0 has logged `step` (the drill reads the job's progress there)."""
+    _write_jsonl(run_dir / "events.jsonl", [{"time": 1.0, "event": "start", "rank": 0, "world_size": 4, "pid": 1}])
+    _write_jsonl(run_dir / "metrics.jsonl", [{"time": 2.0, "step": step, "world_size": 4}])
+    return run_dir
+
+
+@pytest.mark.parametrize(
+    ("step", "state", "too_late"),
+    [
+        (60, RunState.RUNNING, True),  # every step done, the agent not yet noticed: the poll came too late
+        (55, RunState.SUCCEEDED, True),  # the run already ended well (its last records not read yet)
+        (30, RunState.RUNNING, False),  # work left: a real fault
+        (30, RunState.FAILED, False),  # ended badly before the fault: the checks fail it, not "unproven"
+    ],
+)
+def test_a_strike_after_the_job_finished_is_recorded_as_too_late(
+    tmp_path: Path, step: int, state: RunState, too_late: bool
+) -> None:
+    from orchestrator.drills.actions import ActionRunner
+    from orchestrator.drills.plan import AwaitStep, NodeKill
+    from tests.unit.test_drill_plans import FakeRun
+
+    spec = load_spec(Path(__file__).parents[2] / "examples" / "digits-ddp.yaml", ["spec.training.steps=60"])
+    run = FakeRun(_finished_at(tmp_path, step), state=state)
+    runner = ActionRunner(run, spec, _outcome(fault_step=48), timeout_s=2.0)
+    runner.run_all([AwaitStep(48), NodeKill(1)])
+    assert run.calls == [("kill_node", 1)], "the fault is still carried out (and recorded)"
+    assert runner.outcome.fault_step == step
+    if too_late:
+        assert runner.outcome.too_late == (
+            f"the job finished before the fault: step {step} of 60; run it with more steps "
+            "(--set spec.training.steps=...) or an earlier --at-step"
+        )
+    else:
+        assert runner.outcome.too_late is None
+
+
+def test_an_inconclusive_report_neither_passes_nor_fails() -> None:
+    report = DrillReport("preempt-short-grace", "local", 0)
+    report.check("job succeeded", True, "status succeeded")
+    assert (report.passed, report.verdict, report.exit_code) == (True, "pass", 0)
+    report.check("the deadline ended the emergency checkpoint uncommitted", False, "none")
+    assert (report.passed, report.verdict, report.exit_code) == (False, "fail", 1)
+
+    report.inconclusive = "the job finished before the fault: step 60 of 60"
+    assert (report.passed, report.verdict, report.exit_code) == (False, "inconclusive", 6)
+    data = report.to_dict()
+    assert data["verdict"] == "inconclusive" and data["inconclusive"] == report.inconclusive
+    assert [c["passed"] for c in data["checks"]] == [True, False], "the checks stay for people to read"
+    passing = DrillReport("kill-node", "local", 0, inconclusive="too late")
+    passing.check("job succeeded", True, "ok")
+    assert not passing.passed and passing.verdict == "inconclusive", "passing checks prove nothing then"
+
+    from rich.console import Console
+
+    from orchestrator.drills.report import render_table
+
+    console = Console(record=True, width=200)
+    console.print(render_table(report))
+    title = " ".join(console.export_text().split())  # the title wraps at the table's width
+    assert "(seed 0): INCONCLUSIVE (the job finished before the fault: step 60 of 60)" in title
+
+
+def test_torchrig_drill_exits_6_when_inconclusive(examples_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    import orchestrator.drills
+    from orchestrator.cli import cli
+    from orchestrator.errors import EXIT_INCONCLUSIVE
+
+    def too_late(scenario: str, spec: Any, options: DrillOptions) -> DrillReport:
+        report = DrillReport(scenario, options.backend, options.seed, inconclusive="the job finished before the fault")
+        report.check("job succeeded", True, "status succeeded")
+        return report
+
+    monkeypatch.setattr(orchestrator.drills, "run_drill", too_late)
+    job = str(examples_dir / "digits-ddp.yaml")
+    text = CliRunner().invoke(cli, ["drill", "kill-node", job, "--no-reference"])
+    assert text.exit_code == EXIT_INCONCLUSIVE == 6, text.output
+    assert "INCONCLUSIVE" in text.output
+    as_json = CliRunner().invoke(cli, ["drill", "kill-node", job, "--no-reference", "--output", "json"])
+    assert as_json.exit_code == 6 and json.loads(as_json.stdout)["verdict"] == "inconclusive"
+    assert "6 inconclusive" in CliRunner().invoke(cli, ["drill", "--help"]).output

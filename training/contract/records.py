@@ -72,6 +72,8 @@ class Result:
         samples_per_s: Global training throughput of this process's steps.
         wall_s: Seconds from the worker's start to the end.
         final_checkpoint: The final save's outcome (None: this process made none).
+        device: The device rank 0 trained on (`cuda:0`, `cpu`).
+        backend: The default process group's backend (`nccl` on GPUs, `gloo` on CPUs).
     """
 
     steps: int
@@ -82,6 +84,8 @@ class Result:
     samples_per_s: float | None = None
     wall_s: float = 0.0
     final_checkpoint: FinalCheckpoint | None = None
+    device: str = ""
+    backend: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
