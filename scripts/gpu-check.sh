@@ -16,7 +16,7 @@ python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.versio
 # The installed torch is not the pinned CPU build the suite's warning filters were written for.
 timeout 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings -m gpu tests/integration/test_gpu.py 2>&1 | tee "$out/pytest.txt"
 tests_rc=${PIPESTATUS[0]}
-timeout 370 python3 -m bench.sections.gpu --out "$out/gpu.json" > "$out/bench.log" 2>&1
+timeout 400 python3 -m bench.sections.gpu --out "$out/gpu.json" > "$out/bench.log" 2>&1
 bench_rc=$?
 tail -c 6000 "$out/gpu.json" 2>/dev/null || tail -50 "$out/bench.log"
 echo "tests rc=$tests_rc bench rc=$bench_rc"

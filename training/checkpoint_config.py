@@ -227,8 +227,9 @@ class CheckpointConfig(Model):
     resume: ResumePolicy = Field(
         default=ResumePolicy.auto,
         description=(
-            "`auto`: restore the newest valid checkpoint, start fresh if none; `required`: fail if "
-            "none is valid; `never`: always start fresh (existing checkpoints are kept)."
+            "`auto`: restore the newest valid checkpoint; start fresh when the job has none, fail when it "
+            "has some but no copy of any loads (never silently back to step 0); `required`: fail if none "
+            "is valid; `never`: always start fresh (existing checkpoints are kept)."
         ),
     )
     stores: list[StoreConfig] = Field(

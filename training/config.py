@@ -49,6 +49,7 @@ __all__ = [
     "NodeLocalConfig",
     "OptimizerConfig",
     "Precision",
+    "ProfileConfig",
     "RestartsConfig",
     "ResumePolicy",
     "StoreConfig",
@@ -254,6 +255,18 @@ class RestartsConfig(Model):
     )
 
 
+class ProfileConfig(Model):
+    """A `torch.profiler` capture of a few steps: where a step's time goes, on the host and the device."""
+
+    start_step: int = Field(ge=1, description="The first step captured (a step after warm-up: 10 or later).")
+    steps: int = Field(default=5, ge=1, le=100, description="How many consecutive steps are captured.")
+    ranks: list[int] = Field(
+        default_factory=lambda: [0],
+        min_length=1,
+        description="The ranks that profile (each writes its own trace); ranks outside the world size never do.",
+    )
+
+
 class MetricsConfig(Model):
     """The Prometheus exporter of every worker and the JSON-lines history of rank 0."""
 
@@ -274,6 +287,14 @@ class MetricsConfig(Model):
             "A rank whose compute time per step (outside collectives, or before its first gradient "
             "collective) exceeds this multiple of the median rank's over a logEvery window is the straggler "
             "(torchrig_straggler_rank, a `straggler` event, the TorchrigStraggler alert)."
+        ),
+    )
+    profile: ProfileConfig | None = Field(
+        default=None,
+        description=(
+            "Capture `profile.steps` steps from `profile.startStep` with `torch.profiler` (CPU, and CUDA "
+            "on GPUs): a Chrome/Perfetto trace and a table of the costliest ops per rank under "
+            "`profile/` in the run directory, and a `profile` event. Off by default."
         ),
     )
 

@@ -414,14 +414,20 @@ def clip_grad_norm(par: Parallel, max_norm: float) -> float:
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     """The optimizer of `training.optimizer` over the (possibly sharded) parameters.
 
-    `foreach=False` keeps the per-parameter update order fixed, one ingredient of bit-exact resume.
+    The multi-tensor (`foreach=True`) implementation on every device: a handful of kernels for all the
+    parameters instead of about a dozen per parameter. On a GPU the per-parameter loop is host-bound (each
+    op a launch, under FSDP2 each one a DTensor dispatch in Python: measured on an H100 with the loop,
+    a 150M-parameter tinygpt kept the device busy only 23-32 % of a step). It is as deterministic as the
+    loop (element-wise, grouped by device and dtype the same way at every start), so resume stays
+    bit-exact: kill-worker drills with it, DDP and FSDP2, restart and in place, end bit-identical here.
+    One implementation on CPU and GPU alike, so CI exercises the code a GPU job runs.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.name == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, foreach=False)
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, foreach=True)
     if cfg.name == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, foreach=False)
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, foreach=False)
+        return torch.optim.Adam(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, foreach=True)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, foreach=True)
 
 
 def lr_at(step: int, world_size: int, base_lr: float, total_steps: int, schedule: LrScheduleConfig) -> float:

@@ -32,6 +32,7 @@ from training.evaluation import evaluate
 from training.faults import FaultInjector
 from training.metrics.base import MetricsSink, StepRecord
 from training.metrics.straggler import create_straggler_detector
+from training.profiling import create_step_profiler
 from training.state import ModelOptimizerState, TrainerProgress, full_params_sha256
 from training.strategies import (
     Parallel,
@@ -157,6 +158,8 @@ class Trainer:
         self.skip_restore = False  # a spare got its state from a survivor, not from a checkpoint
         self._buckets_for: object = None  # the manager whose manifests carry DDP's bucket layout already
         metrics = spec.spec.metrics
+        # `metrics.profile`: torch.profiler over a window of steps on the ranks named (None: off).
+        self.profiler = create_step_profiler(metrics.profile, identity, sink, cuda=par.device.type == "cuda")
         self.straggler = create_straggler_detector(
             identity, sink, every=metrics.log_every, threshold=metrics.straggler_threshold, device=par.device
         )
@@ -241,6 +244,8 @@ class Trainer:
 
     def close(self) -> None:
         """Wait for the last checkpoint to commit and release the manager (idempotent)."""
+        if self.profiler is not None:
+            self.profiler.close()
         if self.replicas is not None:
             self.replicas.close()
         checkpoints, self.checkpoints = self.checkpoints, None
@@ -264,12 +269,16 @@ class Trainer:
         self._snapshot()  # FSDP in place: a replica of the starting state (restored or fresh)
         while self.progress.step < self.cfg.steps:
             try:
+                if self.profiler is not None:
+                    self.profiler.before_step(self.progress.step + 1)
                 record = self.step(self.progress.step + 1, feed)
                 train_s += record.step_s
                 if not stepped and self.inplace is not None:
                     self.inplace.mark_stepped()
                 stepped = True
                 self.after_step(record)
+                if self.profiler is not None:
+                    self.profiler.after_step(record.step)
                 continue
             except Exception as exc:
                 from training.inplace.group import is_peer_failure

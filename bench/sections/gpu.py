@@ -13,6 +13,8 @@ Measured:
   a bf16 job trains.
 - `drill`: a kill-worker drill on the GPU (one rank; a group restart from the checkpoint, NCCL
   re-initialised), MTTR and whether the end is bit-identical to the uninterrupted reference.
+- `profile`: `metrics.profile` over three bf16 FSDP2 steps: the ops' device time against the steps'
+  wall time (how much of a step the GPU is busy), and the costliest ops.
 - `staging`: the device-to-host copy a checkpoint's staging blocks on (pageable, as `stage` does today)
   against a pinned, non-blocking copy of the same bytes.
 """
@@ -259,6 +261,33 @@ def drill(tmp: Path, steps: int) -> dict[str, Any]:
     }
 
 
+def profile(tmp: Path, steps: int) -> dict[str, Any]:
+    """Where a bf16 FSDP2 step's time goes: `metrics.profile` over 3 steps after warm-up, host vs device."""
+    start = max(5, steps // 2)
+    spec = _spec_file(
+        tmp,
+        "gpu-profile",
+        [
+            f"spec.training.steps={start + 4}",
+            *_no_checkpoints(start + 4),
+            f"spec.metrics.profile.startStep={start}",
+            "spec.metrics.profile.steps=3",
+        ],
+    )
+    summary = _cli("run", str(spec), cwd=tmp)
+    run_dir = Path(summary["run_dir"])
+    event = next(e for e in read_jsonl(RunFiles(run_dir).events) if e.get("event") == EventKind.PROFILE)
+    table = (run_dir / str(event["table"])).read_text().splitlines()
+    return {
+        "steps": [event["first_step"], event["last_step"]],
+        "wall_s": event["wall_s"],
+        "host_time_s": event["host_time_s"],
+        "device_time_s": event["device_time_s"],
+        "device_busy_ratio": round(float(event["device_time_s"]) / float(event["wall_s"]), 3),
+        "table_head": table[:20],
+    }
+
+
 def staging(size_mb: int, repeats: int = 5) -> dict[str, Any]:
     """Seconds to copy `size_mb` of GPU state to the host: pageable (`stage` today) vs pinned non-blocking."""
     import torch
@@ -301,7 +330,7 @@ def _guarded(fn: Any, *args: Any) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {str(exc)[-1500:]}"}
 
 
-PARTS = ("staging", "throughput", "nvml", "drill")
+PARTS = ("staging", "drill", "profile", "throughput", "nvml")  # the open questions first
 
 
 def bench_gpu(quick: bool = False, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
@@ -311,16 +340,17 @@ def bench_gpu(quick: bool = False, parts: tuple[str, ...] = PARTS) -> dict[str, 
         return {"skipped": "no CUDA device on this machine; `python -m bench.sections.gpu` on a GPU machine"}
     steps = 30 if quick else 60
     out: dict[str, Any] = {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "facts": facts()}
-    if "staging" in parts:
-        out["staging"] = {f"{mb}MB": _guarded(staging, mb) for mb in (256, 1024)}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        if "throughput" in parts:
-            out["throughput"] = _guarded(throughput, tmp, steps)
-        if "nvml" in parts:
-            out["nvml"] = _guarded(nvml_against_smi, tmp, 4 * steps)
-        if "drill" in parts:
-            out["drill"] = _guarded(drill, tmp, steps)
+        measure: dict[str, Any] = {
+            "staging": lambda: {f"{mb}MB": _guarded(staging, mb) for mb in (256, 1024)},
+            "drill": lambda: _guarded(drill, tmp, steps),
+            "profile": lambda: _guarded(profile, tmp, steps),
+            "throughput": lambda: _guarded(throughput, tmp, steps),
+            "nvml": lambda: _guarded(nvml_against_smi, tmp, 4 * steps),
+        }
+        for part in parts:
+            out[part] = measure[part]()
     return out
 
 

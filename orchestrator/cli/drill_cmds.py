@@ -132,7 +132,8 @@ def drill(
         repeat=repeat,
     )
     if output == "text":
-        click.echo(f"drill {scenario}: running {spec.name} on {backend} with the fault, then a reference ...", err=True)
+        then = "" if no_reference else ", then an uninterrupted reference"
+        click.echo(f"drill {scenario}: running {spec.name} on {backend} with the fault{then} ...", err=True)
     report = run_drill(scenario, spec, options)
     if plot_path:
         plot_report(report, RunHistory.load(report.run_dir), plot_path)

@@ -177,3 +177,28 @@ def test_a_local_run_trains_on_the_gpu_over_nccl_and_resumes_from_its_checkpoint
     resumed = _torchrig_run(spec, tmp_path, "--run-dir", summary["run_dir"])
     assert resumed["status"] == "succeeded"
     assert [r["step"] for r in resumed["restored_from"]] == [20], resumed["restored_from"]
+
+
+def test_a_profile_window_on_the_gpu_records_device_time(tmp_path: Path) -> None:
+    from training.config import ProfileConfig
+    from training.contract import WorkerIdentity
+    from training.metrics.base import MetricsSink
+    from training.profiling import create_step_profiler
+
+    seen: list[dict[str, Any]] = []
+
+    class Events(MetricsSink):
+        def on_event(self, kind: object, **fields: Any) -> None:
+            seen.append(fields)
+
+    profiler = create_step_profiler(
+        ProfileConfig(start_step=1, steps=2), WorkerIdentity(rank=0, run_dir=str(tmp_path)), Events(), cuda=True
+    )
+    assert profiler is not None
+    a = torch.randn(2048, 2048, device="cuda")
+    for step in (1, 2):
+        profiler.before_step(step)
+        (a @ a).sum().item()
+        profiler.after_step(step)
+    assert len(seen) == 1 and seen[0]["device_time_s"] > 0, seen
+    assert (tmp_path / str(seen[0]["table"])).read_text().startswith("torchrig profile: rank 0")

@@ -295,3 +295,29 @@ def test_run_worker_reuses_an_existing_process_group(tmp_path: Path) -> None:
         torch.use_deterministic_algorithms(deterministic)
     assert out["steps"] == 3 and out == result(tmp_path / "run")
     assert {e["generation"] for e in events(tmp_path / "run")} == {2}
+
+
+@pytest.mark.timeout(180)
+def test_a_profile_window_writes_a_trace_a_table_and_an_event_and_changes_nothing_else(tmp_path: Path) -> None:
+    import gzip
+
+    plain = write_spec(tmp_path / "plain.yaml", steps=8)
+    profiled = write_job(
+        tmp_path, plain, {"spec": {"metrics": {"profile": {"startStep": 3, "steps": 2}}}}, name="p.yaml"
+    )
+    _ok(run_single(plain, tmp_path / "plain"))
+    _ok(run_single(profiled, tmp_path / "profiled"))
+    run_dir = tmp_path / "profiled"
+    found = [e for e in events(run_dir) if e["event"] == "profile"]
+    assert len(found) == 1
+    event = found[0]
+    assert (event["first_step"], event["last_step"], event["rank"]) == (3, 4, 0)
+    assert event["wall_s"] > 0 and event["host_time_s"] > 0 and event["device_time_s"] == 0.0  # a CPU
+    trace = json.loads(gzip.decompress((run_dir / event["trace"]).read_bytes()))
+    assert any(ev.get("name") == "aten::addmm" for ev in trace["traceEvents"])  # the model's own ops
+    table = (run_dir / event["table"]).read_text()
+    assert (
+        table.startswith("torchrig profile: rank 0, generation 0, steps 3-4") and "Optimizer.step#AdamW.step" in table
+    )
+    # The capture observes: the weights are the ones an unprofiled run ends with.
+    assert result(run_dir)["params_sha256"] == result(tmp_path / "plain")["params_sha256"]

@@ -120,9 +120,15 @@ def test_a_corrupt_only_copy_is_never_loaded_into_the_state(tmp_path: Path) -> N
     sink = Recorder()
     target = make_state(-1)
     before = {k: v.clone() for k, v in target["model"].items()}
-    assert CheckpointManager(config(a), ctx(tmp_path, 1), sink).restore(target) is None
+    # The job's only checkpoint is corrupt: refuse to start over from step 0 (its progress would be lost
+    # without a word); the state is untouched and the evidence stays.
+    with pytest.raises(CheckpointError, match=r"committed checkpoints of steps \[1\] but no copy"):
+        CheckpointManager(config(a), ctx(tmp_path, 1), sink).restore(target)
     assert all(torch.equal(v, before[k]) for k, v in target["model"].items())
     assert [e for e in sink.events if "sha256 mismatch" in str(e)], sink.events
+    assert shard.exists()
+    # Starting over is a decision the job file states.
+    assert CheckpointManager(config(a, resume="never"), ctx(tmp_path, 2)).restore(target) is None
 
 
 def test_resume_policies(tmp_path: Path) -> None:

@@ -298,6 +298,12 @@ def test_live_ranks_are_the_newest_generation_still_running_as_that_rank(tmp_pat
     env = {**os.environ, Env.RANK: "1"}
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
     try:
+        # /proc shows the child's own environment once it runs Python (a CI run under load once read an
+        # environment without RANK right after the spawn): wait for it, the way a live worker has it.
+        deadline = time.monotonic() + 10
+        while f"{Env.RANK}=1".encode() not in Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0"):
+            assert time.monotonic() < deadline, "the child never showed its environment in /proc"
+            time.sleep(0.05)
         now = time.time() + 1
         events = RunFiles(tmp_path).events
         events.write_text(

@@ -106,14 +106,15 @@ class RestoreSearch:
         self._legacy: dict[str, list[int]] = defaultdict(list)  # store -> job-less steps taken as ours
 
     def restore(self, state: dict[str, Any], *, required: str | None = None) -> RestoreResult | None:
-        """Load the newest valid checkpoint into `state` in place; None when there is none.
+        """Load the newest valid checkpoint into `state` in place; None when this job has none.
 
         Args:
             state: what to load into (DCP state dict, Statefuls allowed).
             required: when set, finding nothing raises CheckpointError with this message.
 
         Raises:
-            CheckpointError: `required` and no valid checkpoint, or loading failed.
+            CheckpointError: `required` and no valid checkpoint; this job has committed checkpoints but
+                not one copy loads; or loading failed after part of the state was loaded.
         """
         start = time.perf_counter()
         rank0 = self.identity.rank == 0
@@ -145,7 +146,18 @@ class RestoreSearch:
             )
         if required is not None:
             raise CheckpointError(f"{required} ({', '.join(s.uri for s in self.stores)})")
-        log.info("no valid checkpoint found; starting fresh")
+        if candidates:
+            # This job committed checkpoints and not one copy of any of them loads (corrupt, truncated,
+            # unreachable, or a load that fails): starting over from step 0 would silently throw away
+            # all the progress they hold. Fail instead (retryable: a store that was only unreachable
+            # may answer at the next start); `resume: never` is how to start over on purpose.
+            steps = sorted({c.step for c in candidates}, reverse=True)
+            raise CheckpointError(
+                f"this job committed checkpoints of steps {steps} but no copy of any of them could be loaded "
+                "(see the checkpoint_corrupt events); refusing to start over from step 0. Check them with "
+                "`torchrig checkpoints verify`, or set checkpoint.resume: never to start fresh on purpose"
+            )
+        log.info("no checkpoint of this job found; starting fresh")
         return None
 
     def _result(self, cand: Candidate, store: str, uri: str, source: str, start: float) -> RestoreResult:

@@ -30,6 +30,7 @@ __all__ = [
     "FirstStep",
     "MetricsExporter",
     "Preempted",
+    "Profile",
     "Recovery",
     "Restore",
     "Stacks",
@@ -64,6 +65,7 @@ class EventKind(str, enum.Enum):
     FINISHED = "finished"  # training reached its last step on this rank
     RECOVERY = "recovery"  # the group recovered from a lost rank: in place (spare) or by a group restart
     PREEMPTED = "preempted"  # SIGTERM (eviction, spot notice, Ctrl-C): stopped after an emergency checkpoint
+    PROFILE = "profile"  # `metrics.profile`: this rank captured steps with torch.profiler (trace, table)
 
     def __str__(self) -> str:
         return self.value
@@ -302,6 +304,25 @@ class Recovery:
     kind: EventKind = field(default=EventKind.RECOVERY, init=False, repr=False)
 
 
+@dataclass(frozen=True)
+class Profile:
+    """This rank captured steps `first_step`..`last_step` with torch.profiler (`metrics.profile`).
+
+    `trace` and `table` are the files it wrote (run-directory paths), `device_time_s` and `host_time_s`
+    the total self time of the ops on the device (CUDA; 0 on a CPU) and on the host, `wall_s` the
+    captured steps' wall time: a device time well below the wall time is a host-bound step.
+    """
+
+    first_step: int
+    last_step: int
+    trace: str
+    table: str
+    wall_s: float
+    host_time_s: float
+    device_time_s: float
+    kind: EventKind = field(default=EventKind.PROFILE, init=False, repr=False)
+
+
 Payload = (
     Start
     | Restore
@@ -322,6 +343,7 @@ Payload = (
     | Finished
     | Recovery
     | Preempted
+    | Profile
 )
 
 

@@ -17,6 +17,8 @@
                           thread, appended per dump: the watchdog, `torchrig status --stacks`),
                           rank-<R>.py-spy.txt (when py-spy is installed), flight-recorder-rank-<R>
                           (torch.distributed's flight recorder, CUDA builds)
+      profile/gen-<G>/    `metrics.profile`: rank-<R>.trace.json.gz (torch.profiler's Chrome/Perfetto trace)
+                          and rank-<R>.txt (its costliest ops) of the captured steps
       ray/                Ray backend: Ray Train's own storage (no checkpoint copies)
 
 Every backend writes this layout (a pod's emptyDir, a Ray run's directory, a local run), so the CLI,
@@ -116,6 +118,18 @@ class RunFiles:
     def stack_file(self, generation: int, rank: int) -> Path:
         """Rank `rank`'s Python stacks (faulthandler, every thread; one section per dump)."""
         return self.stacks_dir(generation) / f"rank-{rank}.txt"
+
+    def profile_dir(self, generation: int) -> Path:
+        """`metrics.profile`'s captures of restart generation `generation`."""
+        return self.root / "profile" / f"gen-{generation}"
+
+    def profile_trace(self, generation: int, rank: int) -> Path:
+        """Rank `rank`'s torch.profiler trace (Chrome trace JSON, gzipped: open it in Perfetto)."""
+        return self.profile_dir(generation) / f"rank-{rank}.trace.json.gz"
+
+    def profile_table(self, generation: int, rank: int) -> Path:
+        """Rank `rank`'s costliest ops of the captured steps (torch.profiler's `key_averages` table)."""
+        return self.profile_dir(generation) / f"rank-{rank}.txt"
 
     def py_spy_file(self, generation: int, rank: int) -> Path:
         """`py-spy dump` of rank `rank` (native frames too), when py-spy is installed."""
