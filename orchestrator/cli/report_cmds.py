@@ -69,6 +69,21 @@ def build_report(run_dir: Path) -> dict[str, Any]:
         "faults": sum(1 for e in events if e.kind is EventKind.FAULT),
         "watchdog": sum(1 for e in events if e.kind is EventKind.WATCHDOG),
         "world_sizes": world_sizes_from_events(events),
+        # `metrics.profile` captures: where each one is, and how busy the device was in it.
+        "profiles": [
+            {
+                "rank": e.rank,
+                "generation": e.generation,
+                "steps": [e.get("first_step"), e.get("last_step")],
+                "table": str(run_dir / str(e.get("table"))),
+                "trace": str(run_dir / str(e.get("trace"))),
+                "wall_s": e.get("wall_s"),
+                "host_time_s": e.get("host_time_s"),
+                "device_time_s": e.get("device_time_s"),
+            }
+            for e in events
+            if e.kind is EventKind.PROFILE
+        ],
     }
     return {"run_dir": str(run_dir), "summary": summary or {}, "derived": derived}
 
@@ -135,7 +150,7 @@ def report(run_dir: str, output: str, plot: str | None) -> None:
     summary, derived = data["summary"], data["derived"]
     table = Table(title=f"run {path}", show_header=False)
     table.add_column(style="bold")
-    table.add_column()
+    table.add_column(overflow="fold")  # paths and hashes whole: people copy them
     rows: list[tuple[str, Any]] = [
         ("status", _status_text(summary)),
         ("steps", f"{_fmt(summary.get('steps') or 0)} / {_fmt(summary.get('total_steps'))}"),
@@ -163,6 +178,19 @@ def report(run_dir: str, output: str, plot: str | None) -> None:
     ]
     for ck in summary.get("checkpoints", []):
         rows.append((f"store {ck.get('name')}", f"{ck.get('uri')} (last step {_fmt(ck.get('last_committed_step'))})"))
+    for prof in derived["profiles"]:
+        first, last = prof["steps"]
+        busy = (
+            f", device busy {prof['device_time_s'] / prof['wall_s']:.0%}"
+            if _is_number(prof["wall_s"])
+            and prof["wall_s"]
+            and _is_number(prof["device_time_s"])
+            and prof["device_time_s"] > 0
+            else ""
+        )
+        rows.append(
+            (f"profile rank {prof['rank']} gen {prof['generation']}", f"steps {first}-{last}{busy}: {prof['table']}")
+        )
     if summary.get("reason"):
         rows.append(("reason", summary["reason"]))
     for key, value in rows:

@@ -172,6 +172,19 @@ def test_report_json_and_plot(tmp_path: Path) -> None:
                     "blocked_s": 0.03,
                 },
                 {"time": 103.0, "rank": 0, "generation": 1, "event": "start", "world_size": 1},
+                {
+                    "time": 104.0,
+                    "rank": 0,
+                    "generation": 1,
+                    "event": "profile",
+                    "first_step": 30,
+                    "last_step": 34,
+                    "trace": "profile/gen-1/rank-0.trace.json.gz",
+                    "table": "profile/gen-1/rank-0.txt",
+                    "wall_s": 2.0,
+                    "host_time_s": 1.5,
+                    "device_time_s": 0.5,
+                },
             ]
         )
     )
@@ -184,8 +197,21 @@ def test_report_json_and_plot(tmp_path: Path) -> None:
     assert data["derived"]["checkpoints_committed"] == 1 and data["derived"]["min_loss"] == 0.4
     assert data["derived"]["samples_per_s_median"] == 53.0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert data["derived"]["profiles"] == [
+        {
+            "rank": 0,
+            "generation": 1,
+            "steps": [30, 34],
+            "table": str(run_dir / "profile/gen-1/rank-0.txt"),
+            "trace": str(run_dir / "profile/gen-1/rank-0.trace.json.gz"),
+            "wall_s": 2.0,
+            "host_time_s": 1.5,
+            "device_time_s": 0.5,
+        }
+    ]
     code, out, _ = invoke("report", str(run_dir))
     assert code == 0 and "succeeded" in out
+    assert "steps 30-34, device busy 25%" in out  # where the profile is, and what it says at a glance
     code, _, err = invoke("report", str(tmp_path))
     assert code == 2 and "holds no summary.json" in err
 
@@ -256,6 +282,7 @@ def test_report_text_labels_losses_and_min_loss_includes_the_final(tmp_path: Pat
         "faults",
         "watchdog",
         "world_sizes",
+        "profiles",
     }
     assert data["summary"]["eval"]["count"] == 360.0, "-o json keeps the values as written"
     code, out, _ = invoke("report", str(run_dir))
