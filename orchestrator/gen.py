@@ -156,6 +156,8 @@ def spec_reference() -> str:
         "- `spec.checkpoint.stores[].pvc` needs a `file://` uri (a relative one is mounted under the run directory);"
         " store names are unique.",
         "- `spec.checkpoint.initFrom` needs `resume: auto` or `never` (`required` fails before it is used).",
+        "- `spec.metrics.profile.ranks` are ranks of the job (< `spec.nodes.max` x `spec.procsPerNode`), and"
+        " `spec.metrics.profile.startStep` <= `spec.training.steps`.",
         "- `spec.kubernetes.gang: kueue` needs `spec.kubernetes.queue` (the LocalQueue).",
         "- `spec.kubernetes.automountServiceAccountToken` needs `spec.kubernetes.serviceAccount`.",
         "",

@@ -298,6 +298,17 @@ class JobSpecBody(Model):
                 "training.strategy: hsdp shards within a node and replicates across nodes, so it needs "
                 "spec.nodes.min >= 2 (use fsdp on one node)"
             )
+        profile = self.metrics.profile
+        if profile is not None and (outside := sorted(r for r in profile.ranks if r >= self.max_world_size)):
+            raise ValueError(
+                f"metrics.profile.ranks: {outside} outside the job's {self.max_world_size} ranks "
+                f"(0..{self.max_world_size - 1}): such a rank never runs, so it would never profile"
+            )
+        if profile is not None and profile.start_step > self.training.steps:
+            raise ValueError(
+                f"metrics.profile.startStep: must be <= spec.training.steps ({self.training.steps}), or nothing "
+                "is captured"
+            )
         if self.kubernetes.gang == "kueue" and not self.kubernetes.queue:
             raise ValueError("kubernetes.queue: required with gang kueue (the name of the Kueue LocalQueue)")
         if self.kubernetes.automount_service_account_token and not self.kubernetes.service_account:

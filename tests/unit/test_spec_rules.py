@@ -136,6 +136,22 @@ def test_kueue_needs_queue() -> None:
     ]
 
 
+def test_profile_window_must_fall_inside_the_job() -> None:
+    # BASE: 1 node x 1 process, 10 steps.
+    assert problems("spec.metrics.profile.startStep=3", "spec.metrics.profile.ranks=[0,2,1]") == [
+        "spec.metrics.profile.ranks: [1, 2] outside the job's 1 ranks (0..0): such a rank never runs, so it "
+        "would never profile"
+    ]
+    assert problems("spec.metrics.profile.startStep=11") == [
+        "spec.metrics.profile.startStep: must be <= spec.training.steps (10), or nothing is captured"
+    ]
+    assert problems("spec.metrics.profile.startStep=0") == [
+        "spec.metrics.profile.startStep: Input should be greater than or equal to 1"
+    ]
+    # An elastic job's ranks are those of its largest size.
+    assert problems("spec.nodes.max=2", "spec.procsPerNode=2", "spec.metrics.profile={startStep: 2, ranks: [3]}") == []
+
+
 def test_checkpoint_every_needs_a_trigger() -> None:
     assert problems("spec.checkpoint.every={}") == ["spec.checkpoint.every: set steps, seconds, or both"]
 
