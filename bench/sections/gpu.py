@@ -13,6 +13,8 @@ Measured:
   a bf16 job trains.
 - `drill`: a kill-worker drill on the GPU (one rank; a group restart from the checkpoint, NCCL
   re-initialised), MTTR and whether the end is bit-identical to the uninterrupted reference.
+- `checkpoint`: a one-rank job's checkpoints on the GPU: the manifest's files against the bytes on disk,
+  `torchrig checkpoints verify`, and a resubmit's restore (a GPU drill once restored nothing).
 - `profile`: `metrics.profile` over three bf16 FSDP2 steps: the ops' device time against the steps'
   wall time (how much of a step the GPU is busy), and the costliest ops.
 - `staging`: the device-to-host copy a checkpoint's staging blocks on (pageable, as `stage` does today)
@@ -261,6 +263,43 @@ def drill(tmp: Path, steps: int) -> dict[str, Any]:
     }
 
 
+def checkpoint(tmp: Path, steps: int) -> dict[str, Any]:
+    """A one-rank FSDP2 bf16 job's checkpoints on the GPU, as a person would check them: the manifest's
+    files against the bytes on disk, `torchrig checkpoints verify`, and a resubmit's restore."""
+    every = max(2, steps // 6)
+    spec = _spec_file(tmp, "gpu-ckpt", [f"spec.training.steps={2 * every}", f"spec.checkpoint.every.steps={every}"])
+    summary = _cli("run", str(spec), cwd=tmp)
+    run_dir = Path(summary["run_dir"])
+    store = run_dir / "ckpt"
+    steps_on_disk: dict[str, Any] = {}
+    for step_dir in sorted(store.glob("step-*")):
+        manifest = json.loads((step_dir / "manifest.json").read_text())
+        listed = {f["path"]: f["size"] for f in manifest.get("files", [])}
+        on_disk = {str(p.relative_to(step_dir)): p.stat().st_size for p in step_dir.rglob("*") if p.is_file()}
+        steps_on_disk[step_dir.name] = {"manifest": listed, "on_disk": on_disk}
+    verify = subprocess.run(
+        [PY, "-m", "orchestrator.cli", "checkpoints", "verify", f"file://{store}", "-o", "json"],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    again = _cli("run", str(spec), "--run-dir", str(run_dir), cwd=tmp)
+    events = [
+        {k: e.get(k) for k in ("event", "generation", "step", "store", "detail", "bytes")}
+        for e in read_jsonl(RunFiles(run_dir).events)
+        if e.get("event") in (EventKind.CHECKPOINT_COMMITTED, EventKind.CHECKPOINT_CORRUPT, EventKind.RESTORE)
+    ]
+    return {
+        "steps": steps_on_disk,
+        "verify_exit": verify.returncode,
+        "verify": verify.stdout[-3000:] or verify.stderr[-1500:],
+        "resubmit": {k: again.get(k) for k in ("status", "restored_from", "reason")},
+        "events": events,
+    }
+
+
 def profile(tmp: Path, steps: int) -> dict[str, Any]:
     """Where a bf16 FSDP2 step's time goes: `metrics.profile` over 3 steps after warm-up, host vs device."""
     start = max(5, steps // 2)
@@ -330,7 +369,7 @@ def _guarded(fn: Any, *args: Any) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {str(exc)[-1500:]}"}
 
 
-PARTS = ("staging", "drill", "profile", "throughput", "nvml")  # the open questions first
+PARTS = ("staging", "checkpoint", "drill", "profile", "throughput", "nvml")  # the open questions first
 
 
 def bench_gpu(quick: bool = False, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
@@ -344,6 +383,7 @@ def bench_gpu(quick: bool = False, parts: tuple[str, ...] = PARTS) -> dict[str, 
         tmp = Path(d)
         measure: dict[str, Any] = {
             "staging": lambda: {f"{mb}MB": _guarded(staging, mb) for mb in (256, 1024)},
+            "checkpoint": lambda: _guarded(checkpoint, tmp, steps),
             "drill": lambda: _guarded(drill, tmp, steps),
             "profile": lambda: _guarded(profile, tmp, steps),
             "throughput": lambda: _guarded(throughput, tmp, steps),
