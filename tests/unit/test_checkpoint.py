@@ -314,3 +314,38 @@ def test_manifest_and_step_names_roundtrip(step: int, generation: int, paths: li
     files = [FileEntry(f"{gen_dir(generation)}/{p}", i, "0" * 64, i, 0) for i, p in enumerate(paths)]
     m = Manifest(step, 2, generation, "job", 1.0, torch.__version__, files)
     assert Manifest.from_json(m.to_json()) == m
+
+
+@pytest.mark.parametrize("full", ["a", "b"])  # the first target is written inline, the others on threads
+def test_a_store_whose_writes_fail_is_dropped_and_the_other_commits_a_verifying_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, full: str
+) -> None:
+    import errno
+
+    import training.checkpoint.writer as writer
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    real = writer._write_all
+
+    def full_disk(fd: int, data: memoryview) -> None:
+        if f"{os.sep}{full}{os.sep}" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, data)
+
+    monkeypatch.setattr(writer, "_write_all", full_disk)
+    good, bad = (a, b) if full == "b" else (b, a)
+    good_name, bad_name = ("s0", "s1") if full == "b" else ("s1", "s0")
+    sink = Recorder()
+    mgr = CheckpointManager(config(str(a), str(b)), ctx(tmp_path), sink)
+    big = {"model": {"w": torch.randn(1024, 1024), "b": torch.randn(8)}, "progress": make_state(1)["progress"]}
+    mgr.save(1, big)  # 4 MB: written to both stores at once, each on its own thread
+    mgr.close()
+    record = sink.checkpoints[-1]
+    assert record.committed and record.stores_ok == [good_name] and record.stores_failed == [bad_name]
+    manifest = read_manifest(open_storage(str(good)), 1)
+    assert verify_store(open_storage(str(good)), manifest).ok
+    assert not (bad / step_dir(1) / MANIFEST_NAME).exists()  # never committed where the bytes did not land
+    target = {"model": {"w": torch.zeros(1024, 1024), "b": torch.zeros(8)}, "progress": make_state(2)["progress"]}
+    result = CheckpointManager(config(str(a), str(b)), ctx(tmp_path, 1)).restore(target)
+    assert result is not None and (result.step, result.store) == (1, good_name)
+    assert torch.equal(target["model"]["w"], big["model"]["w"])

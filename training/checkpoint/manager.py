@@ -20,7 +20,7 @@ file it needs once and checking it against the manifest before any of it is load
 every rank at once: the next copy, then an older step, is tried). Only when the job has no checkpoint of
 its own does `checkpoint.initFrom` warm-start it from another job's (`warmstart`).
 
-Retention (`retention`, per store, after a commit, this job's checkpoints only): the newest `keep`
+Retention (`retention`, per store, after a commit is recorded, this job's checkpoints only): the newest `keep`
 committed checkpoints stay; older committed ones are deleted, and so are uncommitted step directories
 older than the oldest kept one (debris of crashed saves). Uncommitted or corrupt step directories NEWER
 than that are never deleted: they are the evidence of what went wrong. Only the step just committed (and
@@ -305,4 +305,5 @@ class CheckpointManager:
             self._last_committed_step = step
         self.history.append(outcome)
         self._pipeline.report(outcome)
+        self._pipeline.retire()  # retention, once the commit is on record
         return outcome

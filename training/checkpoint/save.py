@@ -131,6 +131,7 @@ class SavePipeline:
         self._reflink_ok: dict[int, bool] = {}  # filesystem -> whether reflinks work on it
         # Plain JSON facts the trainer adds to every manifest from now on (`CheckpointManager.manifest_extra`).
         self.manifest_extra: dict[str, Any] = {}
+        self._retention_due: list[tuple[CheckpointStorage, Manifest]] = []  # `_commit` -> `retire`
 
     def close(self) -> None:
         self._uploaders.shutdown(wait=True)
@@ -352,8 +353,19 @@ class SavePipeline:
                 failed[store.name] = f"{type(exc).__name__}: {exc}"
                 log.warning("checkpoint step %d: commit to %s failed: %s", manifest.step, store.name, exc)
         # Retention only after the commit round, so an old checkpoint goes only once the new one is
-        # committed everywhere it could be.
-        for store in committed:
+        # committed everywhere it could be; and after the commit is recorded (`retire`), so deleting an
+        # old checkpoint (many objects on S3) never delays the event, the metric or `save_s`.
+        self._retention_due = [(store, manifest) for store in committed]
+        return {"ok": ok, "failed": failed}
+
+    def retire(self) -> None:
+        """Rank 0, after a commit is reported: apply retention to the stores that took it (`_commit`).
+
+        The manager's background thread calls it before the next save can start, so a deletion never
+        runs beside a write; a process that ends first (an emergency checkpoint) leaves the old
+        checkpoints for the next commit's retention."""
+        due, self._retention_due = self._retention_due, []
+        for store, manifest in due:
             try:
                 apply_retention(
                     store,
@@ -365,7 +377,6 @@ class SavePipeline:
                 )
             except Exception as exc:
                 log.warning("retention in %s failed: %s", store.name, exc)
-        return {"ok": ok, "failed": failed}
 
     def _lost_fence_since(self, store: CheckpointStorage, manifest: Manifest) -> str | None:
         """After writing `manifest`: if a newer writer took the fence meanwhile, take the manifest back."""

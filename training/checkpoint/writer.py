@@ -105,7 +105,26 @@ class _TeeStream(io.RawIOBase):
         raise io.UnsupportedOperation("fileno")
 
     def _to_targets(self, data: memoryview) -> None:
-        for i, fd in list(self._fds.items()):
+        fds = list(self._fds.items())
+        if len(fds) > 1 and data.nbytes >= _SMALL:
+            # Each target's copy on a thread of its own (os.write releases the GIL): two stores on
+            # one disk are written at once instead of one after the other. All are awaited before
+            # the caller may reuse its buffer, and each descriptor still gets its chunks in order.
+            pending = {i: self._fs.writers.submit(_write_all, fd, data) for i, fd in fds[1:]}
+            errors: dict[int, str] = {}
+            try:
+                _write_all(fds[0][1], data)
+            except OSError as exc:
+                errors[fds[0][0]] = str(exc)
+            for i, fut in pending.items():
+                try:
+                    fut.result()
+                except OSError as exc:
+                    errors[i] = str(exc)
+            for i, why in errors.items():
+                self._drop(i, f"write {self._rel}: {why}")
+            return
+        for i, fd in fds:
             try:
                 _write_all(fd, data)
             except OSError as exc:
@@ -182,10 +201,12 @@ class TeeFileSystem(FileSystemBase):
         self.digests: dict[str, tuple[str, int]] = {}
         self.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrig-hash")
         self.syncer = ThreadPoolExecutor(max_workers=max(1, len(targets)), thread_name_prefix="torchrig-sync")
+        self.writers = ThreadPoolExecutor(max_workers=max(1, len(targets) - 1), thread_name_prefix="torchrig-write")
 
     def shutdown(self) -> None:
         self.hasher.shutdown(wait=True)
         self.syncer.shutdown(wait=True)
+        self.writers.shutdown(wait=True)
 
     def live_targets(self) -> list[tuple[int, Target]]:
         return [(i, t) for i, t in enumerate(self.targets) if t.error is None]
