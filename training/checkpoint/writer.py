@@ -106,29 +106,20 @@ class _TeeStream(io.RawIOBase):
 
     def _to_targets(self, data: memoryview) -> None:
         fds = list(self._fds.items())
-        if len(fds) > 1 and data.nbytes >= _SMALL:
-            # Each target's copy on a thread of its own (os.write releases the GIL): two stores on
-            # one disk are written at once instead of one after the other. All are awaited before
-            # the caller may reuse its buffer, and each descriptor still gets its chunks in order.
-            pending = {i: self._fs.writers.submit(_write_all, fd, data) for i, fd in fds[1:]}
-            errors: dict[int, str] = {}
-            try:
-                _write_all(fds[0][1], data)
-            except OSError as exc:
-                errors[fds[0][0]] = str(exc)
-            for i, fut in pending.items():
-                try:
-                    fut.result()
-                except OSError as exc:
-                    errors[i] = str(exc)
-            for i, why in errors.items():
-                self._drop(i, f"write {self._rel}: {why}")
-            return
+        # A large chunk goes to the second and later targets on threads of their own (os.write releases
+        # the GIL: two stores on one disk are written at once, not one after the other), the first one
+        # here. Every copy is awaited before the caller may reuse its buffer, so each descriptor still
+        # gets its chunks in order.
+        threaded = len(fds) > 1 and data.nbytes >= _SMALL
+        pending = {i: self._fs.writers.submit(_write_all, fd, data) for i, fd in fds[1:]} if threaded else {}
+        errors: dict[int, str] = {}
         for i, fd in fds:
             try:
-                _write_all(fd, data)
+                pending[i].result() if i in pending else _write_all(fd, data)
             except OSError as exc:
-                self._drop(i, f"write {self._rel}: {exc}")
+                errors[i] = str(exc)
+        for i, why in errors.items():
+            self._drop(i, f"write {self._rel}: {why}")
 
     def _drop(self, i: int, error: str) -> None:
         fd = self._fds.pop(i)
