@@ -372,8 +372,6 @@ def _in_memory_warnings(body: JobSpecBody) -> list[str]:
         ]
     if body.restarts.mode == "restart" or body.restarts.spares == 0:
         return [f"{field}: has no effect without in-place recovery (restarts.mode restart or restarts.spares 0)"]
-    if body.training.strategy is Strategy.hsdp or body.nodes.min > 1:
-        return [f"{field}: has no effect on several nodes (in-place recovery is one node only; they restart)"]
     return []
 
 

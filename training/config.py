@@ -226,10 +226,11 @@ class RestartsConfig(Model):
             "a warm spare takes the dead rank's place and receives the state from a survivor (0 lost steps), "
             "falling back to `restart` when that cannot finish within inPlaceTimeoutSeconds. `restart`: torchrun "
             "restarts every rank from the newest checkpoint. `auto` (the default): `inplace` where it applies, "
-            "`restart` elsewhere. In-place applies to one-node jobs of 2+ ranks (the local backend, a one-pod "
-            "PyTorchJob or TrainJob, the torchrun target on one node): DDP, and FSDP with checkpoint.inMemory.every "
-            "(it returns to the newest in-memory snapshot of the shards); everything else restarts "
-            "(docs/operations.md). `inplace` differs from "
+            "`restart` elsewhere. In-place applies to jobs of 2+ ranks launched by the local backend, a PyTorchJob "
+            "(any number of pods), a one-pod TrainJob or the torchrun target: DDP, and FSDP/HSDP with "
+            "checkpoint.inMemory.every (it returns to the newest in-memory snapshot of the shards); a rank is "
+            "replaced by a spare of its own node, and a whole node lost restarts the group (docs/operations.md). "
+            "`inplace` differs from "
             "`auto` only in the warning it logs when the job cannot recover in place."
         ),
     )

@@ -298,6 +298,8 @@ def parallelize(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    forget_dtensor_plans()
+
     if cfg.strategy is Strategy.hsdp:
         mesh = init_device_mesh(
             device.type, (identity.num_nodes, identity.local_world_size), mesh_dim_names=("replicate", "shard")
@@ -397,6 +399,26 @@ def rewrap_ddp(par: Parallel) -> None:
     # `InPlaceGroup.sync_state` just gave every member the source's exact bytes: DDP's own broadcast of
     # them (and its shape check, an all-gather) would repeat that on the recovery's path.
     par.model = ddp_wrap(par, init_sync=False)
+
+
+def forget_dtensor_plans() -> None:
+    """Drop DTensor's cached sharding and redistribution plans before a mesh is built.
+
+    The plans are cached by `DeviceMesh` equality, which compares ranks and shape but not the process
+    groups: after in-place recovery re-forms the group, the new generation's mesh equals the old one,
+    and a cached plan hands back the old mesh, whose dimension groups were destroyed. A 1-D FSDP mesh
+    survives that (its group is the default one, always named "0"); HSDP's 2-D mesh does not ("Could not
+    resolve the process group registered under the name 3" in the first step after the recovery). The
+    sharding cache is per thread: this clears the training thread's, where every DTensor op runs.
+    """
+    from torch.distributed.tensor import _redistribute, debug
+
+    # Python's cache and the C++ dispatch fast path's (torch >= 2.9; older builds have only the first).
+    clear: Any = getattr(debug, "_clear_sharding_prop_cache", None) or debug._clear_python_sharding_prop_cache
+    clear()
+    transforms: Any = getattr(_redistribute, "_gen_transform_infos", None)
+    if hasattr(transforms, "cache_clear"):
+        transforms.cache_clear()
 
 
 def clip_grad_norm(par: Parallel, max_norm: float) -> float:

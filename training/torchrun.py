@@ -6,30 +6,58 @@ waiting up to its shutdown timeout for them (their emergency checkpoint, `traini
 raising `SignalException` out of `main`: an uncaught exception, exit code 1. By Kubeflow's convention
 (`training.contract.exit_codes`) 1 is permanent: a PyTorchJob replica with `restartPolicy: ExitCode`
 would never be restarted after a preemption. Here that one case exits `128 + signal` (143 for SIGTERM),
-what a signal death means to every restarter; everything else is torchrun's own behaviour. In a one-node
-job that recovers in place, this process also hosts the in-place store (`host_inplace_store`).
-`training.launch` runs this module in place of a `torchrun` command.
+what a signal death means to every restarter; everything else is torchrun's own behaviour. In a job that
+recovers in place, this process also hands its workers the in-place store (`host_inplace_store`: one node
+hosts its own, several nodes share the c10d rendezvous store) and, after each c10d rendezvous, a token
+every agent of that round shares (`export_rendezvous_round`). `training.launch` runs this module in place
+of a `torchrun` command; the local backend's agents (`orchestrator.backends._local_agent`) call
+`export_rendezvous_round` too.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import sys
-from collections.abc import MutableMapping
+import uuid
+from collections.abc import MutableMapping, Sequence
 from typing import Any
 
 from training.contract import Env
 
-__all__ = ["main"]
+__all__ = ["ROUND_KEY", "export_rendezvous_round", "host_inplace_store", "main"]
+
+log = logging.getLogger(__name__)
+# The key, in a c10d rendezvous round's own store (prefixed with the run id and round by torch), whose
+# first writer's token every agent of the round adopts.
+ROUND_KEY = "torchrig/inplace-round"
 
 
-def host_inplace_store(env: MutableMapping[str, str] | None = None) -> Any:
-    """When the compiled job asks for it (`TORCHRIG_INPLACE_STORE=agent`: one node, in-place recovery), host
-    the long-lived store in-place recovery forms its groups on, in this process: torchrun's agent, which
-    outlives every trainer (a trainer's death is seen by its per-rank host, never by the agent). Its
-    workers inherit the address. Returns the store (kept alive by the caller), or None."""
+def host_inplace_store(env: MutableMapping[str, str] | None = None, argv: Sequence[str] = ()) -> Any:
+    """Give the workers the long-lived store in-place recovery forms its groups on, when the compiled job
+    asks for one (`TORCHRIG_INPLACE_STORE`):
+
+    - `agent` (one node): host it in this process, torchrun's agent, which outlives every trainer (a
+      trainer's death is seen by its per-rank host, never by the agent); returns the store (kept alive
+      by the caller);
+    - `rdzv` (several nodes): the c10d rendezvous store at `--rdzv-endpoint` (`argv`, or torchrun's
+      `PET_RDZV_*` variables), which the agent at that endpoint hosts and every node reaches. Under any
+      other rendezvous (the static one of a plain `MASTER_ADDR` launch) the variable is removed: no round
+      token exists there to share a key space by, so the workers restart the group instead.
+
+    Returns the store this process hosts, or None."""
     env = os.environ if env is None else env
-    if env.get(Env.INPLACE_STORE) != Env.INPLACE_STORE_AGENT:
+    wanted = env.get(Env.INPLACE_STORE)
+    if wanted == Env.INPLACE_STORE_RDZV:
+        endpoint = _rdzv_endpoint(list(argv))
+        if endpoint is None:
+            log.warning("in-place recovery needs the c10d rendezvous on several nodes; this launch restarts the group")
+            del env[Env.INPLACE_STORE]
+        else:
+            env[Env.INPLACE_STORE] = endpoint
+        return None
+    if wanted != Env.INPLACE_STORE_AGENT:
         return None
     from torch._C._distributed_c10d import TCPStore
 
@@ -38,15 +66,61 @@ def host_inplace_store(env: MutableMapping[str, str] | None = None) -> Any:
     return store
 
 
+def _rdzv_endpoint(argv: list[str]) -> str | None:
+    """`host:port` of the c10d rendezvous store of torchrun's arguments `argv` (torch's own parser, so
+    `PET_RDZV_BACKEND` / `PET_RDZV_ENDPOINT` count as they do for torchrun), or None for another backend."""
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+    from torch.distributed.run import parse_args
+
+    try:
+        args = parse_args(argv)  # type: ignore[no-untyped-call]
+    except SystemExit:  # torchrun itself reports bad arguments
+        return None
+    if args.rdzv_backend != "c10d" or not args.rdzv_endpoint:
+        return None
+    host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
+    return f"{host}:{port}"
+
+
+def export_rendezvous_round() -> None:
+    """After each c10d rendezvous of this agent, set `TORCHRIG_INPLACE_ROUND` (which its next workers
+    inherit) to a token every agent of the round shares: the first agent's random token, agreed on with
+    one compare-and-set in the round's own store. In-place recovery keys its bookkeeping by it, since each
+    agent's restart count is its own (torch counts failures, not membership changes). Installed once per
+    process, by wrapping the handler's public `next_rendezvous`; other rendezvous backends are untouched."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    original = DynamicRendezvousHandler.next_rendezvous
+    if getattr(original, "_torchrig_round", False):
+        return
+
+    @functools.wraps(original)
+    def next_rendezvous(self: DynamicRendezvousHandler) -> Any:
+        info = original(self)
+        try:
+            token = info.store.compare_set(ROUND_KEY, "", uuid.uuid4().hex).decode()
+        except Exception as exc:  # no token: the workers restart the group instead of recovering in place
+            log.warning("in-place recovery: no round token from the rendezvous store: %s", exc)
+            os.environ.pop(Env.INPLACE_ROUND, None)
+        else:
+            os.environ[Env.INPLACE_ROUND] = token
+        return info
+
+    next_rendezvous._torchrig_round = True  # type: ignore[attr-defined]
+    DynamicRendezvousHandler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with `argv` (default: this process's arguments); 128 + signal when a signal ended it."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun_main
 
-    store = host_inplace_store()  # noqa: F841 - lives as long as the agent
+    args = sys.argv[1:] if argv is None else argv
+    store = host_inplace_store(argv=args)  # noqa: F841 - lives as long as the agent
+    export_rendezvous_round()
 
     try:
-        torchrun_main(argv)
+        torchrun_main(args)
     except SignalException as exc:
         code = 128 + int(exc.sigval)
         print(f"torchrig: torchrun stopped by {exc.sigval.name}; exiting {code} (retryable)", file=sys.stderr)

@@ -5,8 +5,10 @@ first seconds importing torch. Started one after the other they cost both import
 agent imports torchrun first and only then waits for the port, so the two imports overlap.
 
 Usage: `python -m orchestrator.backends._local_agent PORT_FILE TORCHRUN_ARGS...`: every occurrence
-of `STORE_PORT` in TORCHRUN_ARGS and in `TORCHRIG_INPLACE_STORE` becomes the port; then this process
-is `python -m torch.distributed.run TORCHRUN_ARGS...` (same exit status, same output).
+of `STORE_PORT` in TORCHRUN_ARGS and in `TORCHRIG_INPLACE_STORE` becomes the port (PORT_FILE `-`: the
+arguments already name it, as for a node added to a running job); then this process
+is `python -m torch.distributed.run TORCHRUN_ARGS...` (same exit status, same output), with the
+rendezvous round exported to its workers (`training.torchrun.export_rendezvous_round`).
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import time
 
 from training.contract import Env
 
-__all__ = ["PORT_PLACEHOLDER", "main", "read_port"]
+__all__ = ["NO_PORT_FILE", "PORT_PLACEHOLDER", "main", "read_port"]
 
 PORT_PLACEHOLDER = "STORE_PORT"
+NO_PORT_FILE = "-"
 WAIT_S = 60.0  # as long as the supervisor waits for the store
 
 
@@ -40,14 +43,18 @@ def main(argv: list[str]) -> int:
     port_file, args = argv[0], argv[1:]
     from torch.distributed.run import main as torchrun_main  # the slow import, beside the store's
 
-    port = read_port(port_file)
-    if port is None:
-        print(f"torchrig: the rendezvous store wrote no port to {port_file} in {WAIT_S:.0f} s", file=sys.stderr)
-        return 1
-    args = [a.replace(PORT_PLACEHOLDER, str(port)) for a in args]
-    if Env.INPLACE_STORE in os.environ:
-        os.environ[Env.INPLACE_STORE] = os.environ[Env.INPLACE_STORE].replace(PORT_PLACEHOLDER, str(port))
+    if port_file != NO_PORT_FILE:
+        port = read_port(port_file)
+        if port is None:
+            print(f"torchrig: the rendezvous store wrote no port to {port_file} in {WAIT_S:.0f} s", file=sys.stderr)
+            return 1
+        args = [a.replace(PORT_PLACEHOLDER, str(port)) for a in args]
+        if Env.INPLACE_STORE in os.environ:
+            os.environ[Env.INPLACE_STORE] = os.environ[Env.INPLACE_STORE].replace(PORT_PLACEHOLDER, str(port))
     sys.argv = ["torchrun", *args]
+    from training.torchrun import export_rendezvous_round
+
+    export_rendezvous_round()  # the in-place key space every node's hosts share
     torchrun_main(args)
     return 0
 

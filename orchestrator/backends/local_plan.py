@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from orchestrator.backends._local_agent import PORT_PLACEHOLDER
+from orchestrator.backends._local_agent import NO_PORT_FILE, PORT_PLACEHOLDER
 from orchestrator.backends.base import NodePlacement, SubmitOptions
 from orchestrator.errors import BackendError
 from orchestrator.spec import JobSpec
@@ -138,21 +138,21 @@ class LocalPlan:
     def agent_command(
         self, node: int, store_port: int | str, spec_file: str, *, port_file: str | None = None
     ) -> list[str]:
-        """Agent `node`'s `python -m torch.distributed.run ...` command line. With `port_file`, the
-        store is still starting: the agent imports torchrun meanwhile, then reads the port from that
-        file (`_local_agent`; `store_port` is ignored)."""
+        """Agent `node`'s command line: torchrun (`torch.distributed.run`) through `_local_agent`, which
+        exports the rendezvous round to the workers (every agent of a run must: the in-place key space
+        is the round's, and a node whose workers decided otherwise could never form a group with the
+        rest). With `port_file`, the store is still starting: the agent imports torchrun meanwhile, then
+        reads the port from that file (`store_port` is ignored); without it the store's port is known."""
         conf = ",".join(f"{k}={v}" for k, v in self.rdzv_conf().items())
         place = self.placement(node)
         if port_file is not None:
             store_port = PORT_PLACEHOLDER
-            launcher = ["orchestrator.backends._local_agent", port_file]
-        else:
-            launcher = ["torch.distributed.run"]
         return [
             *place.prefix,
             sys.executable,
             "-m",
-            *launcher,
+            "orchestrator.backends._local_agent",
+            port_file if port_file is not None else NO_PORT_FILE,
             f"--nnodes={self.nnodes}",
             f"--nproc-per-node={self.procs_per_node}",
             "--rdzv-backend=c10d",

@@ -6,8 +6,11 @@ Two shapes, following the operator (release-1.9) and its validating webhook:
   `PET_NNODES=min:max`, `PET_RDZV_ENDPOINT=<job>-worker-0:<pytorchjob-port>`, `PET_RDZV_BACKEND`,
   `PET_RDZV_ID`, `PET_MAX_RESTARTS` and `PET_NPROC_PER_NODE`, which `torchrun` reads as its defaults.
 - fixed size: Master (exactly 1 replica, webhook rule) + Worker (nodes - 1, omitted when 0). The
-  operator injects `MASTER_ADDR`, `MASTER_PORT`, `WORLD_SIZE` and `RANK` (the pod's node index, master
-  0) only when a Master exists, so the command passes them to torchrun through `$(VAR)` expansion.
+  operator injects `MASTER_ADDR` and `MASTER_PORT` only when a Master exists; the command passes them to
+  torchrun (`$(VAR)` expansion) as the endpoint of a c10d rendezvous, like the elastic shape's: the
+  master pod's agent hosts the store (its hostname is the endpoint's), a recreated pod rejoins the
+  running job (a static rendezvous could not take it back), and in-place recovery shares that store
+  across nodes (`Env.INPLACE_STORE_RDZV`).
 
 Every replica has `restartPolicy: ExitCode` (the operator runs the pods with `restartPolicy: Never` and
 reads the `pytorch` container's exit code, `pkg/controller.v1/common/pod.go` `ReconcilePods`): 128 and
@@ -47,12 +50,12 @@ def worker_command(spec: JobSpec, *, elastic: bool) -> list[str]:
         cmd += [
             "--nnodes",
             str(s.nodes.max),
-            "--node-rank",
-            f"$({Env.RANK})",
-            "--master-addr",
-            f"$({Env.MASTER_ADDR})",
-            "--master-port",
-            f"$({Env.MASTER_PORT})",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"$({Env.MASTER_ADDR}):$({Env.MASTER_PORT})",
+            "--rdzv-id",
+            spec.name,
             "--max-restarts",
             str(s.restarts.max),
         ]

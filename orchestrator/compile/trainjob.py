@@ -172,7 +172,7 @@ def _runtime_patch(spec: JobSpec) -> dict[str, Any]:
         "containers": [
             {
                 "name": CONTAINER_NAME,
-                "env": c.worker_env(spec),
+                "env": c.worker_env(spec, c10d=False),  # the torch plugin's static rendezvous
                 "volumeMounts": mounts,
                 "securityContext": p.container_security_context(),
             }

@@ -157,15 +157,17 @@ def test_fixed_size_pytorchjob_has_master_and_workers() -> None:
     assert "elasticPolicy" not in job["spec"]
     command = replicas["Master"]["template"]["spec"]["containers"][0]["command"]
     assert command[:6] == ["python", "-m", "training.launch", "--spec", "/etc/torchrig/job.yaml", "--"]  # preflight
-    assert command[6:14] == [
+    assert command[6:16] == [
         "torchrun",
         "--nproc-per-node",
         "8",
         "--nnodes",
         "4",
-        "--node-rank",
-        "$(RANK)",
-        "--master-addr",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "$(MASTER_ADDR):$(MASTER_PORT)",
+        "--rdzv-id",
     ]
 
 

@@ -78,6 +78,34 @@ def test_kill_rank_zero_of_four_recovers_in_place_bit_exactly(tmp_path: Path, re
 
 
 @pytest.mark.slow
+def test_hsdp_on_two_nodes_recovers_a_rank_in_place_on_its_node_bit_exactly(tmp_path: Path) -> None:
+    """Two emulated nodes of 2 ranks (two torchrun agents, one c10d rendezvous), HSDP (2 x 2 mesh) with
+    in-memory replicas: the agents share one in-place key space through the rendezvous round's token,
+    rank 2 (node 1) dies, node 1's warm spare takes its place, every member rebuilds its 2-D mesh on the
+    new generation (DTensor's cached plans must not hand back the old mesh's destroyed groups), and the
+    run ends bit-identical to an uninterrupted one, having lost at most the steps since the replica.
+    (DDP across pods: tests/pods/test_pods.py, the two-pod in-place test.)"""
+    spec = _spec(
+        "spec.nodes.min=2",
+        "spec.nodes.max=2",
+        "spec.procsPerNode=2",
+        "spec.training.strategy=hsdp",
+        "spec.checkpoint.inMemory.every=5",
+    )
+    opts = DrillOptions(drill_dir=str(tmp_path / "hsdp"), timeout_s=300, seed=1, at_step=12, rank=2, nodes=2)
+    report = run_drill("kill-worker", spec, opts)
+    assert report.passed, json.dumps(report.to_dict(), indent=1, default=str)[-4000:]
+    assert report.recovery_path == "inplace" and report.lost_steps is not None and report.lost_steps <= 5
+    assert report.final_params_match_reference is True
+    summary = Summary.read(Path(report.run_dir) / "summary.json")
+    assert summary is not None and summary.recoveries == {"inplace": 1} and summary.restarts == 0
+    node1 = (Path(report.run_dir) / "logs" / "node1.log").read_text()
+    assert "rank 2's trainer died; spare 0" in node1, "node 1's own spare took the rank"
+    recoveries = [e for e in read_events(Path(report.run_dir) / "events.jsonl") if e.kind is EventKind.RECOVERY]
+    assert sorted(e.get("role") for e in recoveries) == ["spare", "survivor", "survivor", "survivor"]
+
+
+@pytest.mark.slow
 def test_every_rank_lost_falls_back_to_a_bit_exact_group_restart(tmp_path: Path, reference: Summary) -> None:
     """All 4 ranks die at once: no survivor holds the state, so the hosts give up on in-place recovery at
     once (exit 203, without waiting for spares) and torchrun restarts the group from the newest

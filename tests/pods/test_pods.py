@@ -138,6 +138,30 @@ def test_killed_elastic_worker_pod_is_restarted_and_resumes_from_the_pvc(
     assert result["eval"]["loss"] == pytest.approx(reference_result["eval"]["loss"], rel=1e-5)
 
 
+def _replace_a_rank_in_place(
+    make: MakeCluster, rank: int, replica: str, store: str, *sets: str, fixed_size: bool = False
+) -> dict[str, Any]:
+    """Run the PyTorchJob with rank `rank` SIGKILLed at step 15; assert the manifest's in-place store
+    (`store` in `replica`'s env), that no pod restarted and that every member recovered in place losing
+    no step. Returns rank 0's result."""
+    kill = f'\'[{{"kind": "kill", "rank": {rank}, "step": 15}}]\''
+    objects = render("pytorchjob", *sets, f"spec.kubernetes.env.TORCHRIG_FAULTS={kill}", fixed_size=fixed_size)
+    container = one(objects, "PyTorchJob")["spec"]["pytorchReplicaSpecs"][replica]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in container["containers"][0]["env"]}
+    assert env["TORCHRIG_INPLACE_STORE"] == store
+    cluster, outcome = _run_pytorchjob(make, objects)
+    assert outcome.status == "Succeeded", _why(outcome, cluster)
+    assert {n: s.exit_codes for n, s in cluster.pods.items()} == {n: [0] for n in cluster.pods}, "no pod restart"
+    recoveries = [e for e in _events(cluster) if e.kind is EventKind.RECOVERY]
+    assert {e.get("path") for e in recoveries} == {"inplace"}, _why(outcome, cluster)
+    world = len(cluster.pods) * 2
+    assert sorted(e.get("role") for e in recoveries) == ["spare", *["survivor"] * (world - 1)]
+    assert {e.step for e in recoveries} == {15}, "no step lost"
+    result = _result(cluster)
+    assert (result["steps"], result["world_size"]) == (40, world)
+    return result
+
+
 def test_one_pod_job_replaces_a_killed_rank_in_place_without_restarting_the_pod(
     pod_cluster: MakeCluster, tmp_path: Path
 ) -> None:
@@ -145,21 +169,7 @@ def test_one_pod_job_replaces_a_killed_rank_in_place_without_restarting_the_pod(
     agent hosts the store (`TORCHRIG_INPLACE_STORE=agent` in the manifest), a warm spare in the pod takes
     the killed rank's place, the pod never restarts and the run ends bit-identical to an uninterrupted
     local run of the same spec."""
-    kill = '\'[{"kind": "kill", "rank": 1, "step": 15}]\''
-    objects = render("pytorchjob", "spec.nodes.max=1", f"spec.kubernetes.env.TORCHRIG_FAULTS={kill}")
-    assert [p.role for p in pytorchjob_pods(objects)] == ["master-0"]
-    container = one(objects, "PyTorchJob")["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
-    env = {e["name"]: e.get("value") for e in container["containers"][0]["env"]}
-    assert env["TORCHRIG_INPLACE_STORE"] == "agent"
-    cluster, outcome = _run_pytorchjob(pod_cluster, objects)
-    assert outcome.status == "Succeeded", _why(outcome, cluster)
-    assert {n: s.exit_codes for n, s in cluster.pods.items()} == {n: [0] for n in cluster.pods}, "no pod restart"
-    recoveries = [e for e in _events(cluster) if e.kind is EventKind.RECOVERY]
-    assert {e.get("path") for e in recoveries} == {"inplace"}, _why(outcome, cluster)
-    assert sorted(e.get("role") for e in recoveries) == ["spare", "survivor"]
-    assert {e.step for e in recoveries} == {15}, "no step lost"
-    result = _result(cluster)
-    assert (result["steps"], result["world_size"]) == (40, 2)
+    result = _replace_a_rank_in_place(pod_cluster, 1, "Master", "agent", "spec.nodes.max=1")
     from orchestrator.backends import get_backend
     from orchestrator.backends.base import SubmitOptions
     from orchestrator.loader import load_spec
@@ -169,6 +179,18 @@ def test_one_pod_job_replaces_a_killed_rank_in_place_without_restarting_the_pod(
     spec = load_spec(EXAMPLE, [*SCENARIO_SETS, "spec.nodes.max=1", f"spec.metrics.port={free_port()}"])
     reference = get_backend("local").launch(spec, SubmitOptions(run_dir=str(tmp_path / "ref"), quiet=True)).wait(240)
     assert result["params_sha256"] == reference.params_sha256
+
+
+def test_two_pod_job_replaces_a_killed_rank_in_place_across_pods_without_restarting_a_pod(
+    pod_cluster: MakeCluster, reference_result: dict[str, Any]
+) -> None:
+    """A fixed-size PyTorchJob (Master + Worker pod, 2 ranks each): both agents rendezvous over c10d at
+    the Master (`--rdzv-endpoint $(MASTER_ADDR):$(MASTER_PORT)`), in-place recovery shares that store
+    (`TORCHRIG_INPLACE_STORE=rdzv`) and the round's token. Rank 3 (the Worker pod) is killed: the
+    Worker pod's warm spare takes its place, the ranks in both pods keep their state, no pod restarts,
+    and the run ends bit-identical to the uninterrupted `torchrig run --nodes 2` reference."""
+    result = _replace_a_rank_in_place(pod_cluster, 3, "Worker", "rdzv", fixed_size=True)
+    assert result["params_sha256"] == reference_result["params_sha256"]
 
 
 def test_trainjob_with_two_nodes_trains_like_torchrig_run(

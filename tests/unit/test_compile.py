@@ -17,6 +17,7 @@ from orchestrator.loader import load_spec
 from orchestrator.naming import target_name_limit
 from orchestrator.spec import JobSpec
 from tests import crds
+from training.contract import Env
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -90,8 +91,14 @@ def test_pytorchjob_fixed_size_has_master_and_passes_master_env() -> None:
     cmd = container(replicas["Master"]["template"])["command"]
     assert cmd[: len(LAUNCH) + 3] == [*LAUNCH, "torchrun", "--nproc-per-node", "8"]
     joined = " ".join(cmd)
-    assert "--nnodes 4 --node-rank $(RANK) --master-addr $(MASTER_ADDR) --master-port $(MASTER_PORT)" in joined
+    # A c10d rendezvous hosted by the master pod's agent: a recreated pod rejoins, and in-place recovery
+    # shares the store across the nodes.
+    assert (
+        "--nnodes 4 --rdzv-backend c10d --rdzv-endpoint $(MASTER_ADDR):$(MASTER_PORT) --rdzv-id tinygpt-fsdp" in joined
+    )
     assert cmd[-4:] == ["-m", "training", "--spec", "/etc/torchrig/job.yaml"]
+    env = {e["name"]: e["value"] for e in container(replicas["Master"]["template"])["env"]}
+    assert env[Env.INPLACE_STORE] == Env.INPLACE_STORE_RDZV
 
 
 def test_pytorchjob_single_node_omits_worker() -> None:
@@ -317,6 +324,24 @@ def test_torchrun_command_parses_with_torchs_own_parser() -> None:
     assert plan.launcher == ("python", "-m", "training.launch", "--spec", "job.yaml", "--")
     assert shlex.split(plan.command) == [*plan.launcher, *plan.args]
     assert '"$HOST:29400"' in plan.command
+
+
+def test_pytorchjob_commands_parse_with_torchs_own_parser_as_a_c10d_rendezvous() -> None:
+    """Both shapes run torchrun over the c10d rendezvous: the fixed one at the Master's address (the
+    operator's `MASTER_ADDR`/`MASTER_PORT`, expanded by the kubelet), the elastic one from the operator's
+    `PET_RDZV_*` (torchrun's defaults, so nothing on the command line)."""
+    from torch.distributed.run import get_args_parser
+
+    for fixed in (True, False):
+        job = by_kind(compile(spec("tinygpt-fsdp"), "pytorchjob", fixed_size=fixed), "PyTorchJob")
+        replica = job["spec"]["pytorchReplicaSpecs"]["Master" if fixed else "Worker"]
+        cmd = container(replica["template"])["command"]
+        torchrun = cmd[cmd.index("torchrun") + 1 :]
+        expanded = [a.replace("$(MASTER_ADDR)", "job-master-0").replace("$(MASTER_PORT)", "23456") for a in torchrun]
+        args = get_args_parser().parse_args(expanded)
+        if fixed:
+            assert (args.rdzv_backend, args.rdzv_endpoint, args.nnodes) == ("c10d", "job-master-0:23456", "4")
+        assert args.module is True and args.training_script == "training"
 
 
 def test_torchrun_fixed_size() -> None:

@@ -53,8 +53,15 @@ def test_in_place_applies_only_to_ddp_with_spares_under_the_local_launch() -> No
     assert InPlace.from_spec(_worker_spec(), {k: v for k, v in LAUNCHED.items() if k != Env.INPLACE_STORE}) is None
     # Any world size on one node (`auto`, the default, as `inplace`).
     assert InPlace.from_spec(_worker_spec(), {**LAUNCHED, Env.WORLD_SIZE: "8"}) is not None
-    # One node only: with several agents a lost node takes its spares along (kill-node restarts).
+    # Several nodes: only with the c10d round token torchrig's agent exports (each agent counts its own
+    # restarts, so the restart count cannot name a key space every node shares).
     assert InPlace.from_spec(_worker_spec(), {**LAUNCHED, Env.GROUP_WORLD_SIZE: "2"}) is None
+    several = InPlace.from_spec(_worker_spec(), {**LAUNCHED, Env.GROUP_WORLD_SIZE: "2", Env.INPLACE_ROUND: "ab12"})
+    assert several is not None and several.node_rank == 1
+    assert several.prefix == "torchrig/inplace/job-1/round-ab12/"
+    # A placeholder no agent of ours replaced means no store.
+    for placeholder in (Env.INPLACE_STORE_AGENT, Env.INPLACE_STORE_RDZV):
+        assert InPlace.from_spec(_worker_spec(), {**LAUNCHED, Env.INPLACE_STORE: placeholder}) is None
     # FSDP/HSDP: in place only with in-memory replicas of the shards (`checkpoint.inMemory.every`).
     fsdp = _worker_spec()
     fsdp.spec.training.strategy = type(fsdp.spec.training.strategy)("fsdp")
@@ -72,7 +79,8 @@ def test_mode_inplace_says_why_a_launch_restarts_instead(caplog: pytest.LogCaptu
     with caplog.at_level("WARNING", logger="training.inplace"):
         assert InPlace.from_spec(_worker_spec(mode="inplace"), {**LAUNCHED, Env.GROUP_WORLD_SIZE: "2"}) is None
     assert [r.getMessage() for r in caplog.records] == [
-        "restarts.mode is inplace, but this launch recovers by a group restart: several nodes"
+        "restarts.mode is inplace, but this launch recovers by a group restart: several nodes without a c10d "
+        "rendezvous round to share"
     ]
 
 
@@ -176,10 +184,18 @@ def test_one_node_torchrun_targets_have_their_agent_host_the_in_place_store() ->
     for target in ("pytorchjob", "trainjob"):
         assert pod_env(one_node, target)[Env.INPLACE_STORE] == Env.INPLACE_STORE_AGENT, target
     assert compile_torchrun(one_node).env[Env.INPLACE_STORE] == Env.INPLACE_STORE_AGENT
-    # Ray runs no torchrun; several nodes, restart mode, no spares or one process recover by a restart.
+    # Several nodes over the c10d rendezvous (both PyTorchJob shapes, the torchrun target) share the
+    # rendezvous store; a TrainJob's static rendezvous has no round to share: it restarts the group.
+    nodes = ("spec.nodes.min=1", "spec.nodes.max=2", "spec.checkpoint.stores=[{uri: 's3://bucket/x'}]")
+    several, fixed = spec_of(*nodes), spec_of(*nodes, "spec.nodes.min=2")
+    assert pod_env(several, "pytorchjob")[Env.INPLACE_STORE] == Env.INPLACE_STORE_RDZV
+    assert pod_env(fixed, "pytorchjob")[Env.INPLACE_STORE] == Env.INPLACE_STORE_RDZV
+    assert compile_torchrun(several).env[Env.INPLACE_STORE] == Env.INPLACE_STORE_RDZV
+    assert Env.INPLACE_STORE not in pod_env(fixed, "trainjob")
+    # Ray runs no torchrun; restart mode, no spares or one process on one node recover by a restart.
     assert Env.INPLACE_STORE not in pod_env(one_node, "rayjob")
     for sets in (
-        ("spec.nodes.max=2", "spec.checkpoint.stores=[{uri: 's3://bucket/x'}]"),
+        (*nodes, "spec.restarts.spares=0"),
         ("spec.nodes.max=1", "spec.restarts.mode=restart"),
         ("spec.nodes.max=1", "spec.restarts.spares=0"),
         ("spec.nodes.max=1", "spec.procsPerNode=1"),
@@ -215,6 +231,71 @@ def test_the_agent_hosts_a_store_its_workers_reach_and_an_unreplaced_marker_mean
     assert store.get("k") == b"v"
     # Plain torchrun (no agent of ours replaced the marker): the launch recovers by a restart.
     assert InPlace.from_spec(_worker_spec(), {**LAUNCHED, Env.INPLACE_STORE: Env.INPLACE_STORE_AGENT}) is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "pet", "expected"),
+    [
+        (["--rdzv-backend", "c10d", "--rdzv-endpoint", "master-0:23456", "-m", "training"], {}, "master-0:23456"),
+        (["--rdzv_backend=c10d", "--rdzv_endpoint=node-a", "x.py"], {}, "node-a:29400"),  # c10d's default port
+        # The elastic PyTorchJob: the operator's PET_* variables are torchrun's defaults.
+        (["x.py"], {"PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": "job-worker-0:23456"}, "job-worker-0:23456"),
+        # The static rendezvous (a TrainJob's MASTER_ADDR launch): no shared round, no in-place store.
+        (["--nnodes", "2", "--master-addr", "m", "--master-port", "1", "x.py"], {}, None),
+    ],
+)
+def test_several_nodes_share_the_c10d_rendezvous_store(
+    argv: list[str], pet: dict[str, str], expected: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from training.torchrun import host_inplace_store
+
+    for name, value in pet.items():
+        monkeypatch.setenv(name, value)
+    env = {Env.INPLACE_STORE: Env.INPLACE_STORE_RDZV}
+    assert host_inplace_store(env, argv) is None, "nothing hosted here: the rendezvous host's agent serves it"
+    assert env.get(Env.INPLACE_STORE) == expected
+
+
+_AGENT = """
+import os, sys
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+from training.contract import Env
+from training.torchrun import export_rendezvous_round
+
+export_rendezvous_round()
+export_rendezvous_round()  # installed once however often it is called
+params = RendezvousParameters(
+    backend="c10d", endpoint=sys.argv[1], run_id="job", min_nodes=2, max_nodes=2, local_addr=sys.argv[2],
+    join_timeout="60", last_call_timeout="1",
+)
+backend, store = create_backend(params)
+handler = create_handler(store, backend, params)
+for _ in range(2):
+    handler.next_rendezvous()
+    print(os.environ[Env.INPLACE_ROUND], flush=True)
+"""
+
+
+def test_every_agent_of_a_c10d_round_exports_the_same_token_and_a_new_round_a_new_one() -> None:
+    """Two agents (processes, as on two nodes) rendezvous twice on one real c10d store: after each round
+    both export the same token (`Env.INPLACE_ROUND`), and the second round's differs from the first's."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)  # type: ignore[attr-defined]
+    agents = [
+        subprocess.Popen(
+            [sys.executable, "-c", _AGENT, f"127.0.0.1:{server.port}", f"node{i}"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = [agent.communicate(timeout=120) for agent in agents]
+    assert all(agent.returncode == 0 for agent in agents), [err[-2000:] for _, err in outputs]
+    first, second = (out.split() for out, _ in outputs)
+    assert first == second, "every agent of a round exports one token"
+    assert len(first) == 2 and first[0] != first[1] and len(first[0]) == 32
 
 
 _REHEARSE = """
@@ -271,3 +352,24 @@ def test_the_spares_rehearsal_warms_the_jobs_own_strategy(strategy: str) -> None
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["model_untouched"] and got["group_left"], got
     assert (got["fully_shard_calls"] > 0) is (strategy == "fsdp"), got
+
+
+def test_a_host_that_stops_beating_is_counted_lost_and_a_stalled_watcher_blames_nobody(store: Any) -> None:
+    from training.inplace.group import HostWatch
+    from training.inplace.host import _Beat
+
+    settings = InPlace(store_addr="", run_id="r", restart_count=0, node_rank=0, spares=1, timeout_s=5)
+    beats = [_Beat(settings, store, rank) for rank in range(3)]
+    watch = HostWatch(store, settings, 3, lost_after_s=0.6)
+    deadline = time.monotonic() + 5
+    gone: list[int] = []
+    while not gone and time.monotonic() < deadline:
+        for rank, beat in enumerate(beats):
+            if rank != 2:  # rank 2's host (its node) is gone
+                beat.tick()
+        gone = watch.lost()
+        time.sleep(0.02)
+    assert gone == [2]
+    # A watcher that was itself held up for over a second starts its clocks over: nobody is lost yet.
+    time.sleep(1.1)
+    assert watch.lost() == []

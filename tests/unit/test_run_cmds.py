@@ -44,7 +44,8 @@ def test_dry_run_shows_the_elastic_launch(tmp_path: Path) -> None:
     assert len(plan["agents"]) == 2
     cmd = plan["agents"][1]["command"]
     for part in (
-        "torch.distributed.run",
+        # torchrun through the agent module that exports the rendezvous round (every node's must).
+        "-m orchestrator.backends._local_agent",
         "--nnodes=1:2",
         "--nproc-per-node=2",
         "--max-restarts=3",

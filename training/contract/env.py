@@ -44,6 +44,14 @@ class Env:
     # torchrun agent (`training.torchrun`, which a trainer's death never ends) hosts the store itself on
     # 127.0.0.1 and hands its workers the address. Left unreplaced (plain torchrun): no in-place recovery.
     INPLACE_STORE_AGENT = "agent"
+    # `INPLACE_STORE`'s value in a compiled several-node launch over the c10d rendezvous (elastic
+    # PyTorchJob, `torchrun` target): the rendezvous store (hosted by the agent at `--rdzv-endpoint`,
+    # which every node reaches and a trainer's death never ends) carries in-place recovery too.
+    INPLACE_STORE_RDZV = "rdzv"
+    # Set by torchrig's torchrun agent after each c10d rendezvous (`training.torchrun.export_rendezvous_round`):
+    # one token for every agent of that round, so the hosts of all nodes share one in-place key space
+    # (each agent's `TORCHELASTIC_RESTART_COUNT` differs: a membership change restarts without counting).
+    INPLACE_ROUND = "TORCHRIG_INPLACE_ROUND"
     INPLACE_ROLE = "TORCHRIG_INPLACE_ROLE"  # "trainer" | "spare" (set by the per-rank host for its children)
     INPLACE_SPARE = "TORCHRIG_INPLACE_SPARE"  # a spare's index on its node (its keys in the store)
     # The CLI: seconds a Kubernetes / Ray Jobs API call may take, "S" or "CONNECT,READ" (default 10,30).

@@ -40,10 +40,13 @@ from training.contract import Env
 if TYPE_CHECKING:
     from training.config import WorkerSpec
 
-__all__ = ["IDENTITY_ENV", "ROLE_SPARE", "ROLE_TRAINER", "InPlace"]
+__all__ = ["BEAT_S", "HOST_LOST_S", "IDENTITY_ENV", "ROLE_SPARE", "ROLE_TRAINER", "InPlace"]
 
 log = logging.getLogger(__name__)
 ROLE_TRAINER = "trainer"
+BEAT_S = 0.25  # how often a host adds to its beat counter (`InPlace.beat_key`)
+# A host whose beat counter stood still this long is gone (its node lost, or cut off from the store).
+HOST_LOST_S = 3.0
 ROLE_SPARE = "spare"
 # What a host hands its spare: the launcher variables that make up a `WorkerIdentity`.
 IDENTITY_ENV = (
@@ -69,6 +72,8 @@ class InPlace:
         node_rank: This node's index (spares are per node).
         spares: Warm spares per node.
         timeout_s: `restarts.inPlaceTimeoutSeconds`.
+        round_token: The c10d rendezvous round's token (`Env.INPLACE_ROUND`), shared by every node's
+            agent; when set it names the key space instead of `restart_count`.
     """
 
     store_addr: str
@@ -77,6 +82,7 @@ class InPlace:
     node_rank: int
     spares: int
     timeout_s: float
+    round_token: str = ""
 
     @classmethod
     def from_spec(cls, spec: WorkerSpec, env: Mapping[str, str] | None = None) -> InPlace | None:
@@ -91,16 +97,17 @@ class InPlace:
             _not_in_place(restarts.mode, f"strategy {strategy} without checkpoint.inMemory.every keeps no replica")
             return None
         addr, run_id = env.get(Env.INPLACE_STORE, ""), env.get(Env.RUN_ID, "")
-        if addr == Env.INPLACE_STORE_AGENT:  # no agent of ours replaced it (`training.torchrun`): no store
-            addr = ""
+        if addr in (Env.INPLACE_STORE_AGENT, Env.INPLACE_STORE_RDZV):
+            addr = ""  # no agent of ours replaced it (`training.torchrun`): no store
         world_size = int(env.get(Env.WORLD_SIZE, "1") or 1)
         if not addr or not run_id or world_size < 2:
             return None
-        if int(env.get(Env.GROUP_WORLD_SIZE, "1") or 1) > 1:
-            # Several nodes (agents): each agent counts its own restarts (the key space would differ
-            # between nodes), and a lost node takes its spares with it, so the survivors would wait
-            # out the timeout for a spare that cannot come. Multi-node jobs restart the group.
-            _not_in_place(restarts.mode, "several nodes")
+        round_token = env.get(Env.INPLACE_ROUND, "")
+        if int(env.get(Env.GROUP_WORLD_SIZE, "1") or 1) > 1 and not round_token:
+            # Each agent counts its own restarts, so without the round token of torchrig's agent
+            # (`training.torchrun.export_rendezvous_round`: c10d rendezvous only) the nodes' key spaces
+            # would differ.
+            _not_in_place(restarts.mode, "several nodes without a c10d rendezvous round to share")
             return None
         return cls(
             store_addr=addr,
@@ -109,11 +116,13 @@ class InPlace:
             node_rank=int(env.get(Env.GROUP_RANK, "0") or 0),
             spares=restarts.spares,
             timeout_s=restarts.in_place_timeout_seconds,
+            round_token=round_token,
         )
 
     @property
     def prefix(self) -> str:
-        return f"torchrig/inplace/{self.run_id}/{self.restart_count}/"
+        launch = f"round-{self.round_token}" if self.round_token else str(self.restart_count)
+        return f"torchrig/inplace/{self.run_id}/{launch}/"
 
     def connect(self, timeout_s: float | None = None) -> Any:
         """A client of the long-lived store, under this launch's prefix (imports torch's c10d)."""
@@ -150,6 +159,13 @@ class InPlace:
         """How many ranks have lost their trainer and not yet stepped again with its replacement. At
         the world size nobody holds the state any more: waiting for spares is pointless."""
         return "lost"
+
+    @staticmethod
+    def beat_key(rank: int) -> str:
+        """A counter rank `rank`'s host adds to every `BEAT_S` for as long as it lives: members forming a
+        new generation see a lost host (its whole node lost) within `HOST_LOST_S` instead of waiting out
+        the in-place timeout for a rank nobody will bring back."""
+        return f"host{rank}/beat"
 
     @staticmethod
     def exit_key(pid: int) -> str:

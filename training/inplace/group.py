@@ -27,9 +27,9 @@ from torch import nn
 from torch._C._distributed_c10d import PrefixStore
 
 from training.contract import WorkerIdentity
-from training.inplace import InPlace, sockets
+from training.inplace import BEAT_S, HOST_LOST_S, InPlace, sockets
 
-__all__ = ["InPlaceGroup", "RecoveryFailed", "StateSync", "freeze_heap", "is_peer_failure"]
+__all__ = ["HostWatch", "InPlaceGroup", "RecoveryFailed", "StateSync", "freeze_heap", "is_peer_failure"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,40 @@ class StateSync:
     replaced: list[int]  # ranks that held no state (spares)
     progress: dict[str, Any]  # the source's `TrainerProgress.state_dict()`
     bucket_order: list[int] | None = None  # the source's DDP bucket layout (`Parallel.bucket_order`)
+
+
+class HostWatch:
+    """Which ranks' hosts are gone, from their beat counters (`InPlace.beat_key`), checked every `BEAT_S`.
+
+    A host is gone when its counter stood still for `HOST_LOST_S` of this watcher's own time. A watcher
+    that was itself held up (its checks more than a second apart: a loaded machine, a pause) starts
+    its clocks over instead of blaming the others for its own stall.
+    """
+
+    def __init__(self, store: Any, inplace: InPlace, world_size: int, *, lost_after_s: float = HOST_LOST_S) -> None:
+        self.store = store
+        self.keys = [inplace.beat_key(rank) for rank in range(world_size)]
+        self.lost_after_s = lost_after_s
+        self.seen: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it last moved)
+        self.last_check = -1.0
+
+    def lost(self) -> list[int]:
+        """The ranks whose host is gone (checked at most every `BEAT_S`; [] in between)."""
+        now = time.monotonic()
+        if now - self.last_check < BEAT_S:
+            return []
+        if now - self.last_check > 1.0:
+            self.seen.clear()  # the first check, or this watcher stalled: no clock to trust yet
+        self.last_check = now
+        gone = []
+        for rank, key in enumerate(self.keys):
+            count = int(self.store.add(key, 0))
+            before = self.seen.get(rank)
+            if before is None or before[0] != count:
+                self.seen[rank] = (count, now)
+            elif now - before[1] >= self.lost_after_s:
+                gone.append(rank)
+        return gone
 
 
 class InPlaceGroup:
@@ -115,9 +149,16 @@ class InPlaceGroup:
             # A survivor blocked on a live peer learns of the failure only through its collective's
             # timeout (below): the first ones wait that long for it, plus the time the spare takes.
             deadline = time.monotonic() + 2 * limit
+            hosts = HostWatch(self.store, self.inplace, world)
             while int(self.store.add(key, 0)) < world:
                 if cancelled is not None and cancelled():
                     raise RecoveryFailed(f"generation {generation}: a shutdown signal arrived while forming")
+                gone = hosts.lost()
+                if gone:
+                    raise RecoveryFailed(
+                        f"generation {generation}: the host of rank(s) {gone} stopped beating for "
+                        f"{HOST_LOST_S:g} s (its node is lost or cut off); nobody can bring those ranks back in place"
+                    )
                 if time.monotonic() > deadline:
                     raise RecoveryFailed(
                         f"generation {generation}: {int(self.store.add(key, 0))} of {world} ranks joined "

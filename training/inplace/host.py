@@ -38,7 +38,7 @@ from types import FrameType
 from typing import Any
 
 from training.contract import PERMANENT, Env, ExitCode
-from training.inplace import IDENTITY_ENV, ROLE_SPARE, ROLE_TRAINER, InPlace, forked
+from training.inplace import BEAT_S, IDENTITY_ENV, ROLE_SPARE, ROLE_TRAINER, InPlace, forked
 
 __all__ = ["die_with_parent", "run_host"]
 
@@ -239,6 +239,28 @@ def claim_spare(inplace: InPlace, store: Any, rank: int, pool: SparePool | None)
     return pid
 
 
+class _Beat:
+    """This host's heartbeat (`InPlace.beat_key`): one `add` every `BEAT_S`."""
+
+    def __init__(self, inplace: InPlace, store: Any, rank: int) -> None:
+        self.store = store
+        self.key = inplace.beat_key(rank)
+        self.next = 0.0
+        self.warned = False
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if now < self.next:
+            return
+        self.next = now + BEAT_S
+        try:
+            self.store.add(self.key, 1)
+        except Exception as exc:  # cut off from the store: peers will count this node lost, rightly
+            if not self.warned:
+                log.warning("in-place: the heartbeat failed: %s", exc)
+                self.warned = True
+
+
 def _stepped(store: Any, inplace: InPlace, pid: int) -> bool:
     try:
         return bool(store.check([inplace.stepped_key(pid)]))
@@ -269,8 +291,10 @@ def run_host(inplace: InPlace, argv: list[str]) -> int:
     for sig in _FORWARD:
         signal.signal(sig, _forward)
     lost = False  # this rank's trainer died and its replacement has not completed a step yet
+    beat = _Beat(inplace, store, rank)
     try:
         while True:
+            beat.tick()
             if lost and _stepped(store, inplace, current.pid):
                 with contextlib.suppress(Exception):
                     store.add(inplace.lost_key, -1)

@@ -180,10 +180,17 @@ key order (Helm's maps are sorted; the compiler keeps the job file's order). Arg
     {{- $builtin = append $builtin (list "PET_SIGNALS_TO_HANDLE" (printf "SIGTERM,SIGINT,SIGHUP,SIGQUIT,%s" .)) -}}
   {{- end -}}
 {{- end -}}
-{{- /* orchestrator.compile._common.inplace_store_env: one node that may recover in place has its torchrun agent host the store. */ -}}
+{{- /* orchestrator.compile._common.inplace_store_env: one node that may recover in place has its torchrun agent host the store;
+       several nodes over the c10d rendezvous (PyTorchJob) share the rendezvous store; a TrainJob's static rendezvous restarts. */ -}}
 {{- $r := .spec.restarts -}}
-{{- if and (eq (.spec.nodes.max | int) 1) (ge (.spec.procsPerNode | int) 2) (ne $r.mode "restart") (ge ($r.spares | int) 1) -}}
-  {{- $builtin = append $builtin (list "TORCHRIG_INPLACE_STORE" "agent") -}}
+{{- if and (ne $r.mode "restart") (ge ($r.spares | int) 1) -}}
+  {{- if eq (.spec.nodes.max | int) 1 -}}
+    {{- if ge (.spec.procsPerNode | int) 2 -}}
+      {{- $builtin = append $builtin (list "TORCHRIG_INPLACE_STORE" "agent") -}}
+    {{- end -}}
+  {{- else if eq .spec.kubernetes.target "pytorchjob" -}}
+    {{- $builtin = append $builtin (list "TORCHRIG_INPLACE_STORE" "rdzv") -}}
+  {{- end -}}
 {{- end -}}
 {{- $env := list -}}
 {{- $names := list -}}
