@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
         die_with_parent()
 
+    from training.checkpoint.results import CheckpointKeyError
     from training.inplace.group import RecoveryFailed
     from training.preemption import PreemptedExit
     from training.task import TaskLoadError
@@ -88,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     except TaskLoadError as exc:
         print(f"torchrig: error: {args.spec}: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except CheckpointKeyError as exc:  # a setting to fix: permanent, the checkpoints are left as they are
+        print(f"torchrig: error: {exc}", file=sys.stderr)
+        return int(ExitCode.ENVIRONMENT)
     except Exception as exc:
         # A failure inside training (the user's task, OOM, a lost peer): the traceback belongs in the
         # worker log, the last line says what happened; torchrun's error file gets the root cause.

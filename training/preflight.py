@@ -15,8 +15,12 @@ What is checked, in this order, cheapest first:
    would collide on its `step-N` directories, and the second would silently fail to commit every step
    the first already holds: `TASK_INVALID` (give the job its own store, or read the other job's
    checkpoint with `checkpoint.initFrom`);
-3. `task.entrypoint` imports and `task.args` build a Task: `TASK_INVALID`;
-4. with `resources.gpus > 0`, CUDA is available with that many devices: `ENVIRONMENT`.
+3. with `TORCHRIG_CHECKPOINT_KEY` set (and `checkpoint.resume` not `never`), no `file://` store holds this
+   job's checkpoints only under another key (manifests that name this job but fail their signature, and
+   not one that passes): `ENVIRONMENT`. Else the restore would find nothing it may load and the job
+   would be stopped there, after the rendezvous (`training.checkpoint.results.CheckpointKeyError`);
+4. `task.entrypoint` imports and `task.args` build a Task: `TASK_INVALID`;
+5. with `resources.gpus > 0`, CUDA is available with that many devices: `ENVIRONMENT`.
 
 Anything else a check raises is not a verdict: it propagates, and the launcher lets the job start (the
 worker meets the same error and the launcher's restarts handle it as any other failure).
@@ -32,9 +36,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 from training.config import WorkerSpec
-from training.contract import ExitCode
+from training.contract import Env, ExitCode
 
-__all__ = ["PreflightError", "check_gpus", "check_store_owners", "check_stores", "check_task", "preflight"]
+__all__ = [
+    "PreflightError",
+    "check_checkpoint_key",
+    "check_gpus",
+    "check_store_owners",
+    "check_stores",
+    "check_task",
+    "preflight",
+]
 
 _FENCE_NAME = re.compile(r"^\d{8,}\.json$")  # training.checkpoint.fence's objects (no torch import here)
 _FENCE_MAX_BYTES = 64 * 1024
@@ -127,6 +139,45 @@ def check_store_owners(spec: WorkerSpec, run_dir: str | None) -> None:
         )
 
 
+def check_checkpoint_key(spec: WorkerSpec, run_dir: str | None, env: dict[str, str] | None = None) -> None:
+    """This job's checkpoints in `file://` stores are not all signed with another key than the one set.
+
+    Raises:
+        PreflightError: `ENVIRONMENT`, naming `TORCHRIG_CHECKPOINT_KEY`, the store and the steps.
+    """
+    from training.checkpoint.manifest import list_checkpoints
+    from training.checkpoint.signing import signing_key_from_env
+    from training.checkpoint.storage import open_storage
+    from training.checkpoint_config import ResumePolicy
+
+    ckpt = spec.spec.checkpoint
+    key = signing_key_from_env(env)
+    if key is None or ckpt.resume is ResumePolicy.never:
+        return
+    wrong: list[tuple[int, str, list[int]]] = []
+    for i, store in enumerate(ckpt.stores):
+        if store.scheme != "file":
+            continue
+        try:
+            listing = list_checkpoints(open_storage(store.resolved_uri(run_dir)), key=key)
+        except (OSError, ValueError):
+            continue  # not listable (yet): the worker reports it
+        if any(c.manifest is not None and c.manifest.job == spec.name for c in listing):
+            return  # a checkpoint of this job that the key verifies: the restore has one to take
+        steps = [c.step for c in listing if c.untrusted and c.claimed_job == spec.name]
+        if steps:
+            wrong.append((i, store.uri, steps))
+    if wrong:
+        i, uri, steps = wrong[0]
+        shown = ", ".join(map(str, sorted(steps, reverse=True)[:5])) + (" ..." if len(steps) > 5 else "")
+        raise PreflightError(
+            ExitCode.ENVIRONMENT,
+            f"{Env.CHECKPOINT_KEY}: job {spec.name!r}'s checkpoints in spec.checkpoint.stores[{i}] ({uri}, "
+            f"steps {shown}) fail their signature check with this key: they were signed with another key (or "
+            "forged); set the key that signed them, or checkpoint.resume: never to start fresh on purpose",
+        )
+
+
 def check_task(spec: WorkerSpec) -> None:
     """`task.entrypoint` imports and returns a Task for `task.args`.
 
@@ -201,6 +252,7 @@ def preflight(spec: WorkerSpec, *, run_dir: str | os.PathLike[str] | None = None
     run_dir_s = None if run_dir is None else os.fspath(run_dir)
     check_stores(spec, run_dir_s)
     check_store_owners(spec, run_dir_s)
+    check_checkpoint_key(spec, run_dir_s)
     check_task(spec)
     if check_gpu:
         check_gpus(spec)

@@ -29,6 +29,7 @@ from training.checkpoint import (
 )
 from training.checkpoint.dcp_metadata import UnsafeMetadataError, load_metadata
 from training.checkpoint.manifest import DCP_METADATA, MANIFEST_NAME, step_dir
+from training.checkpoint.results import CheckpointKeyError
 from training.checkpoint.storage import check_relative, safe_join
 from training.contract import Env
 
@@ -161,9 +162,18 @@ def test_signed_manifests_restore_and_tampered_ones_never_do(tmp_path: Path, mon
     assert "does not match" in rows[3]["error"] and "unsigned" in rows[2]["error"]
     res = runner.invoke(cli, ["checkpoints", "verify", store])
     assert res.exit_code == 1 and "step 3 does not verify (manifest signature does not match" in res.output
-    # a wrong key trusts nothing; no key checks no signature
+    # A wrong key trusts nothing, and the job stops (permanently: a setting to fix) instead of starting
+    # over from step 0 behind its own checkpoints; they stay as they are. No key checks no signature.
     monkeypatch.setenv(Env.CHECKPOINT_KEY, "f" * 32)
-    assert CheckpointManager(config(store), ctx(tmp_path, 2)).restore(make_state(0)) is None
+    before = sorted(p.name for p in Path(store).iterdir())
+    with pytest.raises(
+        CheckpointKeyError,
+        match=r"\(s0: steps 1-3 \(3\)\) fail their signature check with this TORCHRIG_CHECKPOINT_KEY",
+    ):
+        CheckpointManager(config(store), ctx(tmp_path, 2)).restore(make_state(0))
+    assert sorted(p.name for p in Path(store).iterdir()) == before
+    # resume: never starts fresh on purpose, whatever the store holds
+    assert CheckpointManager(config(store, resume="never"), ctx(tmp_path, 3)).restore(make_state(0)) is None
     monkeypatch.delenv(Env.CHECKPOINT_KEY)
     assert runner.invoke(cli, ["checkpoints", "verify", store, "--step", "2"]).exit_code == 0
 

@@ -354,18 +354,22 @@ def test_the_spares_rehearsal_warms_the_jobs_own_strategy(strategy: str) -> None
     assert (got["fully_shard_calls"] > 0) is (strategy == "fsdp"), got
 
 
-def test_a_host_that_stops_beating_is_counted_lost_and_a_stalled_watcher_blames_nobody(store: Any) -> None:
-    from training.inplace.group import HostWatch
+def test_a_node_that_stops_beating_is_counted_lost_and_a_stalled_watcher_blames_nobody(store: Any) -> None:
+    from training.inplace.group import NodeWatch
     from training.inplace.host import _Beat
 
+    beats = [
+        _Beat(InPlace(store_addr="", run_id="r", restart_count=0, node_rank=node, spares=1, timeout_s=5), store)
+        for node in range(3)
+    ]
     settings = InPlace(store_addr="", run_id="r", restart_count=0, node_rank=0, spares=1, timeout_s=5)
-    beats = [_Beat(settings, store, rank) for rank in range(3)]
-    watch = HostWatch(store, settings, 3, lost_after_s=0.6)
+    watch = NodeWatch(store, settings, 3, lost_after_s=0.6)
+    assert watch.lost() == [], "no verdict before every node has beaten"
     deadline = time.monotonic() + 5
     gone: list[int] = []
     while not gone and time.monotonic() < deadline:
-        for rank, beat in enumerate(beats):
-            if rank != 2:  # rank 2's host (its node) is gone
+        for node, beat in enumerate(beats):
+            if node != 2 or time.monotonic() < deadline - 4.5:  # node 2 beats a little, then is lost
                 beat.tick()
         gone = watch.lost()
         time.sleep(0.02)
@@ -373,3 +377,21 @@ def test_a_host_that_stops_beating_is_counted_lost_and_a_stalled_watcher_blames_
     # A watcher that was itself held up for over a second starts its clocks over: nobody is lost yet.
     time.sleep(1.1)
     assert watch.lost() == []
+
+
+def test_a_member_gives_up_on_a_generation_once_a_watcher_found_a_node_lost(store: Any) -> None:
+    """Rank 1 of 4 waits for generation 2 to form with the 60 s in-place timeout; when a watcher (rank 0
+    or the last rank) has recorded a lost node, it gives up within a beat instead of waiting."""
+    from training.contract import WorkerIdentity
+    from training.inplace.group import InPlaceGroup
+
+    settings = InPlace(
+        store_addr=f"127.0.0.1:{store.port}", run_id="r", restart_count=0, node_rank=0, spares=1, timeout_s=60.0
+    )
+    identity = WorkerIdentity(rank=1, world_size=4, local_rank=1, local_world_size=2, node_rank=0, num_nodes=2)
+    group = InPlaceGroup(settings, identity, "gloo")
+    settings.connect().set(settings.nodes_lost_key(2), "node(s) [1] stopped beating for 3 s (lost or cut off)")
+    started = time.monotonic()
+    with pytest.raises(RecoveryFailed, match=r"^generation 2: node\(s\) \[1\] stopped beating .*back in place$"):
+        group.form(2)
+    assert time.monotonic() - started < 5

@@ -157,3 +157,33 @@ def test_the_launcher_refuses_a_foreign_store_with_one_line_and_exit_2(
     assert launch(["--spec", str(job), "--run-dir", str(tmp_path / "run"), "--no-gpu-check"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is already used by job 'first-job'" in err[0]
+
+
+def test_checkpoints_signed_with_another_key_stop_the_job_before_it_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rotated or mistyped `TORCHRIG_CHECKPOINT_KEY` must not make a resubmitted job start over from step
+    0 behind its own checkpoints: the preflight names the variable, the store and the steps (permanent),
+    and leaves the checkpoints as they are. The right key, `resume: never` or no key let it start."""
+    from tests.fixtures.checkpoint import ckpt_identity, config, save_steps
+    from training.checkpoint import CheckpointManager
+    from training.contract import Env
+
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv(Env.CHECKPOINT_KEY, "a" * 32)
+    store = str(run_dir / "checkpoints")
+    mgr = CheckpointManager(config(store, keep=5), ckpt_identity(run_dir, job="pf"))
+    save_steps(mgr, [1, 2])
+    mgr.close()
+    before = sorted(p.name for p in Path(store).iterdir())
+    preflight(worker_spec(tmp_path), run_dir=run_dir, check_gpu=False)  # the key that signed them
+    monkeypatch.setenv(Env.CHECKPOINT_KEY, "b" * 32)
+    code, message = verdict(worker_spec(tmp_path), run_dir)
+    assert code is ExitCode.ENVIRONMENT
+    assert message.startswith("TORCHRIG_CHECKPOINT_KEY: job 'pf''s checkpoints in spec.checkpoint.stores[0]")
+    assert "steps 2, 1) fail their signature check with this key" in message and "\n" not in message
+    assert sorted(p.name for p in Path(store).iterdir()) == before, "nothing written or removed"
+    never = {"stores": [{"uri": "file://./checkpoints"}], "resume": "never"}
+    preflight(worker_spec(tmp_path, checkpoint=never), run_dir=run_dir, check_gpu=False)
+    monkeypatch.delenv(Env.CHECKPOINT_KEY)
+    preflight(worker_spec(tmp_path), run_dir=run_dir, check_gpu=False)  # no key checks no signature

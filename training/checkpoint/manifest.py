@@ -242,6 +242,8 @@ class CheckpointListing:
         owner: The job the directory belongs to, when known otherwise than from its manifest (retention
             sets it for uncommitted directories, from the fence of their writer generation).
         untrusted: The manifest failed its signature check (a signing key is configured).
+        claimed_job: For an untrusted manifest, the job its unverified text names (never trusted for
+            anything but saying "these look like this job's checkpoints, signed with another key").
     """
 
     step: int
@@ -249,6 +251,7 @@ class CheckpointListing:
     error: str | None = None
     owner: str | None = None
     untrusted: bool = False
+    claimed_job: str | None = None
 
     @property
     def committed(self) -> bool:
@@ -276,10 +279,20 @@ def list_checkpoints(storage: CheckpointStorage, *, key: bytes | None = None) ->
         except FileNotFoundError:
             out.append(CheckpointListing(step, None))
         except SignatureError as exc:
-            out.append(CheckpointListing(step, None, error=str(exc), untrusted=True))
+            out.append(
+                CheckpointListing(step, None, error=str(exc), untrusted=True, claimed_job=_claimed_job(storage, step))
+            )
         except (ValueError, OSError) as exc:
             out.append(CheckpointListing(step, None, error=str(exc)))
     return sorted(out, key=lambda c: c.step, reverse=True)
+
+
+def _claimed_job(storage: CheckpointStorage, step: int) -> str | None:
+    """The job an unverified manifest names (plain JSON, parsed without its signature check), or None."""
+    try:
+        return read_manifest(storage, step).job or None
+    except (ValueError, OSError):
+        return None
 
 
 @dataclass

@@ -41,11 +41,11 @@ from training.checkpoint.manifest import (
     step_dir,
     verify_store,
 )
-from training.checkpoint.results import CheckpointError, RestoreResult
+from training.checkpoint.results import CheckpointError, CheckpointKeyError, RestoreResult
 from training.checkpoint.retention import exclusive_to
 from training.checkpoint.storage import CheckpointStorage, open_storage
 from training.checkpoint.writer import VerifiedReader
-from training.contract import EventKind, WorkerIdentity
+from training.contract import Env, EventKind, WorkerIdentity
 from training.metrics.base import MetricsSink
 
 __all__ = ["Candidate", "RestoreSearch", "SafeLoadPlanner"]
@@ -104,6 +104,8 @@ class RestoreSearch:
         self.source = source
         self._foreign: dict[tuple[str, str], list[int]] = defaultdict(list)  # (store, job) -> steps skipped
         self._legacy: dict[str, list[int]] = defaultdict(list)  # store -> job-less steps taken as ours
+        # store -> steps whose manifest names this job but fails its signature (another key signed it)
+        self._wrongly_signed: dict[str, list[int]] = defaultdict(list)
 
     def restore(self, state: dict[str, Any], *, required: str | None = None) -> RestoreResult | None:
         """Load the newest valid checkpoint into `state` in place; None when this job has none.
@@ -118,7 +120,9 @@ class RestoreSearch:
         """
         start = time.perf_counter()
         rank0 = self.identity.rank == 0
-        candidates = self.coll.broadcast_obj(self.find_candidates() if rank0 else None)
+        candidates, wrongly_signed = self.coll.broadcast_obj(
+            (self.find_candidates(), dict(self._wrongly_signed)) if rank0 else None
+        )
         partial = False  # a load failed on some rank after another rank had loaded its part
         for cand in candidates:
             local = self._node_local_copy(cand)
@@ -143,6 +147,17 @@ class RestoreSearch:
             raise CheckpointError(
                 "every copy failed to load after part of the state had been loaded on some rank; "
                 "refusing to start from a partly overwritten state"
+            )
+        if wrongly_signed and not candidates:
+            # This job's checkpoints, by the job their manifests name, fail their signature: the key set
+            # here is not the one that signed them (rotated, mistyped, another environment's Secret) or
+            # they were forged. Loading them is out of the question; starting over from step 0 would
+            # silently drop all their progress, and no restart fixes a key: stop, permanently, and say so.
+            where = "; ".join(f"{store}: steps {_steps(steps)}" for store, steps in sorted(wrongly_signed.items()))
+            raise CheckpointKeyError(
+                f"job {self.owner!r}'s checkpoints ({where}) fail their signature check with this "
+                f"{Env.CHECKPOINT_KEY}: they were signed with another key (or forged). Set the key that "
+                "signed them, or checkpoint.resume: never to start fresh on purpose"
             )
         if required is not None:
             raise CheckpointError(f"{required} ({', '.join(s.uri for s in self.stores)})")
@@ -221,6 +236,8 @@ class RestoreSearch:
         out: list[Manifest] = []
         for c in listing:
             m = c.manifest
+            if m is None and c.untrusted and self.owner is not None and c.claimed_job == self.owner:
+                self._wrongly_signed[store.name].append(c.step)
             if m is None:
                 if c.error:
                     log.warning("store %s: %s has a bad manifest (%s); ignored", store.name, step_dir(c.step), c.error)
@@ -256,6 +273,7 @@ class RestoreSearch:
         found: dict[tuple[int, int, str], Candidate] = {}
         self._foreign.clear()
         self._legacy.clear()
+        self._wrongly_signed.clear()
         for i, store in enumerate(self.stores):
             try:
                 listing = list_checkpoints(store, key=self.key)

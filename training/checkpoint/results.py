@@ -5,11 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CheckpointError", "RestoreResult", "SaveOutcome"]
+__all__ = ["CheckpointError", "CheckpointKeyError", "RestoreResult", "SaveOutcome"]
 
 
 class CheckpointError(Exception):
     """No valid checkpoint where one was required, or a checkpoint could not be loaded."""
+
+
+class CheckpointKeyError(CheckpointError):
+    """This job's checkpoints are there but signed with another key than `TORCHRIG_CHECKPOINT_KEY`: a
+    setting to fix (the worker exits `ExitCode.ENVIRONMENT`, permanent), not a failure a restart cures."""
 
 
 @dataclass(frozen=True)

@@ -161,11 +161,18 @@ class InPlace:
         return "lost"
 
     @staticmethod
-    def beat_key(rank: int) -> str:
-        """A counter rank `rank`'s host adds to every `BEAT_S` for as long as it lives: members forming a
-        new generation see a lost host (its whole node lost) within `HOST_LOST_S` instead of waiting out
-        the in-place timeout for a rank nobody will bring back."""
-        return f"host{rank}/beat"
+    def beat_key(node: int) -> str:
+        """A counter node `node`'s local-rank-0 host adds to every `BEAT_S` for as long as it lives: the
+        members forming a new generation learn of a lost node within `HOST_LOST_S` instead of waiting
+        out the in-place timeout for ranks nobody will bring back. One key per node, not per rank: at
+        1,000 nodes that is 4,000 small writes a second on the store."""
+        return f"node{node}/beat"
+
+    @staticmethod
+    def nodes_lost_key(generation: int) -> str:
+        """Set by a member that found a node's beat stopped while generation `generation` formed (what
+        it found): every member gives up on that generation at once."""
+        return f"gen{generation}/nodes-lost"
 
     @staticmethod
     def exit_key(pid: int) -> str:

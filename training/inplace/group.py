@@ -29,7 +29,7 @@ from torch._C._distributed_c10d import PrefixStore
 from training.contract import WorkerIdentity
 from training.inplace import BEAT_S, HOST_LOST_S, InPlace, sockets
 
-__all__ = ["HostWatch", "InPlaceGroup", "RecoveryFailed", "StateSync", "freeze_heap", "is_peer_failure"]
+__all__ = ["InPlaceGroup", "NodeWatch", "RecoveryFailed", "StateSync", "freeze_heap", "is_peer_failure"]
 
 log = logging.getLogger(__name__)
 
@@ -72,37 +72,40 @@ class StateSync:
     bucket_order: list[int] | None = None  # the source's DDP bucket layout (`Parallel.bucket_order`)
 
 
-class HostWatch:
-    """Which ranks' hosts are gone, from their beat counters (`InPlace.beat_key`), checked every `BEAT_S`.
+class NodeWatch:
+    """Which nodes are gone, from their beat counters (`InPlace.beat_key`), read every `BEAT_S` in one
+    `multi_get`.
 
-    A host is gone when its counter stood still for `HOST_LOST_S` of this watcher's own time. A watcher
+    A node is gone when its counter stood still for `HOST_LOST_S` of this watcher's own time. A watcher
     that was itself held up (its checks more than a second apart: a loaded machine, a pause) starts
     its clocks over instead of blaming the others for its own stall.
     """
 
-    def __init__(self, store: Any, inplace: InPlace, world_size: int, *, lost_after_s: float = HOST_LOST_S) -> None:
+    def __init__(self, store: Any, inplace: InPlace, nodes: int, *, lost_after_s: float = HOST_LOST_S) -> None:
         self.store = store
-        self.keys = [inplace.beat_key(rank) for rank in range(world_size)]
+        self.keys = [inplace.beat_key(node) for node in range(nodes)]
         self.lost_after_s = lost_after_s
-        self.seen: dict[int, tuple[int, float]] = {}  # rank -> (counter, when it last moved)
+        self.seen: dict[int, tuple[bytes, float]] = {}  # node -> (counter, when it last moved)
         self.last_check = -1.0
 
     def lost(self) -> list[int]:
-        """The ranks whose host is gone (checked at most every `BEAT_S`; [] in between)."""
+        """The nodes whose beat stopped (checked at most every `BEAT_S`; [] in between, and while some
+        node has not beaten yet)."""
         now = time.monotonic()
         if now - self.last_check < BEAT_S:
             return []
         if now - self.last_check > 1.0:
             self.seen.clear()  # the first check, or this watcher stalled: no clock to trust yet
         self.last_check = now
+        if not self.store.check(self.keys):
+            return []
         gone = []
-        for rank, key in enumerate(self.keys):
-            count = int(self.store.add(key, 0))
-            before = self.seen.get(rank)
+        for node, count in enumerate(self.store.multi_get(self.keys)):
+            before = self.seen.get(node)
             if before is None or before[0] != count:
-                self.seen[rank] = (count, now)
+                self.seen[node] = (count, now)
             elif now - before[1] >= self.lost_after_s:
-                gone.append(rank)
+                gone.append(node)
         return gone
 
 
@@ -149,16 +152,26 @@ class InPlaceGroup:
             # A survivor blocked on a live peer learns of the failure only through its collective's
             # timeout (below): the first ones wait that long for it, plus the time the spare takes.
             deadline = time.monotonic() + 2 * limit
-            hosts = HostWatch(self.store, self.inplace, world)
+            lost_key = self.inplace.nodes_lost_key(generation)
+            # Two members watch the nodes' beats (the first and the last rank: on different nodes when
+            # there are several) and tell the others through one key: O(nodes) reads per check, not
+            # O(world x nodes).
+            watch = NodeWatch(self.store, self.inplace, self.identity.num_nodes) if rank in (0, world - 1) else None
+            next_look = 0.0
             while int(self.store.add(key, 0)) < world:
                 if cancelled is not None and cancelled():
                     raise RecoveryFailed(f"generation {generation}: a shutdown signal arrived while forming")
-                gone = hosts.lost()
-                if gone:
-                    raise RecoveryFailed(
-                        f"generation {generation}: the host of rank(s) {gone} stopped beating for "
-                        f"{HOST_LOST_S:g} s (its node is lost or cut off); nobody can bring those ranks back in place"
-                    )
+                if watch is not None and (gone := watch.lost()):
+                    found = f"node(s) {gone} stopped beating for {HOST_LOST_S:g} s (lost or cut off)"
+                    self.store.compare_set(lost_key, "", found)
+                now = time.monotonic()
+                if now >= next_look:
+                    next_look = now + BEAT_S
+                    if self.store.check([lost_key]):
+                        raise RecoveryFailed(
+                            f"generation {generation}: {self.store.get(lost_key).decode()}; nobody can bring "
+                            "their ranks back in place"
+                        )
                 if time.monotonic() > deadline:
                     raise RecoveryFailed(
                         f"generation {generation}: {int(self.store.add(key, 0))} of {world} ranks joined "

@@ -240,11 +240,11 @@ def claim_spare(inplace: InPlace, store: Any, rank: int, pool: SparePool | None)
 
 
 class _Beat:
-    """This host's heartbeat (`InPlace.beat_key`): one `add` every `BEAT_S`."""
+    """This node's heartbeat (`InPlace.beat_key`), kept by its local-rank-0 host: one `add` every `BEAT_S`."""
 
-    def __init__(self, inplace: InPlace, store: Any, rank: int) -> None:
+    def __init__(self, inplace: InPlace, store: Any) -> None:
         self.store = store
-        self.key = inplace.beat_key(rank)
+        self.key = inplace.beat_key(inplace.node_rank)
         self.next = 0.0
         self.warned = False
 
@@ -291,10 +291,11 @@ def run_host(inplace: InPlace, argv: list[str]) -> int:
     for sig in _FORWARD:
         signal.signal(sig, _forward)
     lost = False  # this rank's trainer died and its replacement has not completed a step yet
-    beat = _Beat(inplace, store, rank)
+    beat = _Beat(inplace, store) if local_rank == 0 else None  # one beat per node (`InPlace.beat_key`)
     try:
         while True:
-            beat.tick()
+            if beat is not None:
+                beat.tick()
             if lost and _stepped(store, inplace, current.pid):
                 with contextlib.suppress(Exception):
                     store.add(inplace.lost_key, -1)
