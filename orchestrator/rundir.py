@@ -102,6 +102,7 @@ def build_summary(
     total_steps: int | None = None,
     reason: str | None = None,
     cancel_wins: bool = False,
+    since: float | None = None,
 ) -> Summary:
     """summary.json from the files the workers wrote (result.json, events.jsonl, metrics.jsonl).
 
@@ -119,11 +120,21 @@ def build_summary(
         cancel_wins: A `cancelled` status stays `cancelled` even when the workers' last act was a
             preemption: on Ray a cancel shuts Ray down, which SIGTERMs the workers, so their emergency
             checkpoint is the cancel's doing (locally a first Ctrl-C is a preemption on purpose).
+        since: Wall time this attempt started: a result.json written before it is an earlier attempt's
+            (a resubmit reuses the run directory) and says nothing of this one.
     """
     files = RunFiles(run_dir)
     result = read_json(files.result) or {}
+    if result and since is not None:
+        try:
+            if files.result.stat().st_mtime < since:
+                result = {}
+        except OSError:
+            result = {}
     events = read_events(files.events)
     metrics = read_jsonl(files.metrics)
+    if since is not None:  # an earlier attempt's last step is not this attempt's progress
+        metrics = [m for m in metrics if isinstance(m.get("time"), (int, float)) and m["time"] >= since]
     last_metric = metrics[-1] if metrics else {}
 
     restored_from: list[dict[str, Any]] = []

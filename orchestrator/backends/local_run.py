@@ -376,6 +376,7 @@ class LocalRun:
             stores=stores,
             total_steps=self.spec.spec.training.steps,
             reason=reason,
+            since=self._started_at,
         )
         if log is not None:
             summary.failure_log = str(log)

@@ -91,7 +91,9 @@ def test_pytorchjob_fixed_master_and_worker_get_the_operator_env() -> None:
         assert env["RANK"] == env["PET_NODE_RANK"] == rank and env["PET_NNODES"] == "2"
         assert env["PET_NPROC_PER_NODE"] == "2"
         argv = _argv(pod)
-        assert argv[argv.index("--node-rank") + 1] == rank
+        # torchrun rendezvous over c10d at the Master, the kubelet having expanded $(MASTER_ADDR):$(MASTER_PORT)
+        assert argv[argv.index("--rdzv-backend") + 1] == "c10d"
+        assert argv[argv.index("--rdzv-endpoint") + 1] == "digits-ddp-master-0:23456"
     _assert_runnable(objects, [master, worker])
 
 

@@ -349,3 +349,33 @@ def test_a_store_whose_writes_fail_is_dropped_and_the_other_commits_a_verifying_
     result = CheckpointManager(config(str(a), str(b)), ctx(tmp_path, 1)).restore(target)
     assert result is not None and (result.step, result.store) == (1, good_name)
     assert torch.equal(target["model"]["w"], big["model"]["w"])
+
+
+def test_a_commit_shortens_the_gil_switch_interval_only_while_it_runs() -> None:
+    """The commit thread waits for the training thread's GIL turn at every return to Python; while any
+    commit runs the interval is short, and the last one out restores the interpreter's own."""
+    import sys
+    import threading
+
+    from training.checkpoint import manager
+
+    own = sys.getswitchinterval()
+    inside: list[float] = []
+    entered, release = threading.Event(), threading.Event()
+
+    def commit() -> None:
+        with manager.commit_priority():
+            inside.append(sys.getswitchinterval())
+            entered.set()
+            release.wait(5)
+
+    other = threading.Thread(target=commit)
+    other.start()
+    assert entered.wait(5)
+    with manager.commit_priority():  # a second, overlapping commit
+        inside.append(sys.getswitchinterval())
+    assert sys.getswitchinterval() == manager.COMMIT_SWITCH_INTERVAL_S, "still short: the other commit runs"
+    release.set()
+    other.join(5)
+    assert inside == [manager.COMMIT_SWITCH_INTERVAL_S] * 2
+    assert sys.getswitchinterval() == own

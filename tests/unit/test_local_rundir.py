@@ -186,3 +186,20 @@ def test_cancel_of_a_supervisor_that_ignores_sigterm_records_the_users_cancel(
     finally:
         stubborn.kill()
         stubborn.wait()
+
+
+def test_a_resubmits_summary_ignores_the_earlier_attempts_result_and_metrics(tmp_path: Path) -> None:
+    """A job resubmitted into its run directory that fails before its first step must not report the
+    earlier attempt's "20/20 steps, loss ...": result.json and metrics older than this attempt's start
+    say nothing of it."""
+    import os
+    import time
+
+    _lines(tmp_path / "metrics.jsonl", [{"time": 100.0, "step": 20, "loss": 0.5}])
+    (tmp_path / "result.json").write_text(json.dumps({"steps": 20, "final_loss": 0.25, "params_sha256": "ab"}))
+    os.utime(tmp_path / "result.json", (100.0, 100.0))
+    started = time.time()
+    summary = build_summary(tmp_path, status="failed", wall_s=1.0, stores=[], total_steps=20, since=started)
+    assert summary.steps is None and summary.final_loss is None and summary.params_sha256 is None
+    # Without `since` (a first attempt) the same files are this run's.
+    assert build_summary(tmp_path, status="failed", wall_s=1.0, stores=[], total_steps=20).steps == 20

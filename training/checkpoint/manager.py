@@ -45,10 +45,14 @@ Modules: `save` (staging, background save, upload, commit), `writer` (the tee DC
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -300,10 +304,47 @@ class CheckpointManager:
         self, step: int, staged: dict[str, Any], start: float, blocked_s: float, *, synchronous: bool, final: bool
     ) -> SaveOutcome:
         """The background thread's job: the pipeline, then the bookkeeping and the records."""
-        outcome = self._pipeline.run(step, staged, start, blocked_s, synchronous=synchronous, final=final)
+        with commit_priority():
+            outcome = self._pipeline.run(step, staged, start, blocked_s, synchronous=synchronous, final=final)
         if outcome.committed:
             self._last_committed_step = step
         self.history.append(outcome)
         self._pipeline.report(outcome)
         self._pipeline.retire()  # retention, once the commit is on record
         return outcome
+
+
+# While a commit runs beside the training loop, the interpreter hands the GIL over every this many
+# seconds instead of its default 5 ms (`sys.setswitchinterval`). The commit thread's work between its
+# GIL-releasing calls (hashing, writes, fsync) is short Python, and each return to Python waits for the
+# training thread to give the GIL up: at 5 ms a turn that wait dominates a busy job's commit
+# (docs/performance.md, `checkpoint_commit`). None keeps the interpreter's setting.
+COMMIT_SWITCH_INTERVAL_S: float | None = 0.0005
+_priority_lock = threading.Lock()
+_priority_users = 0
+_priority_saved: float | None = None
+
+
+@contextlib.contextmanager
+def commit_priority() -> Iterator[None]:
+    """Shorten the GIL switch interval for as long as any commit runs (nested and concurrent uses share
+    one change; the last one out restores the interpreter's value)."""
+    global _priority_users, _priority_saved
+    interval = COMMIT_SWITCH_INTERVAL_S
+    if interval is None:
+        yield
+        return
+    with _priority_lock:
+        if _priority_users == 0:
+            _priority_saved = sys.getswitchinterval()
+            if interval < _priority_saved:
+                sys.setswitchinterval(interval)
+        _priority_users += 1
+    try:
+        yield
+    finally:
+        with _priority_lock:
+            _priority_users -= 1
+            if _priority_users == 0 and _priority_saved is not None:
+                sys.setswitchinterval(_priority_saved)
+                _priority_saved = None
