@@ -364,7 +364,7 @@ def test_a_node_that_stops_beating_is_counted_lost_and_a_stalled_watcher_blames_
     ]
     settings = InPlace(store_addr="", run_id="r", restart_count=0, node_rank=0, spares=1, timeout_s=5)
     watch = NodeWatch(store, settings, 3, lost_after_s=0.6)
-    assert watch.lost() == [], "no verdict before every node has beaten"
+    assert watch.lost() == [], "no verdict within the first beat"
     deadline = time.monotonic() + 5
     gone: list[int] = []
     while not gone and time.monotonic() < deadline:
