@@ -26,6 +26,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from training.checkpoint.digest import valid_part_bytes
 from training.checkpoint.signing import SIGNATURE_FIELD, SignatureError, check_signature, sign
 from training.checkpoint.storage import CheckpointStorage, UnsafePathError, safe_join, sha256_file
 
@@ -52,7 +53,7 @@ __all__ = [
 
 MANIFEST_NAME = "manifest.json"
 DCP_METADATA = ".metadata"  # DCP's metadata file, written by rank 0 into the generation directory
-MANIFEST_VERSION = 2
+MANIFEST_VERSION = 3  # 3: digests over parts (`digest_part_bytes`, digest.py)
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
 _GEN_RE = re.compile(r"^gen-(\d{4,})$")
 # The only file paths a writer puts in a manifest (relative to the step directory).
@@ -116,6 +117,8 @@ class Manifest:
         extra: Free-form additions.
         restart_count: Elastic restart count within the launch (diagnostics).
         writer: The writer's random id (diagnostics; ties a manifest to its fence object).
+        digest_part_bytes: The part size of the files' digests (`digest.py`); 0 (manifests before version
+            3): each file's digest is its whole SHA-256.
     """
 
     step: int
@@ -132,6 +135,7 @@ class Manifest:
     extra: dict[str, Any] = field(default_factory=dict)
     restart_count: int = 0
     writer: str = ""
+    digest_part_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -178,6 +182,8 @@ def check_layout(manifest: Manifest) -> None:
         raise ManifestLayoutError("job and run_id must be strings")
     if not isinstance(m.extra, dict):
         raise ManifestLayoutError("extra must be a JSON object")
+    if not valid_part_bytes(m.digest_part_bytes):
+        raise ManifestLayoutError("digest_part_bytes must be 0 or a power of two from 64 KiB to 1 GiB")
     seen: set[str] = set()
     metadata = 0
     for f in m.files:
@@ -327,7 +333,7 @@ def verify_store(
         rel = f"{base}/{entry.path}" if base else entry.path
         try:
             if hashes:
-                digest, size = storage.sha256(rel)
+                digest, size = storage.sha256(rel, manifest.digest_part_bytes)
             else:
                 digest, size = entry.sha256, storage.size(rel)
         except UnsafePathError as exc:
@@ -366,7 +372,7 @@ def verify_local(directory: str, manifest: Manifest, paths: list[str] | None = N
         if os.path.getsize(local) != entry.size:
             report.bad[entry.path] = f"size {os.path.getsize(local)} != {entry.size}"
             continue
-        digest, size = sha256_file(local)
+        digest, size = sha256_file(local, manifest.digest_part_bytes)
         report.checked_bytes += size
         if digest != entry.sha256:
             report.bad[entry.path] = "sha256 mismatch"

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
@@ -190,7 +191,13 @@ class RestoreSearch:
         # (planner: SafeLoadPlanner, below: a store's bytes are never unpickled beyond plain data)
         """Collective: load `cand` from `view` with every file verified while read; None, or why it failed."""
         expected = {e.path: (e.sha256, e.size) for e in cand.manifest.files}
-        reader = VerifiedReader(view.read_range, cand.manifest.dcp_dir, expected, local_path=view.local_file)
+        reader = VerifiedReader(
+            view.read_range,
+            cand.manifest.dcp_dir,
+            expected,
+            local_path=view.local_file,
+            digest_part_bytes=cand.manifest.digest_part_bytes,
+        )
         try:
             with self.coll.quiet_single_process():
                 dcp_load(
@@ -374,8 +381,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        # DCP's DefaultLoadPlanner.load_bytes, with weights_only=True
         loaded = torch.load(value, weights_only=True)
-        safe = io.BytesIO()
-        torch.save(loaded, safe)  # the parent stores what torch.load of these bytes returns
-        safe.seek(0)
-        super().load_bytes(read_item, safe)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils._pytree import tree_map
 
 from training.checkpoint.collectives import Collectives
+from training.checkpoint.digest import DIGEST_PART_BYTES
 from training.checkpoint.fence import Fence
 from training.checkpoint.manifest import (
     DCP_METADATA,
@@ -236,7 +237,7 @@ class SavePipeline:
                 shutil.rmtree(local_step, ignore_errors=True)
             self.coll.barrier()
         plan = self._plan_targets(step, generation, local_step)
-        tee = TeeFileSystem(plan.targets)
+        tee = TeeFileSystem(plan.targets, DIGEST_PART_BYTES)
         try:
             with self.coll.quiet_single_process():
                 metadata = dcp_save(
@@ -299,6 +300,7 @@ class SavePipeline:
             restart_count=ident.generation,
             writer=writer,
             extra=dict(self.manifest_extra),
+            digest_part_bytes=DIGEST_PART_BYTES,
         )
         result: dict[str, Any] = {"ok": [], "failed": {}}
         if ident.rank == 0:

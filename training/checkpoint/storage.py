@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import os
 import uuid
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import urlparse
+
+from training.checkpoint.digest import digest_of
 
 __all__ = [
     "ATOMIC_CREATE_SCHEMES",
@@ -79,15 +80,10 @@ def safe_join(root: str, rel: str) -> str:
     return path
 
 
-def sha256_file(path: str) -> tuple[str, int]:
-    """The sha256 hex digest and size of a local file, read in chunks."""
-    digest = hashlib.sha256()
-    size = 0
+def sha256_file(path: str, part_bytes: int = 0) -> tuple[str, int]:
+    """The manifest digest (`digest.py`: whole-file sha256 when `part_bytes` is 0) and size of a local file."""
     with open(path, "rb") as fh:
-        while chunk := fh.read(CHUNK_BYTES):
-            digest.update(chunk)
-            size += len(chunk)
-    return digest.hexdigest(), size
+        return digest_of(iter(lambda: fh.read(CHUNK_BYTES), b""), part_bytes)
 
 
 @runtime_checkable
@@ -140,8 +136,9 @@ class CheckpointStorage(Protocol):
     def atomic_create(self) -> bool:
         """Whether `create_exclusive` is one atomic operation on this store (else: check, then write)."""
 
-    def sha256(self, rel: str) -> tuple[str, int]:
-        """Digest and size of a stored file, streamed from the store."""
+    def sha256(self, rel: str, part_bytes: int = 0) -> tuple[str, int]:
+        """The manifest digest (`digest.py`; whole-file sha256 when `part_bytes` is 0) and size of a stored
+        file, streamed from the store."""
 
 
 class FsspecStorage:
@@ -327,14 +324,9 @@ class FsspecStorage:
         if self.fs.exists(full):
             self.fs.rm(full, recursive=True)
 
-    def sha256(self, rel: str) -> tuple[str, int]:
-        digest = hashlib.sha256()
-        size = 0
+    def sha256(self, rel: str, part_bytes: int = 0) -> tuple[str, int]:
         with self.fs.open(self._full(rel), "rb", block_size=CHUNK_BYTES) as fh:
-            while chunk := fh.read(CHUNK_BYTES):
-                digest.update(chunk)
-                size += len(chunk)
-        return digest.hexdigest(), size
+            return digest_of(iter(lambda: fh.read(CHUNK_BYTES), b""), part_bytes)
 
 
 def open_storage(uri: str, options: dict[str, Any] | None = None, name: str | None = None) -> FsspecStorage:

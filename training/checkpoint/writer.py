@@ -25,6 +25,7 @@ become the manifest's entries: no file is read back to be hashed.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import io
@@ -32,15 +33,20 @@ import logging
 import mmap
 import os
 import shutil
+import sys
+import warnings
+import zipfile
 from collections.abc import Callable, Generator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import IO, Any, cast
 
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
 
+from training.checkpoint.digest import DIGEST_PART_BYTES, PartDigest, root_of
 from training.checkpoint.manifest import DCP_METADATA
 
 __all__ = [
@@ -56,6 +62,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+: fault a range in, one call
 HASH_CHUNK = 8 * 1024 * 1024  # a large write is written and hashed in chunks of this size, in parallel
 _SMALL = 64 * 1024  # writes below this are gathered in a buffer (torch.save writes ~40 tiny records per tensor)
 
@@ -82,7 +89,7 @@ class _TeeStream(io.RawIOBase):
         super().__init__()
         self._fs = fs
         self._rel = rel
-        self._digest = hashlib.sha256()
+        self._digest = PartDigest(fs.part_bytes)
         self._size = 0
         self._buffer = bytearray()
         self._fds: dict[int, int] = {}  # target index -> fd
@@ -185,10 +192,12 @@ class TeeFileSystem(FileSystemBase):
 
     Args:
         targets: the directories that each get a physical copy.
+        part_bytes: the part size of the files' digests (`digest.py`; 0: whole-file sha256).
     """
 
-    def __init__(self, targets: list[Target]) -> None:
+    def __init__(self, targets: list[Target], part_bytes: int = DIGEST_PART_BYTES) -> None:
         self.targets = targets
+        self.part_bytes = part_bytes
         self.digests: dict[str, tuple[str, int]] = {}
         self.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrig-hash")
         self.syncer = ThreadPoolExecutor(max_workers=max(1, len(targets)), thread_name_prefix="torchrig-sync")
@@ -433,6 +442,43 @@ class _MemoryFS(FileSystemBase):
         raise io.UnsupportedOperation("rm_file")
 
 
+def _tensor_in(item: memoryview) -> Any:
+    """The tensor `torch.save` wrote in `item`, as a CPU view of `item`'s bytes (no copy); None when the item
+    is something else or in a byte order other than this machine's (the caller then lets DCP load it)."""
+    import torch
+
+    # The byte order first: torch.load(map_location="meta") of an archive in the other byte order crashes
+    # the process (torch 2.13 byte-swaps the meta storage: a segmentation fault), where DCP's path swaps.
+    if _byte_order(item) != sys.byteorder:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.frombuffer on a read-only buffer: it is only read from here
+        meta = torch.load(cast(IO[bytes], _ViewStream(item)), map_location="meta", weights_only=True)
+        if not isinstance(meta, torch.Tensor) or type(meta) is not torch.Tensor:
+            return None
+        storage = meta.untyped_storage()
+        offset = getattr(storage, "_checkpoint_offset", None)
+        if offset is None:
+            return None
+        nbytes = storage.nbytes()
+        if offset < 0 or offset + nbytes > item.nbytes:
+            raise VerifyError(errno.EIO, f"tensor storage [{offset}, {offset + nbytes}) outside its item")
+        if nbytes == 0:
+            return torch.empty(meta.size(), dtype=meta.dtype)
+        base = torch.frombuffer(item, dtype=torch.uint8, count=nbytes, offset=offset).view(meta.dtype)
+        # as_strided checks that the shape and strides stay inside the storage
+        return base.as_strided(meta.size(), meta.stride(), meta.storage_offset())
+
+
+def _byte_order(item: memoryview) -> str:
+    """The byte order a `torch.save` archive records ("little" when it records none, as torch.load assumes)."""
+    with zipfile.ZipFile(_ViewStream(item)) as archive:
+        for name in archive.namelist():
+            if name.endswith("/byteorder"):
+                return archive.read(name).decode("ascii", "replace")
+    return "little"
+
+
 ReadRange = Callable[[str, int, int], bytes]  # (path below the step directory, start, end) -> the bytes
 LocalPath = Callable[[str], "str | None"]  # path below the step directory -> a local file to map, or None
 
@@ -440,16 +486,25 @@ LocalPath = Callable[[str], "str | None"]  # path below the step directory -> a 
 class VerifiedReader(FileSystemReader):
     """DCP's `FileSystemReader` that reads each file it needs once, in parallel parts, hashing while reading.
 
-    A file is checked against its manifest entry (size and sha256) before any of it is handed to DCP, and
+    A file is checked against its manifest entry (size and digest) before any of it is handed to DCP, and
     every file this rank needs is read and checked before the first tensor is loaded: a corrupt copy
     raises `VerifyError` (DCP passes it to every rank) and leaves this rank's state untouched.
+
+    A local file is mapped read-only (the page cache is the buffer: no copy, no memory of this process's
+    own); its parts are faulted in (`MADV_POPULATE_READ`, one call per part instead of one page fault per
+    4 KiB) and hashed on several threads at once. An object is read in parallel ranged reads, each part
+    hashed on the thread that read it. Digests over parts (manifest version 3, `digest.py`) are hashed in
+    parallel; an older manifest's whole-file SHA-256 is one stream, hashed in order while the later parts
+    are still being read.
 
     Args:
         read_range: reads bytes [start, end) of a file of the step directory (a local file or an object).
         dcp_dir: the checkpoint's directory below the step directory (`gen-G`).
-        expected: path below the step directory -> (sha256, size), from the manifest.
-        part_bytes: the size of the parts read in parallel.
-        threads: how many parts are read at once.
+        expected: path below the step directory -> (digest, size), from the manifest.
+        local_path: path below the step directory -> a local file to map, or None (then `read_range`).
+        digest_part_bytes: the manifest's `digest_part_bytes` (0: whole-file SHA-256).
+        part_bytes: the size of the parts read at once (rounded up to a multiple of the digest's parts).
+        threads: how many parts are read (and hashed) at once.
     """
 
     def __init__(
@@ -459,6 +514,7 @@ class VerifiedReader(FileSystemReader):
         expected: dict[str, tuple[str, int]],
         *,
         local_path: LocalPath | None = None,
+        digest_part_bytes: int = 0,
         part_bytes: int = 16 * 1024 * 1024,
         threads: int = 8,
     ) -> None:
@@ -467,74 +523,117 @@ class VerifiedReader(FileSystemReader):
         self._local_path = local_path
         self._maps: list[mmap.mmap] = []
         self._expected = expected
-        self._part = part_bytes
+        self._digest_part = digest_part_bytes
+        dp = digest_part_bytes
+        self._part = -(-part_bytes // dp) * dp if dp else part_bytes
         self._threads = threads
+        self._pool: ThreadPoolExecutor | None = None
         self._mem = _MemoryFS()
         self.fs = cast(Any, self._mem)
         self.path = cast(Path, dcp_dir)
         self.bytes_read = 0
 
     def _fetch(self, rels: list[str]) -> None:
-        """Read and verify `rels` (paths below the step directory) into memory, in parallel parts."""
+        """Read and verify `rels` (paths below the step directory) into memory, all at once in parallel parts."""
         todo = [r for r in dict.fromkeys(rels) if r not in self._mem.files]
         for rel in todo:
             if rel not in self._expected:
                 raise VerifyError(errno.ENOENT, f"{rel}: not in the manifest")
-        local = {r: p for r in todo if (p := self._local_path(r) if self._local_path else None) is not None}
-        for rel, path in local.items():
-            self._map_and_check(rel, path)
-        todo = [r for r in todo if r not in local]
-        with ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="torchrig-read") as pool:
-            parts: dict[str, list[Future[bytes]]] = {}
-            for rel in todo:
-                size = self._expected[rel][1]
-                bounds = [(o, min(o + self._part, size)) for o in range(0, size, self._part)] or [(0, 0)]
-                parts[rel] = [pool.submit(self._read_range, rel, a, b) for a, b in bounds]
-            for rel in todo:
-                digest = hashlib.sha256()
-                chunks: list[bytes] = []
-                for fut in parts[rel]:
-                    chunk = fut.result()
-                    digest.update(chunk)  # releases the GIL: hashes part k while parts k+1.. are read
-                    chunks.append(chunk)
-                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-                want_digest, want_size = self._expected[rel]
-                if len(data) != want_size:
-                    raise VerifyError(errno.EIO, f"{rel}: size {len(data)} != {want_size}")
-                if digest.hexdigest() != want_digest:
-                    raise VerifyError(errno.EIO, f"{rel}: sha256 mismatch")
-                self._mem.files[rel] = data
-                self.bytes_read += len(data)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="torchrig-read")
+        pool = self._pool
+        pending: list[tuple[str, Any, list[Future[Any]]]] = []
+        try:
+            for rel in todo:  # every part of every file is queued before the first is awaited
+                path = self._local_path(rel) if self._local_path else None
+                data, parts = self._map_parts(pool, rel, path) if path is not None else self._read_parts(pool, rel)
+                pending.append((rel, data, parts))
+            for rel, data, parts in pending:
+                self._check(rel, data, parts)
+        finally:
+            for _, _, parts in pending:  # a failed file: the others' parts are not left running
+                for fut in parts:
+                    fut.cancel()
+            wait([f for _, _, parts in pending for f in parts])
 
-    def _map_and_check(self, rel: str, path: str) -> None:
-        """A local file: map it read-only (the page cache is the buffer: no copy), hash the mapping."""
-        want_digest, want_size = self._expected[rel]
+    def _bounds(self, size: int, part: int) -> list[tuple[int, int]]:
+        return [(o, min(o + part, size)) for o in range(0, size, part)] or [(0, 0)]
+
+    def _part_digests(self, data: Any) -> list[bytes]:
+        """The raw digests of the digest parts of one read part (its offset is a multiple of them)."""
+        dp = self._digest_part
+        with memoryview(data) as view:
+            return [hashlib.sha256(view[o : o + dp]).digest() for o in range(0, max(len(view), 1), dp)]
+
+    def _read_parts(self, pool: ThreadPoolExecutor, rel: str) -> tuple[None, list[Future[Any]]]:
+        """An object: ranged reads in parallel, each part's digest parts hashed on the thread that read it."""
+
+        def read(a: int, b: int) -> tuple[bytes, list[bytes] | None]:
+            chunk = self._read_range(rel, a, b)
+            return chunk, self._part_digests(chunk) if self._digest_part else None
+
+        return None, [pool.submit(read, a, b) for a, b in self._bounds(self._expected[rel][1], self._part)]
+
+    def _map_parts(self, pool: ThreadPoolExecutor, rel: str, path: str) -> tuple[Any, list[Future[Any]]]:
+        """A local file: map it read-only; fault each part in and hash it on the pool's threads."""
+        want_size = self._expected[rel][1]
         try:
             with open(path, "rb") as fh:
                 size = os.fstat(fh.fileno()).st_size
                 if size != want_size:
                     raise VerifyError(errno.EIO, f"{rel}: size {size} != {want_size}")
                 if size == 0:
-                    data: Any = b""
-                else:
-                    # The kernel reads the whole file ahead while the mapping is hashed from its start.
-                    os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
-                    data = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ)
-                    self._maps.append(data)
+                    return b"", []
+                os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
+                data = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ)
+                self._maps.append(data)
         except FileNotFoundError as exc:
             raise VerifyError(errno.ENOENT, f"{rel}: missing") from exc
-        digest = hashlib.sha256()
-        view = memoryview(data)
-        for off in range(0, size, HASH_CHUNK):
-            digest.update(view[off : off + HASH_CHUNK])  # releases the GIL; page faults read the disk
-        view.release()
-        if digest.hexdigest() != want_digest:
+        part = self._digest_part or self._part
+
+        def fault_in(a: int, b: int) -> list[bytes] | tuple[int, int]:
+            with suppress(OSError, ValueError):  # before Linux 5.14: the hash's page faults read the part
+                data.madvise(_MADV_POPULATE_READ, a, b - a)
+            if not self._digest_part:
+                return (a, b)  # hashed in order by `_check`
+            with memoryview(data) as view:
+                return [hashlib.sha256(view[a:b]).digest()]
+
+        return data, [pool.submit(fault_in, a, b) for a, b in self._bounds(size, part)]
+
+    def _check(self, rel: str, data: Any, parts: list[Future[Any]]) -> None:
+        """Wait for `rel`'s parts, check its size and digest, and hand it to DCP's view of the files."""
+        want_digest, want_size = self._expected[rel]
+        digests: list[bytes] = []
+        whole = hashlib.sha256()
+        chunks: list[bytes] = []
+        for fut in parts:  # in order; hashlib releases the GIL: part k is hashed while k+1.. are read
+            got = fut.result()
+            if data is None:  # an object: (bytes, its digest parts' digests or None)
+                chunk, got = got
+                chunks.append(chunk)
+                if got is None:
+                    whole.update(chunk)
+            if isinstance(got, tuple):  # a mapped part faulted in, for the whole-file digest
+                with memoryview(data) as view:
+                    whole.update(view[got[0] : got[1]])
+            elif got is not None:
+                digests.extend(got)
+        if data is None:
+            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        if len(data) != want_size:
+            raise VerifyError(errno.EIO, f"{rel}: size {len(data)} != {want_size}")
+        digest = root_of(digests) if self._digest_part else whole.hexdigest()
+        if digest != want_digest:
             raise VerifyError(errno.EIO, f"{rel}: sha256 mismatch")
         self._mem.files[rel] = data
-        self.bytes_read += size
+        self.bytes_read += len(data)
 
     def close(self) -> None:
         """Unmap the local files (the loaded tensors are copies: nothing points into them any more)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
         self._mem.files.clear()
         for m in self._maps:
             with suppress(BufferError):  # a view still exported: the mapping goes with its last user
@@ -557,6 +656,41 @@ class VerifiedReader(FileSystemReader):
         return metadata
 
     def read_data(self, plan: Any, planner: Any) -> Any:
+        """Load the plan's items from the verified files: each tensor with one copy, straight from the
+        verified bytes (the page cache for a mapped local file) into its place in the state.
+
+        DCP's own reader `torch.load`s every item into a new tensor and then copies that into the state: two
+        passes over memory. Here `torch.load(map_location="meta")` reads only the item's pickle (dtype,
+        shape, strides, and where its storage's bytes lie in the item, as torch's own experimental
+        `checkpoint_reader` does), and the state's tensor is filled from a view of those bytes. Items this
+        cannot take (non-tensor values, DCP extensions such as compression, a byte order other than this
+        machine's) go through DCP's own path.
+        """
+        from torch.distributed.checkpoint.planner import LoadItemType
+
         needed = sorted({f"{self.path}/{self.storage_data[i.storage_index].relative_path}" for i in plan.items})
         self._fetch(needed)
-        return super().read_data(plan, planner)
+        rest = []
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            if item.type == LoadItemType.BYTE_IO or info.transform_descriptors:
+                rest.append(item)
+                continue
+            data = self._mem.files[f"{self.path}/{info.relative_path}"]
+            with memoryview(data) as whole, whole[info.offset : info.offset + info.length] as view:
+                source = _tensor_in(view)
+                if source is None:
+                    rest.append(item)
+                    continue
+                target = planner.resolve_tensor(item).detach()
+                source = narrow_tensor_by_index(source, item.storage_offsets, item.lengths)
+                if target.size() != source.size():
+                    raise VerifyError(
+                        errno.EIO,
+                        f"{info.relative_path}: item {item.storage_index.fqn} has shape "
+                        f"{tuple(source.size())}, the state's is {tuple(target.size())}",
+                    )
+                target.copy_(source)
+                del source
+            planner.commit_tensor(item, target)
+        return super().read_data(dataclasses.replace(plan, items=rest), planner)

@@ -1,0 +1,193 @@
+"""Digests over parts (manifest version 3) and the one-copy load: what a restore verifies and loads.
+
+Files above one digest part (4 MiB) are what the other checkpoint tests never write: here a ~9 MB state
+goes through a file store (mapped, parts faulted in and hashed on threads) and an object store (ranged
+reads), a byte flipped in a middle part is caught, and manifests written before version 3 (whole-file
+SHA-256) still restore."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import itertools
+import json
+import uuid
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.fixtures.checkpoint import Progress, Recorder, config, ctx
+from training.checkpoint import CheckpointManager, open_storage
+from training.checkpoint.digest import DIGEST_PART_BYTES, digest_of, root_of, valid_part_bytes
+from training.checkpoint.manifest import MANIFEST_NAME, MANIFEST_VERSION, read_manifest, step_dir, verify_store
+from training.checkpoint.storage import sha256_file
+from training.checkpoint.writer import _tensor_in
+
+pytestmark = pytest.mark.timeout(120)
+
+SIDE = 1500  # a 1500 x 1500 float32 tensor: 9 MB, three digest parts
+
+
+def _reference(data: bytes, part: int) -> str:
+    """The digest as digest.py defines it, written out plainly."""
+    if part == 0 or len(data) <= part:
+        return hashlib.sha256(data).hexdigest()
+    leaves = b"".join(hashlib.sha256(data[o : o + part]).digest() for o in range(0, len(data), part))
+    return hashlib.sha256(leaves).hexdigest()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    data=st.binary(max_size=300),
+    part=st.sampled_from([0, 1, 7, 16, 64]),
+    cuts=st.lists(st.integers(min_value=0, max_value=300), max_size=6),
+)
+def test_part_digest_of_any_chunking_matches_the_definition(data: bytes, part: int, cuts: list[int]) -> None:
+    bounds = sorted({0, len(data), *[c for c in cuts if c <= len(data)]})
+    chunks = [data[a:b] for a, b in itertools.pairwise(bounds)]
+    assert digest_of(chunks, part) == (_reference(data, part), len(data))
+
+
+def test_a_file_of_one_part_has_its_plain_sha256() -> None:
+    for data in (b"", b"x", bytes(64)):
+        assert digest_of([data], 64)[0] == hashlib.sha256(data).hexdigest()
+    two = bytes(range(65))
+    assert digest_of([two], 64)[0] != hashlib.sha256(two).hexdigest()
+    assert root_of([b"\x01" * 32]) == "01" * 32
+
+
+def test_valid_part_sizes() -> None:
+    assert valid_part_bytes(0) and valid_part_bytes(DIGEST_PART_BYTES) and valid_part_bytes(64 * 1024)
+    for bad in (-1, 1, 1000, 3 * 2**20, 2**31, True, "4194304", None, 4.0):
+        assert not valid_part_bytes(bad), bad
+
+
+def _big_state(seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(SIDE, SIDE), "t": torch.randn(40, 30).t(), "h": torch.randn(33).bfloat16()},
+        "progress": Progress(seed),
+    }
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    for k in ("w", "t", "h"):
+        assert a["model"][k].dtype == b["model"][k].dtype and torch.equal(a["model"][k], b["model"][k]), k
+    assert a["progress"].step == b["progress"].step
+
+
+def _save(uris: list[str], tmp_path: Path) -> dict[str, Any]:
+    mgr = CheckpointManager(config(*uris), ctx(tmp_path))
+    state = _big_state(1)
+    mgr.save(1, state)
+    mgr.wait()
+    mgr.close()
+    return state
+
+
+def test_a_multi_part_checkpoint_is_verified_and_loaded_exactly_from_file_and_object_stores(tmp_path: Path) -> None:
+    file_uri, mem_uri = str(tmp_path / "a"), f"memory://digest-{uuid.uuid4().hex[:8]}"
+    saved = _save([file_uri, mem_uri], tmp_path)
+    manifest = read_manifest(open_storage(file_uri), 1)
+    assert manifest.version == MANIFEST_VERSION == 3 and manifest.digest_part_bytes == DIGEST_PART_BYTES
+    shard = next(e for e in manifest.files if e.path.endswith(".distcp"))
+    path = Path(file_uri) / step_dir(1) / shard.path
+    assert shard.size > 2 * DIGEST_PART_BYTES  # several parts: the tree digest, not the plain sha256
+    data = path.read_bytes()
+    assert shard.sha256 == _reference(data, DIGEST_PART_BYTES) != hashlib.sha256(data).hexdigest()
+    assert sha256_file(str(path), DIGEST_PART_BYTES) == (shard.sha256, shard.size)
+    assert verify_store(open_storage(file_uri), manifest).ok and verify_store(open_storage(mem_uri), manifest).ok
+    for uris, store in (([file_uri, mem_uri], "s0"), ([mem_uri], "s0")):
+        target = _big_state(7)
+        result = CheckpointManager(config(*uris), ctx(tmp_path, 1)).restore(target)
+        assert result is not None and (result.step, result.store) == (1, store)
+        _same(target, saved)
+        assert not target["model"]["t"].is_contiguous()  # loaded into the state's own (strided) tensor
+
+
+def test_a_flipped_byte_in_a_middle_part_is_caught_and_the_other_copy_loads(tmp_path: Path) -> None:
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    saved = _save([a, b], tmp_path)
+    manifest = read_manifest(open_storage(a), 1)
+    shard = next(e for e in manifest.files if e.path.endswith(".distcp"))
+    path = Path(a) / step_dir(1) / shard.path
+    data = bytearray(path.read_bytes())
+    data[DIGEST_PART_BYTES + 12345] ^= 0x10  # inside the second part, in the tensor's bytes
+    path.write_bytes(bytes(data))
+    report = verify_store(open_storage(a), manifest)
+    assert not report.ok and report.bad == {shard.path: "sha256 mismatch"}
+    sink = Recorder()
+    target = _big_state(7)
+    before = target["model"]["w"].clone()
+    result = CheckpointManager(config(a), ctx(tmp_path, 1), sink)
+    with pytest.raises(Exception, match="no copy of any of them could be loaded"):
+        result.restore(target)
+    assert torch.equal(target["model"]["w"], before)  # the corrupt copy never reached the state
+    assert any(e == "checkpoint_corrupt" and "sha256 mismatch" in f["detail"] for e, f in sink.events)
+    got = CheckpointManager(config(a, b), ctx(tmp_path, 2)).restore(target)
+    assert got is not None and got.store == "s1"
+    _same(target, saved)
+
+
+def test_a_manifest_written_before_part_digests_still_restores(tmp_path: Path) -> None:
+    """Version 2 manifests (no digest_part_bytes: whole-file sha256) stay readable, from both read paths."""
+    file_uri, mem_uri = str(tmp_path / "a"), f"memory://digest-{uuid.uuid4().hex[:8]}"
+    saved = _save([file_uri, mem_uri], tmp_path)
+    for uri in (file_uri, mem_uri):
+        store: Any = open_storage(uri)
+        raw = json.loads(store.read_bytes(f"{step_dir(1)}/{MANIFEST_NAME}"))
+        raw["version"] = 2
+        del raw["digest_part_bytes"]
+        for entry in raw["files"]:
+            entry["sha256"] = hashlib.sha256(store.read_bytes(f"{step_dir(1)}/{entry['path']}")).hexdigest()
+        store.write_bytes_atomic(f"{step_dir(1)}/{MANIFEST_NAME}", json.dumps(raw).encode())
+        old = read_manifest(store, 1)
+        assert old.digest_part_bytes == 0 and verify_store(store, old).ok
+        target = _big_state(7)
+        result = CheckpointManager(config(uri), ctx(tmp_path, 1)).restore(target)
+        assert result is not None and result.step == 1
+        _same(target, saved)
+
+
+@pytest.mark.parametrize("bad", [3 * 2**20, 1, -4, "4194304"])
+def test_a_manifest_with_an_odd_part_size_is_rejected(tmp_path: Path, bad: Any) -> None:
+    a = str(tmp_path / "a")
+    _save([a], tmp_path)
+    store = open_storage(a)
+    raw = json.loads(store.read_bytes(f"{step_dir(1)}/{MANIFEST_NAME}"))
+    raw["digest_part_bytes"] = bad
+    store.write_bytes_atomic(f"{step_dir(1)}/{MANIFEST_NAME}", json.dumps(raw).encode())
+    with pytest.raises(ValueError, match="digest_part_bytes"):
+        read_manifest(store, 1)
+
+
+def _saved_item(t: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return buf.getvalue()
+
+
+def test_tensor_items_are_viewed_in_place_with_their_strides_and_dtype() -> None:
+    base = torch.arange(24, dtype=torch.float64).reshape(4, 6)
+    for t in (base, base.t(), base[1:3, 2:5], base.to(torch.bfloat16), torch.empty(0, 3)):
+        item = memoryview(_saved_item(t))
+        got = _tensor_in(item)
+        assert got is not None and got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t)
+    assert _tensor_in(memoryview(_saved_item({"not": "a tensor"}))) is None  # type: ignore[arg-type]
+
+
+def test_an_item_in_another_byte_order_is_left_to_dcp() -> None:
+    item = _saved_item(torch.arange(6, dtype=torch.int32))
+    src = zipfile.ZipFile(io.BytesIO(item))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            data = b"big" if info.filename.endswith("/byteorder") else src.read(info)
+            dst.writestr(info, data)
+    assert _tensor_in(memoryview(item)) is not None
+    assert _tensor_in(memoryview(out.getvalue())) is None
