@@ -32,6 +32,7 @@ __all__ = [
     "BackendError",
     "CompileError",
     "FinalCheckpointLost",
+    "JobFailed",
     "RecoveryFailed",
     "SpecError",
     "TorchrigError",
@@ -86,6 +87,13 @@ class BackendError(TorchrigError):
     """The backend (launcher, Ray, Kubernetes API) failed."""
 
     exit_code = EXIT_BACKEND
+
+
+class JobFailed(TorchrigError):
+    """A worker failed on an error no restart cures (a permanent exit: a setting or the spec to fix, or
+    checkpoints corrupt in every store): the run ended without spending its restarts."""
+
+    exit_code = EXIT_FAILED
 
 
 class RecoveryFailed(TorchrigError):

@@ -30,6 +30,7 @@ from training.contract import (
 
 __all__ = [
     "build_summary",
+    "error_line",
     "find_run_dirs",
     "iter_rank_lines",
     "last_save",
@@ -303,6 +304,22 @@ def rank_of_line(line: str) -> int | None:
     """The global rank of a `[rank<R>]:`-prefixed log line, None for an agent's own line."""
     match = _RANK_PREFIX_RE.match(line)
     return int(match.group(1)) if match else None
+
+
+def error_line(log: Path | None, tail_bytes: int = 64 * 1024) -> str | None:
+    """The last `torchrig: error: ...` line a worker wrote to `log` (its one-line account of a failure,
+    `training.__main__`), without the prefix; None when there is none."""
+    if log is None:
+        return None
+    try:
+        with log.open("rb") as fh:
+            fh.seek(max(0, fh.seek(0, 2) - tail_bytes))
+            text = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    marker = "torchrig: error: "
+    lines = [ln[ln.index(marker) + len(marker) :].strip() for ln in text.splitlines() if marker in ln]
+    return lines[-1] if lines else None
 
 
 def latest_failure_log(run_dir: Path) -> Path | None:

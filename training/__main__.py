@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
         die_with_parent()
 
-    from training.checkpoint.results import CheckpointKeyError
+    from training.checkpoint.results import CheckpointCorruptError, CheckpointKeyError
     from training.inplace.group import RecoveryFailed
     from training.preemption import PreemptedExit
     from training.task import TaskLoadError
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     except TaskLoadError as exc:
         print(f"torchrig: error: {args.spec}: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except CheckpointKeyError as exc:  # a setting to fix: permanent, the checkpoints are left as they are
+    except (CheckpointKeyError, CheckpointCorruptError) as exc:  # permanent; the checkpoints are left as they are
         print(f"torchrig: error: {exc}", file=sys.stderr)
         return int(ExitCode.ENVIRONMENT)
     except Exception as exc:

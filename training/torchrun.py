@@ -26,7 +26,14 @@ from typing import Any
 
 from training.contract import Env
 
-__all__ = ["ROUND_KEY", "export_rendezvous_round", "host_inplace_store", "main"]
+__all__ = [
+    "ROUND_KEY",
+    "exit_code_of",
+    "export_rendezvous_round",
+    "host_inplace_store",
+    "main",
+    "stop_restarting_on_permanent_exit",
+]
 
 log = logging.getLogger(__name__)
 # The key, in a c10d rendezvous round's own store (prefixed with the run id and round by torch), whose
@@ -110,20 +117,80 @@ def export_rendezvous_round() -> None:
     DynamicRendezvousHandler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run torchrun with `argv` (default: this process's arguments); 128 + signal when a signal ended it."""
+def _permanent_codes(failures: Any) -> list[int]:
+    """The permanent exit codes (`PERMANENT`: a spec, task or setting to fix) among torchelastic failures."""
+    from training.contract.exit_codes import PERMANENT
+
+    return sorted({f.exitcode for f in failures.values() if f.exitcode in PERMANENT})
+
+
+def stop_restarting_on_permanent_exit() -> None:
+    """Make torchrun's agent stop, instead of restarting the group, when a worker exits with a permanent
+    code (2, 3, 126, 127: `training.contract.exit_codes`). torchrun restarts on any failure: a wrong
+    checkpoint key or checkpoints that are corrupt everywhere would spend every restart on the same
+    verdict, and the job would then end with torchrun's exit 1. Installed once per process by wrapping
+    the agent's `_monitor_workers` (torch's own restart loop is untouched: it finds no restart left);
+    `exit_code_of` then gives the agent's process the worker's code."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    original = LocalElasticAgent._monitor_workers
+    if getattr(original, "_torchrig_permanent", False):
+        return
+
+    @functools.wraps(original)
+    def _monitor_workers(self: Any, worker_group: Any) -> Any:
+        result = original(self, worker_group)
+        if result.state == WorkerState.FAILED and self._remaining_restarts > 0:
+            codes = _permanent_codes(result.failures)
+            if codes:
+                log.error(
+                    "a worker exited %s (permanent: a spec, task or setting to fix); not restarting the group "
+                    "(%d restart(s) left unused)",
+                    "/".join(map(str, codes)),
+                    self._remaining_restarts,
+                )
+                self._remaining_restarts = 0
+        return result
+
+    _monitor_workers._torchrig_permanent = True  # type: ignore[attr-defined]
+    LocalElasticAgent._monitor_workers = _monitor_workers  # type: ignore[method-assign]
+
+
+def exit_code_of(exc: BaseException) -> int | None:
+    """The exit code for the agent's process when torchrun ended with `exc`: 128 + the signal that
+    stopped it, a worker's permanent code, or None (torchrun's own: exit 1 with its traceback)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if isinstance(exc, SignalException):
+        code = 128 + int(exc.sigval)
+        print(f"torchrig: torchrun stopped by {exc.sigval.name}; exiting {code} (retryable)", file=sys.stderr)
+        return code
+    if isinstance(exc, ChildFailedError):
+        codes = _permanent_codes(exc.failures)
+        if codes:
+            print(f"torchrig: a worker exited {codes[0]} (permanent, see its log); not restarted", file=sys.stderr)
+            return codes[0]
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run torchrun with `argv` (default: this process's arguments); 128 + signal when a signal ended it,
+    a worker's permanent exit code when one stopped it (`stop_restarting_on_permanent_exit`)."""
     from torch.distributed.run import main as torchrun_main
 
     args = sys.argv[1:] if argv is None else argv
     store = host_inplace_store(argv=args)  # noqa: F841 - lives as long as the agent
     export_rendezvous_round()
+    stop_restarting_on_permanent_exit()
 
     try:
         torchrun_main(args)
-    except SignalException as exc:
-        code = 128 + int(exc.sigval)
-        print(f"torchrig: torchrun stopped by {exc.sigval.name}; exiting {code} (retryable)", file=sys.stderr)
+    except Exception as exc:
+        code = exit_code_of(exc)
+        if code is None:
+            raise
         return code
     return 0
 

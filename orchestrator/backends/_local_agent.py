@@ -52,10 +52,17 @@ def main(argv: list[str]) -> int:
         if Env.INPLACE_STORE in os.environ:
             os.environ[Env.INPLACE_STORE] = os.environ[Env.INPLACE_STORE].replace(PORT_PLACEHOLDER, str(port))
     sys.argv = ["torchrun", *args]
-    from training.torchrun import export_rendezvous_round
+    from training.torchrun import exit_code_of, export_rendezvous_round, stop_restarting_on_permanent_exit
 
     export_rendezvous_round()  # the in-place key space every node's hosts share
-    torchrun_main(args)
+    stop_restarting_on_permanent_exit()  # a worker's permanent exit ends the run at once, with its code
+    try:
+        torchrun_main(args)
+    except Exception as exc:
+        code = exit_code_of(exc)
+        if code is None:
+            raise
+        return code
     return 0
 
 

@@ -22,6 +22,7 @@ class LiveProgress:
 
     run_dir: Path
     total_steps: int
+    since: float = 0.0  # wall clock: lines older than this (an earlier attempt's, in a resubmit) are skipped
     step: int = 0
     loss: float | None = None
     samples_per_s: float | None = None
@@ -43,6 +44,8 @@ class LiveProgress:
         """Read what was appended since the last call; True when something changed."""
         changed = False
         for rec in self._metrics.read_new():
+            if (_float(rec.get("time"), self.since) or 0.0) < self.since:
+                continue
             changed = True
             self.step = int(rec.get("step", self.step))
             self.loss = _float(rec.get("loss"), self.loss)
@@ -50,6 +53,8 @@ class LiveProgress:
             if isinstance(rec.get("world_size"), int):
                 self.world_size = rec["world_size"]
         for ev in self._events.read_new():
+            if (_float(ev.get("time"), self.since) or 0.0) < self.since:
+                continue
             changed = True
             kind = ev.get("event")
             gen = ev.get("generation")

@@ -25,7 +25,7 @@ from orchestrator.backends.base import RunState
 from orchestrator.backends.local_plan import LOG_LINE_PREFIX, LocalPlan, pick_port_block
 from orchestrator.errors import BackendError, UnsupportedFeature
 from orchestrator.loader import dump_spec
-from orchestrator.rundir import build_summary, latest_failure_log
+from orchestrator.rundir import build_summary, error_line, latest_failure_log
 from orchestrator.spec import JobSpec
 from training.contract import Env, Result, RunFiles, Summary, read_events, write_json
 from training.preemption import torchrun_shutdown_timeout
@@ -364,7 +364,13 @@ class LocalRun:
             # Checked once everything has stopped: the workers may have written their result meanwhile.
             state, reason = RunState.SUCCEEDED, None
         log = latest_failure_log(self.run_dir) if state is RunState.FAILED else None
-        if state is RunState.FAILED:
+        worker_exit = self._permanent_exit() if state is RunState.FAILED else None
+        if worker_exit is not None:
+            # A worker's permanent exit stopped the agents at once (`training.torchrun`): its own line says why.
+            why = error_line(log) or f"a worker exited {worker_exit}"
+            reason = f"{why} (worker exit {worker_exit}: permanent, not restarted)"
+            reason += f"; failing rank's log: {log}" if log else ""
+        elif state is RunState.FAILED:
             reason = self._failure_reason() + (f"; failing rank's log: {log}" if log else "")
         stores = [
             {"name": s.display_name, "uri": s.resolved_uri(self.run_dir)} for s in self.spec.spec.checkpoint.stores
@@ -380,9 +386,22 @@ class LocalRun:
         )
         if log is not None:
             summary.failure_log = str(log)
+        summary.worker_exit = worker_exit
         summary.write(self.files.summary)
         self.summary = summary
         return summary
+
+    @property
+    def started_at(self) -> float:
+        """Wall clock of `start` (what a resubmit's live view and summary count from)."""
+        return self._started_at
+
+    def _permanent_exit(self) -> int | None:
+        """The permanent exit code (`PERMANENT`) an agent ended with: a worker's, passed on by the agent."""
+        from training.contract.exit_codes import PERMANENT
+
+        codes = [a.proc.returncode for a in self._agents if not a.killed and a.proc.returncode in PERMANENT]
+        return codes[0] if codes else None
 
     def _failure_reason(self) -> str:
         """Why the agents ended the run: "restarts exhausted" only when the events show the restart budget

@@ -30,7 +30,14 @@ from orchestrator.backends.base import (
     SupervisedRun,
 )
 from orchestrator.cli._common import emit_json, handle_errors, output_option, set_option
-from orchestrator.errors import EXIT_PREEMPTED, FinalCheckpointLost, RecoveryFailed, SpecError, UnsupportedFeature
+from orchestrator.errors import (
+    EXIT_PREEMPTED,
+    FinalCheckpointLost,
+    JobFailed,
+    RecoveryFailed,
+    SpecError,
+    UnsupportedFeature,
+)
 from orchestrator.summary_text import final_line
 
 __all__ = ["cancel", "list_runs", "logs", "run", "status", "submit"]
@@ -98,7 +105,8 @@ def _supervise(run: SupervisedRun, spec: Any, output: str, quiet: bool) -> None:
             click.echo(f"checkpoints: {', '.join(stores)}")
             if isinstance(run, LocalRun):
                 click.echo(f"logs:        torchrig logs {run.run_dir} [--rank R] [--follow]")
-        view = create_view(LiveProgress(run.run_dir, spec.spec.training.steps), endpoints, quiet=not talk)
+        since = run.started_at if isinstance(run, LocalRun) else 0.0  # a resubmit: not the earlier attempts' lines
+        view = create_view(LiveProgress(run.run_dir, spec.spec.training.steps, since), endpoints, quiet=not talk)
         summary = run.wait(view=view) if isinstance(run, (LocalRun, RayLocalRun)) else run.wait()
     finally:
         for sig, handler in previous.items():
@@ -120,6 +128,8 @@ def _supervise(run: SupervisedRun, spec: Any, output: str, quiet: bool) -> None:
         click.echo(f"{summary.reason}: `torchrig run JOB --run-dir {summary.run_dir}` resumes it", err=True)
         sys.exit(EXIT_PREEMPTED)
     if summary.status == RunState.FAILED.value:
+        if summary.worker_exit is not None:
+            raise JobFailed(summary.reason or f"a worker exited {summary.worker_exit}")
         failure = FinalCheckpointLost if summary.final_checkpoint_lost() else RecoveryFailed
         raise failure(summary.reason or "the job failed")
 
@@ -180,8 +190,9 @@ def run(
     """Run JOB and watch it until it ends (Ctrl-C cancels it; its checkpoints are kept).
 
     Locally, ranks run under torch.distributed.elastic with spec.restarts.max restarts; --nodes N starts
-    N agents on one rendezvous to emulate N nodes. Exit codes: 0 succeeded, 4 restarts exhausted,
-    5 final checkpoint committed to no store, 130 cancelled.
+    N agents on one rendezvous to emulate N nodes. Exit codes: 0 succeeded, 1 a worker failed on an
+    error no restart cures (the task, a setting, checkpoints corrupt everywhere: not restarted),
+    4 restarts exhausted, 5 final checkpoint committed to no store, 130 cancelled.
     """
     from orchestrator.backends import get_backend
 

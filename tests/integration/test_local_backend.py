@@ -247,6 +247,34 @@ def test_cancel_stops_a_submitted_run(tmp_path: Path) -> None:
     assert torchrig("status", str(run_dir)).returncode == 11
 
 
+def test_checkpoints_corrupt_everywhere_fail_the_resubmit_at_once_without_burning_restarts(tmp_path: Path) -> None:
+    """A resubmit whose every checkpoint copy fails its integrity check: the workers exit 3 (permanent),
+    the agents stop without a restart, `torchrig run` exits 1 with the worker's own line, and nothing in
+    the store is touched."""
+    run_dir = tmp_path / "run"
+    args = ["run", str(REPO / "examples" / "digits-ddp.yaml"), "--run-dir", str(run_dir), "-o", "json"]
+    args += ["--set", "spec.training.steps=40", "--set", "spec.checkpoint.every.steps=20"]
+    args += ["--set", f"spec.metrics.port={free_port()}"]
+    first = torchrig(*args, timeout=240)
+    assert first.returncode == 0, first.stderr[-3000:]
+    shards = sorted((run_dir / "checkpoints").glob("step-*/gen-*/*.distcp"))
+    assert len(shards) >= 2
+    for shard in shards:
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+    damaged = {p: p.read_bytes() for p in shards}
+    again = torchrig(*args, timeout=240)
+    assert again.returncode == 1, again.stderr[-3000:]
+    summary = json.loads(again.stdout)
+    assert summary["status"] == "failed" and summary["worker_exit"] == 3 and summary["restarts"] == 0
+    assert "steps [40, 20] but every copy is corrupt or incomplete" in summary["reason"]
+    assert "permanent, not restarted" in summary["reason"]
+    assert again.stderr.count("error: ") == 1 and "Traceback" not in again.stderr
+    assert {p: p.read_bytes() for p in shards} == damaged  # the evidence is left as it was
+    assert_no_processes_left(run_dir)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_five_consecutive_worker_kills_never_hang(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from tests.fixtures.checkpoint import (
 )
 from training.checkpoint import CheckpointError, CheckpointManager, list_checkpoints, open_storage
 from training.checkpoint.manifest import MANIFEST_NAME, Manifest, read_manifest, step_dir, verify_store
+from training.checkpoint.results import CheckpointCorruptError
 from training.config import CheckpointConfig
 
 pytestmark = pytest.mark.timeout(120)
@@ -122,13 +123,48 @@ def test_a_corrupt_only_copy_is_never_loaded_into_the_state(tmp_path: Path) -> N
     before = {k: v.clone() for k, v in target["model"].items()}
     # The job's only checkpoint is corrupt: refuse to start over from step 0 (its progress would be lost
     # without a word); the state is untouched and the evidence stays.
-    with pytest.raises(CheckpointError, match=r"committed checkpoints of steps \[1\] but no copy"):
+    with pytest.raises(CheckpointCorruptError, match=r"committed checkpoints of steps \[1\] but every copy is corrupt"):
         CheckpointManager(config(a), ctx(tmp_path, 1), sink).restore(target)
     assert all(torch.equal(v, before[k]) for k, v in target["model"].items())
     assert [e for e in sink.events if "sha256 mismatch" in str(e)], sink.events
     assert shard.exists()
     # Starting over is a decision the job file states.
     assert CheckpointManager(config(a, resume="never"), ctx(tmp_path, 2)).restore(target) is None
+
+
+@pytest.mark.parametrize("damage", ["flip_byte", "delete_shard", "truncate"])
+def test_checkpoints_corrupt_in_every_store_that_answers_are_a_permanent_error(tmp_path: Path, damage: str) -> None:
+    """Every copy failing its integrity check is a verdict no restart changes (permanent, exit 3); with a
+    store that did not answer, or a copy that failed otherwise, it stays retryable (the CheckpointError
+    base, exit 200)."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    mgr = CheckpointManager(config(a, b), ctx(tmp_path))
+    save_steps(mgr, [1, 2])
+    mgr.close()
+    for root in (a, b):
+        for step in (1, 2):
+            shard = Path(root) / step_dir(step) / "gen-0000" / "__0_0.distcp"
+            if damage == "delete_shard":
+                shard.unlink()
+            elif damage == "truncate":
+                shard.write_bytes(shard.read_bytes()[:-3])
+            else:
+                data = bytearray(shard.read_bytes())
+                data[len(data) // 3] ^= 0x40
+                shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError, match=r"steps \[2, 1\] but every copy is corrupt or incomplete"):
+        CheckpointManager(config(a, b), ctx(tmp_path, 1)).restore(make_state(0))
+
+    # A third store that cannot be listed may hold a good copy: not final.
+    restorer = CheckpointManager(config(a, b, str(tmp_path / "c")), ctx(tmp_path, 2))
+
+    def unreachable(rel: str) -> list[str]:
+        raise ConnectionError("store c: connection refused")
+
+    restorer.stores[2].list_dir = unreachable  # type: ignore[method-assign]
+    with pytest.raises(CheckpointError, match="no copy of any of them could be loaded") as caught:
+        restorer.restore(make_state(0))
+    assert not isinstance(caught.value, CheckpointCorruptError)
 
 
 def test_resume_policies(tmp_path: Path) -> None:

@@ -309,3 +309,17 @@ def test_live_progress_labels_train_and_eval(tmp_path: Path) -> None:
     progress = LiveProgress(tmp_path, 10)
     progress.poll()
     assert progress.line().startswith("step 5/10  train loss 0.5000  eval count 360  world 2")
+
+
+def test_live_progress_of_a_resubmit_skips_the_earlier_attempts_lines(tmp_path: Path) -> None:
+    old = {"time": 100.0, "step": 100, "loss": 0.2, "world_size": 2}
+    new = {"time": 200.0, "step": 3, "loss": 2.0, "world_size": 2}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(old) + "\n")
+    committed = {"time": 100.0, "rank": 0, "generation": 0, "event": "checkpoint_committed", "step": 100}
+    (tmp_path / "events.jsonl").write_text(json.dumps(committed) + "\n")
+    progress = LiveProgress(tmp_path, 100, since=150.0)
+    assert not progress.poll()
+    assert progress.line() == "step 0/100  restarts 0  checkpoint none yet"
+    with (tmp_path / "metrics.jsonl").open("a") as fh:
+        fh.write(json.dumps(new) + "\n")
+    assert progress.poll() and progress.line().startswith("step 3/100  train loss 2.0000")

@@ -42,10 +42,10 @@ from training.checkpoint.manifest import (
     step_dir,
     verify_store,
 )
-from training.checkpoint.results import CheckpointError, CheckpointKeyError, RestoreResult
+from training.checkpoint.results import CheckpointCorruptError, CheckpointError, CheckpointKeyError, RestoreResult
 from training.checkpoint.retention import exclusive_to
 from training.checkpoint.storage import CheckpointStorage, open_storage
-from training.checkpoint.writer import VerifiedReader
+from training.checkpoint.writer import VerifiedReader, VerifyError
 from training.contract import Env, EventKind, WorkerIdentity
 from training.metrics.base import MetricsSink
 
@@ -107,6 +107,8 @@ class RestoreSearch:
         self._legacy: dict[str, list[int]] = defaultdict(list)  # store -> job-less steps taken as ours
         # store -> steps whose manifest names this job but fails its signature (another key signed it)
         self._wrongly_signed: dict[str, list[int]] = defaultdict(list)
+        self._unlisted = False  # rank 0: a store could not be listed
+        self._transient = False  # a copy failed otherwise than by its integrity check (see `restore`)
 
     def restore(self, state: dict[str, Any], *, required: str | None = None) -> RestoreResult | None:
         """Load the newest valid checkpoint into `state` in place; None when this job has none.
@@ -121,10 +123,13 @@ class RestoreSearch:
         """
         start = time.perf_counter()
         rank0 = self.identity.rank == 0
-        candidates, wrongly_signed = self.coll.broadcast_obj(
-            (self.find_candidates(), dict(self._wrongly_signed)) if rank0 else None
+        candidates, wrongly_signed, unlisted = self.coll.broadcast_obj(
+            (self.find_candidates(), dict(self._wrongly_signed), self._unlisted) if rank0 else None
         )
         partial = False  # a load failed on some rank after another rank had loaded its part
+        # Whether some copy failed for a reason a later start may not meet again (a store that did not
+        # answer, an error other than a failed integrity check): only without one is the verdict final.
+        self._transient = bool(unlisted)
         for cand in candidates:
             local = self._node_local_copy(cand)
             if local is not None:
@@ -144,10 +149,23 @@ class RestoreSearch:
                     uri = f"{store.uri.rstrip('/')}/{step_dir(cand.step)}"
                     return self._result(cand, store.name, uri, self.source, start)
                 partial = partial or self.coll.distributed
-        if partial:
-            raise CheckpointError(
-                "every copy failed to load after part of the state had been loaded on some rank; "
-                "refusing to start from a partly overwritten state"
+        # Collective, like the loop above: every rank raises the same error (and exits with the same code).
+        # Retryable unless every copy failed its integrity check in a store that answered (`final`): then
+        # a restart would only meet the same verdict, and the error is permanent.
+        final = bool(candidates) and self.coll.min_all(not self._transient)
+        error = CheckpointCorruptError if final else CheckpointError
+        steps = sorted({c.step for c in candidates}, reverse=True)
+        verdict = "every copy is corrupt or incomplete" if final else "no copy of any of them could be loaded"
+        hint = (
+            "(see the checkpoint_corrupt events). Check them with `torchrig checkpoints verify`, or set "
+            "checkpoint.resume: never to start fresh on purpose"
+        )
+        if partial and not final:
+            # Some rank may have loaded part of its state before another rank's copy failed: that state
+            # is neither the checkpoint's nor a fresh one, whatever `required` says.
+            raise error(
+                f"this job committed checkpoints of steps {steps} but {verdict}; part of the state may "
+                f"have been loaded on some rank, so this process cannot start from it {hint}"
             )
         if wrongly_signed and not candidates:
             # This job's checkpoints, by the job their manifests name, fail their signature: the key set
@@ -161,17 +179,14 @@ class RestoreSearch:
                 "signed them, or checkpoint.resume: never to start fresh on purpose"
             )
         if required is not None:
-            raise CheckpointError(f"{required} ({', '.join(s.uri for s in self.stores)})")
+            raise error(f"{required} ({', '.join(s.uri for s in self.stores)})")
         if candidates:
             # This job committed checkpoints and not one copy of any of them loads (corrupt, truncated,
             # unreachable, or a load that fails): starting over from step 0 would silently throw away
-            # all the progress they hold. Fail instead (retryable: a store that was only unreachable
-            # may answer at the next start); `resume: never` is how to start over on purpose.
-            steps = sorted({c.step for c in candidates}, reverse=True)
-            raise CheckpointError(
-                f"this job committed checkpoints of steps {steps} but no copy of any of them could be loaded "
-                "(see the checkpoint_corrupt events); refusing to start over from step 0. Check them with "
-                "`torchrig checkpoints verify`, or set checkpoint.resume: never to start fresh on purpose"
+            # all the progress they hold. Fail instead; `resume: never` is how to start over on purpose.
+            raise error(
+                f"this job committed checkpoints of steps {steps} but {verdict}; "
+                f"refusing to start over from step 0 {hint}"
             )
         log.info("no checkpoint of this job found; starting fresh")
         return None
@@ -210,6 +225,7 @@ class RestoreSearch:
             return None
         except (Exception, CheckpointException) as exc:  # DCP hands one rank's failure to every rank
             detail = _why(exc)
+            self._transient = self._transient or not _integrity_failure(exc)
         finally:
             reader.close()
         if self.identity.rank == 0:
@@ -224,9 +240,12 @@ class RestoreSearch:
         try:
             report = verify_store(store, cand.manifest, hashes=False)
         except Exception as exc:
+            self._transient = True
             log.warning("store %s: step %d unreadable: %s", store.name, cand.step, exc)
             self.sink.on_store_failure(store.name, f"read step {cand.step}: {type(exc).__name__}: {exc}")
             return False
+        if any(not why.startswith(("missing", "size ")) for why in report.bad.values()):
+            self._transient = True  # unreadable or refused: not a verdict on the checkpoint itself
         if not report.ok:
             log.error(
                 "store %s: checkpoint step %d is incomplete (%s); trying the next copy",
@@ -278,6 +297,7 @@ class RestoreSearch:
     def find_candidates(self) -> list[Candidate]:
         """Rank 0: committed checkpoints in every store (and the node-local copy), newest first."""
         found: dict[tuple[int, int, str], Candidate] = {}
+        self._unlisted = False
         self._foreign.clear()
         self._legacy.clear()
         self._wrongly_signed.clear()
@@ -285,6 +305,7 @@ class RestoreSearch:
             try:
                 listing = list_checkpoints(store, key=self.key)
             except Exception as exc:
+                self._unlisted = True  # a store that did not answer may hold a good copy
                 log.warning("cannot list checkpoint store %s: %s", store.name, exc)
                 self.sink.on_store_failure(store.name, f"list: {type(exc).__name__}: {exc}")
                 continue
@@ -362,6 +383,18 @@ def _why(exc: BaseException) -> str:
         cause = inner[0] if isinstance(inner, tuple) else inner
         return f"rank {rank}: {type(cause).__name__}: {cause}"
     return f"{type(exc).__name__}: {exc}"
+
+
+def _integrity_failure(exc: BaseException) -> bool:
+    """Whether a failed load failed on every rank by a copy's integrity (a file missing, of the wrong size
+    or digest: `VerifyError`, `FileNotFoundError`) rather than by an error a later start may not meet."""
+    failures = getattr(exc, "failures", None)
+    causes = (
+        [inner[0] if isinstance(inner, tuple) else inner for inner in failures.values()]
+        if isinstance(failures, dict) and failures
+        else [exc]
+    )
+    return all(isinstance(c, (VerifyError, FileNotFoundError)) for c in causes)
 
 
 def _steps(steps: list[int]) -> str:

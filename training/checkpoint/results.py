@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CheckpointError", "CheckpointKeyError", "RestoreResult", "SaveOutcome"]
+__all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointKeyError", "RestoreResult", "SaveOutcome"]
 
 
 class CheckpointError(Exception):
@@ -15,6 +15,12 @@ class CheckpointError(Exception):
 class CheckpointKeyError(CheckpointError):
     """This job's checkpoints are there but signed with another key than `TORCHRIG_CHECKPOINT_KEY`: a
     setting to fix (the worker exits `ExitCode.ENVIRONMENT`, permanent), not a failure a restart cures."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """Every copy of every checkpoint this job committed failed its integrity check (a missing file, a
+    wrong size or digest) in stores that all answered: no restart brings them back, so the worker exits
+    `ExitCode.ENVIRONMENT` (permanent) instead of spending the job's restarts on the same verdict."""
 
 
 @dataclass(frozen=True)

@@ -144,6 +144,8 @@ class Summary:
         preempted: The run's last act was a preemption (status `preempted`): rank 0's `preempted` event,
             `{step, committed, reason, signal, grace_s, since_signal_s, save_s, stores_ok}`; the next
             start resumes from `step` when `committed`.
+        worker_exit: A worker's permanent exit code (2: the spec or task to fix, 3: a setting, the machine
+            or the checkpoints) that ended the run without a restart (`training.contract.exit_codes`).
     """
 
     status: RunStatusName
@@ -164,10 +166,11 @@ class Summary:
     final_checkpoint: FinalCheckpoint | None = None
     preempted: dict[str, Any] | None = None
     recoveries: dict[str, int] = field(default_factory=dict)  # recovery path -> count (`inplace`, `restart`)
+    worker_exit: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        for optional in ("reason", "failure_log", "final_checkpoint", "preempted"):
+        for optional in ("reason", "failure_log", "final_checkpoint", "preempted", "worker_exit"):
             if data[optional] is None:
                 del data[optional]
         return data
