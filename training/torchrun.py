@@ -32,6 +32,7 @@ __all__ = [
     "export_rendezvous_round",
     "host_inplace_store",
     "main",
+    "run_agent",
     "stop_restarting_on_permanent_exit",
 ]
 
@@ -182,9 +183,15 @@ def main(argv: list[str] | None = None) -> int:
 
     args = sys.argv[1:] if argv is None else argv
     store = host_inplace_store(argv=args)  # noqa: F841 - lives as long as the agent
+    return run_agent(torchrun_main, args)
+
+
+def run_agent(torchrun_main: Any, args: list[str]) -> int:
+    """torchrun's `main(args)` as torchrig's agents run it: the rendezvous round exported to the workers
+    (`export_rendezvous_round`), no restart after a worker's permanent exit
+    (`stop_restarting_on_permanent_exit`); returns the agent's exit code (`exit_code_of`, else 0)."""
     export_rendezvous_round()
     stop_restarting_on_permanent_exit()
-
     try:
         torchrun_main(args)
     except Exception as exc:

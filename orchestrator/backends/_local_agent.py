@@ -52,18 +52,10 @@ def main(argv: list[str]) -> int:
         if Env.INPLACE_STORE in os.environ:
             os.environ[Env.INPLACE_STORE] = os.environ[Env.INPLACE_STORE].replace(PORT_PLACEHOLDER, str(port))
     sys.argv = ["torchrun", *args]
-    from training.torchrun import exit_code_of, export_rendezvous_round, stop_restarting_on_permanent_exit
+    from training.torchrun import run_agent
 
-    export_rendezvous_round()  # the in-place key space every node's hosts share
-    stop_restarting_on_permanent_exit()  # a worker's permanent exit ends the run at once, with its code
-    try:
-        torchrun_main(args)
-    except Exception as exc:
-        code = exit_code_of(exc)
-        if code is None:
-            raise
-        return code
-    return 0
+    # The in-place key space every node's hosts share; a worker's permanent exit ends the run at once.
+    return run_agent(torchrun_main, args)
 
 
 if __name__ == "__main__":

@@ -252,7 +252,7 @@ class LocalRun:
 
         A run whose workers finished every step (`_workers_finished`) succeeded whatever its agents'
         exit codes, and whether or not a cancel came meanwhile: an agent that a signal reaches after
-        its workers succeeded, before its monitor loop noticed, exits 1 (torchrun's `SignalException`).
+        its workers succeeded, before its monitor loop noticed, exits 143 (torchrun's `SignalException`: 128 + SIGTERM).
         """
         if self.summary is not None:
             return RunState(self.summary.status)

@@ -82,7 +82,7 @@ def main() -> None:
                 if f["kind"] == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 elif f["kind"] == "exit":
-                    os._exit(3)
+                    os._exit(1)  # a crash (training.faults.FAULT_EXIT_CODE): 2 and 3 are permanent, never retried
         if step_s and unpace and os.path.exists(unpace):
             step_s = 0.0
         time.sleep(step_s)
