@@ -85,6 +85,7 @@ def bench_checkpoint_write(sizes_mb: list[int], repeats: int) -> Results:
             "torchrig_MBps": stats(ours)["median"],
             "dd_MBps": stats(dd)["median"],
             "ratio_vs_dd": stats(ours)["median"] / stats(dd)["median"],
+            "ratio_vs_fastest_dd": stats(ours)["median"] / stats(dd)["max"],
             "spread_pct": {"torchrig": round(stats(ours)["spread_pct"], 1), "dd": round(stats(dd)["spread_pct"], 1)},
             "stores": 2,
             "target": ">= 0.8",
@@ -133,6 +134,9 @@ def bench_restore(sizes_mb: list[int], repeats: int) -> Results:
             "torchrig_MBps": stats(ours)["median"],
             "cat_MBps": stats(cat)["median"],
             "ratio_vs_read": stats(ours)["median"] / stats(cat)["median"],
+            # `cat`'s cold read swings most here (page-cache eviction, the disk's bursts): against its best
+            # round as well, the ratio cannot owe anything to a slow `cat`
+            "ratio_vs_fastest_read": stats(ours)["median"] / stats(cat)["max"],
             "spread_pct": {"torchrig": round(stats(ours)["spread_pct"], 1), "cat": round(stats(cat)["spread_pct"], 1)},
             "target": ">= 0.8",
         }
