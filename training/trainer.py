@@ -540,6 +540,13 @@ class Trainer:
                 flush=True,
             )
         self.faults.after_step(step)
+        if step == cfg.steps:
+            # The run reports the ranks' mean loss of its last step. Each rank's progress holds its own,
+            # and a checkpoint keeps one rank's copy of that replicated value: keep the mean instead, so
+            # a finished run resubmitted (it restores this step and trains nothing) reports the same loss.
+            mean = self._final_loss()  # one collective, once per run
+            if mean is not None:
+                self.progress.loss = mean
         if self.checkpoints is not None:
             self._publish_bucket_order()
             final = step == cfg.steps and self.spec.spec.checkpoint.save_final

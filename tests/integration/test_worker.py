@@ -214,10 +214,18 @@ def test_killed_run_resumes_bit_exact(tmp_path: Path) -> None:
     _ok(run_torchrun(spec, straight))
     _ok(run_torchrun(spec, killed, max_restarts=1, faults=[{"kind": "kill", "rank": 1, "step": 8}]))
     assert result(killed)["params_sha256"] == result(straight)["params_sha256"]
+    assert result(killed)["final_loss"] == result(straight)["final_loss"]
     evs = events(killed)
     assert any(e["event"] == "fault" and e["rank"] == 1 and e["step"] == 8 for e in evs)
     restores = [e for e in evs if e["event"] == "restore"]
     assert {(e["rank"], e["generation"], e["step"]) for e in restores} == {(0, 1, 5), (1, 1, 5)}
+    # Resubmitted when finished: restores step 12, trains nothing, reports the same mean loss of 2 ranks
+    # (the final checkpoint keeps the mean, not one rank's loss).
+    first = result(straight)
+    _ok(run_torchrun(spec, straight))
+    again = result(straight)
+    assert (again["steps"], again["params_sha256"]) == (12, first["params_sha256"])
+    assert again["final_loss"] == first["final_loss"]
 
 
 @pytest.mark.timeout(300)
