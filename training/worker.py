@@ -47,10 +47,12 @@ __all__ = ["Prewarmed", "run_worker"]
 log = logging.getLogger(__name__)
 
 
-def _default_checkpoint_manager(spec: WorkerSpec, identity: WorkerIdentity, sink: MetricsSink) -> CheckpointManagerLike:
+def _default_checkpoint_manager(
+    spec: WorkerSpec, identity: WorkerIdentity, sink: MetricsSink, *, fence_now: bool = True
+) -> CheckpointManagerLike:
     from training.checkpoint import CheckpointManager
 
-    manager: CheckpointManagerLike = CheckpointManager(spec.spec.checkpoint, identity, sink)
+    manager: CheckpointManagerLike = CheckpointManager(spec.spec.checkpoint, identity, sink, fence_now=fence_now)
     return manager
 
 
@@ -221,7 +223,7 @@ def run_worker(
 
             def new_checkpoints() -> CheckpointManagerLike:
                 with watchdog.io(spec.spec.checkpoint.io_timeout_seconds):
-                    return _default_checkpoint_manager(spec, identity, sink)
+                    return _default_checkpoint_manager(spec, identity, sink, fence_now=False)
 
             trainer.checkpoint_factory = new_checkpoints
             live = trainer

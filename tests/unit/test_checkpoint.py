@@ -236,6 +236,25 @@ def test_stale_generation_is_fenced(tmp_path: Path) -> None:
     new.close()
 
 
+def test_a_manager_built_without_fencing_now_takes_its_generation_at_its_first_save(tmp_path: Path) -> None:
+    """The manager an in-place recovery builds (`fence_now=False`) writes nothing at construction; its
+    first save takes a newer writer generation, which fences the manager it replaced."""
+    a = str(tmp_path / "a")
+    old = CheckpointManager(config(a), ctx(tmp_path))
+    save_steps(old, [1])
+    fences = sorted(p.name for p in (Path(a) / "fences").iterdir())
+    new = CheckpointManager(config(a), ctx(tmp_path), fence_now=False)
+    assert sorted(p.name for p in (Path(a) / "fences").iterdir()) == fences  # nothing written yet
+    save_steps(new, [2])
+    assert read_manifest(open_storage(a), 2).generation > read_manifest(open_storage(a), 1).generation
+    sink = Recorder()
+    old.sink = sink
+    save_steps(old, [3])  # the replaced manager, still around: fenced
+    assert not any(r.committed for r in sink.checkpoints)
+    old.close()
+    new.close()
+
+
 def test_new_launch_takes_over_from_an_older_launch(tmp_path: Path) -> None:
     a = str(tmp_path / "a")
     first = CheckpointManager(config(a), ctx(tmp_path, generation=3, run_id="launch-1"))

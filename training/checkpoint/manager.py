@@ -91,6 +91,7 @@ class CheckpointManager:
         config: the `spec.checkpoint` section.
         identity: this rank (job, rank, node, restart count, run id, run directory).
         sink: metrics sink for checkpoint, store-failure and restore records (default: none).
+        fence_now: rank 0 takes its writer generation at construction (False: at the first save).
 
     The manifest signing key comes from `Env.CHECKPOINT_KEY` (`signing.signing_key_from_env`).
     Construction, `restore`, `should_save` and `save` are collective: every rank calls them, in the same
@@ -100,7 +101,14 @@ class CheckpointManager:
         ValueError: The signing key in the environment is too short.
     """
 
-    def __init__(self, config: CheckpointConfig, identity: WorkerIdentity, sink: MetricsSink | None = None) -> None:
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        identity: WorkerIdentity,
+        sink: MetricsSink | None = None,
+        *,
+        fence_now: bool = True,
+    ) -> None:
         self.config = config
         self.identity = identity
         self._sink = sink or MetricsSink()
@@ -147,7 +155,10 @@ class CheckpointManager:
                 source="init",
             )
         self._closed = False
-        if identity.rank == 0:
+        # Rank 0 takes its writer generation now (a store write per store) unless `fence_now` is off: the
+        # manager that an in-place recovery builds leaves it to its first save's background thread, out
+        # of the recovery's critical path (the abandoned manager's saves cannot commit: a member is gone).
+        if identity.rank == 0 and fence_now:
             try:
                 self._fence.acquire(self.stores)
             except Exception as exc:  # the stores may be down now; taken again at the first save
