@@ -182,13 +182,18 @@ def test_tensor_items_are_viewed_in_place_with_their_strides_and_dtype() -> None
     assert _tensor_in(memoryview(_saved_item({"not": "a tensor"}))) is None  # type: ignore[arg-type]
 
 
-def test_an_item_in_another_byte_order_is_left_to_dcp() -> None:
-    item = _saved_item(torch.arange(6, dtype=torch.int32))
+def _with_byte_order(item: bytes, order: bytes) -> bytes:
     src = zipfile.ZipFile(io.BytesIO(item))
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
         for info in src.infolist():
-            data = b"big" if info.filename.endswith("/byteorder") else src.read(info)
-            dst.writestr(info, data)
+            dst.writestr(info, order if info.filename.endswith("/byteorder") else src.read(info))
+    return out.getvalue()
+
+
+def test_an_item_in_another_byte_order_is_left_to_dcp() -> None:
+    """(torch.load to "meta" of an archive in the other byte order crashes the process: never reached.)"""
+    item = _saved_item(torch.arange(6, dtype=torch.int32))
     assert _tensor_in(memoryview(item)) is not None
-    assert _tensor_in(memoryview(out.getvalue())) is None
+    assert _tensor_in(memoryview(_with_byte_order(item, b"big"))) is None
+    assert _tensor_in(memoryview(_with_byte_order(item, b"x" * 4096))) is None  # not read: not torch's

@@ -473,9 +473,11 @@ def _tensor_in(item: memoryview) -> Any:
 def _byte_order(item: memoryview) -> str:
     """The byte order a `torch.save` archive records ("little" when it records none, as torch.load assumes)."""
     with zipfile.ZipFile(_ViewStream(item)) as archive:
-        for name in archive.namelist():
-            if name.endswith("/byteorder"):
-                return archive.read(name).decode("ascii", "replace")
+        for info in archive.infolist():
+            if info.filename.endswith("/byteorder"):
+                if info.file_size > 16:  # "little" or "big": anything larger is not torch's (nor read)
+                    return "unknown"
+                return archive.read(info).decode("ascii", "replace")
     return "little"
 
 
