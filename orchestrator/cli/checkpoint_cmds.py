@@ -301,8 +301,10 @@ def inspect_cmd(uri: str, step: int | None, max_keys: int, pairs: tuple[str, ...
         f"nodes {manifest.num_nodes}  job {manifest.job}  torch {manifest.torch_version}  "
         f"{_human(manifest.total_bytes)}  {_when(manifest.time)} UTC" + ("  (final)" if manifest.final else "")
     )
-    files = Table(title="files")
-    for col in ("path", "size", "sha256", "rank", "node"):
+    part = manifest.digest_part_bytes
+    digest = f"sha256 of {_human(part)} parts" if part else "sha256"  # digest.py: a file of one part: its sha256
+    files = Table(title=f"files (manifest version {manifest.version}; digest: {digest})")
+    for col in ("path", "size", "digest", "rank", "node"):
         files.add_column(col)
     for f in manifest.files:
         files.add_row(f.path, _human(f.size), f.sha256[:16] + "…", str(f.rank), str(f.node_rank))

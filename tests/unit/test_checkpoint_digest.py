@@ -18,9 +18,11 @@ from typing import Any
 
 import pytest
 import torch
+from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from orchestrator.cli import cli
 from tests.fixtures.checkpoint import Progress, Recorder, config, ctx
 from training.checkpoint import CheckpointManager, open_storage
 from training.checkpoint.digest import DIGEST_PART_BYTES, digest_of, root_of, valid_part_bytes
@@ -103,6 +105,9 @@ def test_a_multi_part_checkpoint_is_verified_and_loaded_exactly_from_file_and_ob
     assert shard.sha256 == _reference(data, DIGEST_PART_BYTES) != hashlib.sha256(data).hexdigest()
     assert sha256_file(str(path), DIGEST_PART_BYTES) == (shard.sha256, shard.size)
     assert verify_store(open_storage(file_uri), manifest).ok and verify_store(open_storage(mem_uri), manifest).ok
+    shown = CliRunner().invoke(cli, ["checkpoints", "inspect", file_uri])
+    assert shown.exit_code == 0 and "manifest version 3; digest: sha256 of 4.0 MiB parts" in shown.output
+    assert CliRunner().invoke(cli, ["checkpoints", "verify", file_uri]).exit_code == 0
     for uris, store in (([file_uri, mem_uri], "s0"), ([mem_uri], "s0")):
         target = _big_state(7)
         result = CheckpointManager(config(*uris), ctx(tmp_path, 1)).restore(target)
