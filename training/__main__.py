@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
         die_with_parent()
 
-    from training.checkpoint.results import CheckpointCorruptError, CheckpointKeyError
+    from training.checkpoint.results import CheckpointCorruptError, CheckpointKeyError, CheckpointMismatchError
     from training.inplace.group import RecoveryFailed
     from training.preemption import PreemptedExit
     from training.task import TaskLoadError
@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(ExitCode.PREEMPTED)
     except TaskLoadError as exc:
         print(f"torchrig: error: {args.spec}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except CheckpointMismatchError as exc:  # the task changed under its checkpoints: permanent
+        print(f"torchrig: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except (CheckpointKeyError, CheckpointCorruptError) as exc:  # permanent; the checkpoints are left as they are
         print(f"torchrig: error: {exc}", file=sys.stderr)

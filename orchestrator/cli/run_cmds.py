@@ -191,7 +191,8 @@ def run(
 
     Locally, ranks run under torch.distributed.elastic with spec.restarts.max restarts; --nodes N starts
     N agents on one rendezvous to emulate N nodes. Exit codes: 0 succeeded, 1 a worker failed on an
-    error no restart cures (the task, a setting, checkpoints corrupt everywhere: not restarted),
+    error no restart cures (the task, a setting, checkpoints corrupt everywhere or not fitting the
+    model: not restarted),
     4 restarts exhausted, 5 final checkpoint committed to no store, 130 cancelled.
     """
     from orchestrator.backends import get_backend

@@ -23,7 +23,7 @@ from tests.fixtures.checkpoint import (
 )
 from training.checkpoint import CheckpointError, CheckpointManager, list_checkpoints, open_storage
 from training.checkpoint.manifest import MANIFEST_NAME, Manifest, read_manifest, step_dir, verify_store
-from training.checkpoint.results import CheckpointCorruptError
+from training.checkpoint.results import CheckpointCorruptError, CheckpointMismatchError
 from training.config import CheckpointConfig
 
 pytestmark = pytest.mark.timeout(120)
@@ -165,6 +165,36 @@ def test_checkpoints_corrupt_in_every_store_that_answers_are_a_permanent_error(t
     with pytest.raises(CheckpointError, match="no copy of any of them could be loaded") as caught:
         restorer.restore(make_state(0))
     assert not isinstance(caught.value, CheckpointCorruptError)
+
+
+def test_checkpoints_that_do_not_fit_the_model_are_a_permanent_error_naming_the_difference(tmp_path: Path) -> None:
+    """A model changed under the same job (a shape, a new parameter): no copy and no restart loads its
+    checkpoints. CheckpointMismatchError (exit 2) names the first difference; the state is untouched."""
+    a = str(tmp_path / "a")
+    mgr = CheckpointManager(config(a), ctx(tmp_path))
+    save_steps(mgr, [1, 2])
+    mgr.close()
+    smaller = make_state(5, size=32)
+    before = smaller["model"]["w"].clone()
+    shapes = r"model.w was saved with shape \[64, 64\], the model's is \[32, 32\]"
+    with pytest.raises(CheckpointMismatchError, match=shapes):
+        CheckpointManager(config(a), ctx(tmp_path, 1)).restore(smaller)
+    assert torch.equal(smaller["model"]["w"], before)
+    grown = make_state(5)
+    grown["model"]["extra"] = torch.zeros(3)
+    missing = r"steps \[2, 1\]\) do not fit its model: the checkpoint has no model.extra"
+    with pytest.raises(CheckpointMismatchError, match=missing):
+        CheckpointManager(config(a), ctx(tmp_path, 2)).restore(grown)
+    # A store that did not answer may hold checkpoints of the new model: not final.
+    restorer = CheckpointManager(config(a, str(tmp_path / "c")), ctx(tmp_path, 3))
+
+    def unreachable(rel: str) -> list[str]:
+        raise ConnectionError("store c: connection refused")
+
+    restorer.stores[1].list_dir = unreachable  # type: ignore[method-assign]
+    with pytest.raises(CheckpointError) as caught:
+        restorer.restore(make_state(5, size=32))
+    assert not isinstance(caught.value, CheckpointMismatchError)
 
 
 def test_resume_policies(tmp_path: Path) -> None:

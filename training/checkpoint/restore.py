@@ -28,7 +28,8 @@ import torch
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from training.checkpoint.collectives import Collectives
@@ -42,14 +43,20 @@ from training.checkpoint.manifest import (
     step_dir,
     verify_store,
 )
-from training.checkpoint.results import CheckpointCorruptError, CheckpointError, CheckpointKeyError, RestoreResult
+from training.checkpoint.results import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointKeyError,
+    CheckpointMismatchError,
+    RestoreResult,
+)
 from training.checkpoint.retention import exclusive_to
 from training.checkpoint.storage import CheckpointStorage, open_storage
 from training.checkpoint.writer import VerifiedReader, VerifyError
 from training.contract import Env, EventKind, WorkerIdentity
 from training.metrics.base import MetricsSink
 
-__all__ = ["Candidate", "RestoreSearch", "SafeLoadPlanner"]
+__all__ = ["Candidate", "RestoreSearch", "SafeLoadPlanner", "StateMismatch"]
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +116,7 @@ class RestoreSearch:
         self._wrongly_signed: dict[str, list[int]] = defaultdict(list)
         self._unlisted = False  # rank 0: a store could not be listed
         self._transient = False  # a copy failed otherwise than by its integrity check (see `restore`)
+        self._mismatch: str | None = None  # the first copy whose keys or shapes did not fit the state
 
     def restore(self, state: dict[str, Any], *, required: str | None = None) -> RestoreResult | None:
         """Load the newest valid checkpoint into `state` in place; None when this job has none.
@@ -127,6 +135,7 @@ class RestoreSearch:
             (self.find_candidates(), dict(self._wrongly_signed), self._unlisted) if rank0 else None
         )
         partial = False  # a load failed on some rank after another rank had loaded its part
+        self._mismatch = None
         # Whether some copy failed for a reason a later start may not meet again (a store that did not
         # answer, an error other than a failed integrity check): only without one is the verdict final.
         self._transient = bool(unlisted)
@@ -153,6 +162,19 @@ class RestoreSearch:
         # Retryable unless every copy failed its integrity check in a store that answered (`final`): then
         # a restart would only meet the same verdict, and the error is permanent.
         final = bool(candidates) and self.coll.min_all(not self._transient)
+        if final and self._mismatch is not None:
+            # DCP's planner hands every rank the same failures: each rank raises the same error.
+            steps = sorted({c.step for c in candidates}, reverse=True)
+            if self.owner is None:  # checkpoint.initFrom
+                raise CheckpointMismatchError(
+                    f"checkpoint.initFrom: the checkpoint (step {steps[0]}) does not fit this job's model: "
+                    f"{self._mismatch}"
+                )
+            raise CheckpointMismatchError(
+                f"this job's checkpoints (steps {steps}) do not fit its model: {self._mismatch}. The model or "
+                "its task.args changed under the same job: run it in a new run directory (or under another "
+                "name), or set checkpoint.resume: never to start fresh on purpose"
+            )
         error = CheckpointCorruptError if final else CheckpointError
         steps = sorted({c.step for c in candidates}, reverse=True)
         verdict = "every copy is corrupt or incomplete" if final else "no copy of any of them could be loaded"
@@ -225,7 +247,10 @@ class RestoreSearch:
             return None
         except (Exception, CheckpointException) as exc:  # DCP hands one rank's failure to every rank
             detail = _why(exc)
-            self._transient = self._transient or not _integrity_failure(exc)
+            self._transient = self._transient or not _final_failure(exc)
+            mismatch = next((c for c in _causes(exc) if isinstance(c, StateMismatch)), None)
+            if mismatch is not None and self._mismatch is None:
+                self._mismatch = str(mismatch)
         finally:
             reader.close()
         if self.identity.rank == 0:
@@ -385,21 +410,28 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _integrity_failure(exc: BaseException) -> bool:
-    """Whether a failed load failed on every rank by a copy's integrity (a file missing, of the wrong size
-    or digest: `VerifyError`, `FileNotFoundError`) rather than by an error a later start may not meet."""
+def _causes(exc: BaseException) -> list[BaseException]:
+    """Each rank's failure inside DCP's CheckpointException (or `exc` itself)."""
     failures = getattr(exc, "failures", None)
-    causes = (
-        [inner[0] if isinstance(inner, tuple) else inner for inner in failures.values()]
-        if isinstance(failures, dict) and failures
-        else [exc]
-    )
-    return all(isinstance(c, (VerifyError, FileNotFoundError)) for c in causes)
+    if isinstance(failures, dict) and failures:
+        return [inner[0] if isinstance(inner, tuple) else inner for inner in failures.values()]
+    return [exc]
+
+
+def _final_failure(exc: BaseException) -> bool:
+    """Whether a failed load failed on every rank for a reason a later start meets again: the copy's
+    integrity (a file missing, of the wrong size or digest: `VerifyError`, `FileNotFoundError`) or a state
+    that does not fit it (`StateMismatch`), rather than an error that may pass (I/O, a peer)."""
+    return all(isinstance(c, (VerifyError, FileNotFoundError, StateMismatch)) for c in _causes(exc))
 
 
 def _steps(steps: list[int]) -> str:
     ordered = sorted(steps)
     return str(ordered[0]) if len(ordered) == 1 else f"{ordered[0]}-{ordered[-1]} ({len(ordered)})"
+
+
+class StateMismatch(ValueError):
+    """A checkpoint whose keys or shapes are not the state's: the model (or its task arguments) changed."""
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -412,6 +444,21 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     tensors and plain data (numbers, strings, lists, dicts, tuples), all a torchrig checkpoint holds; any
     other object fails the load, and the restore moves on to the next copy or checkpoint.
     """
+
+    def create_local_plan(self) -> LoadPlan:
+        """DCP's plan, after checking that every key of the state is in the checkpoint at its shape
+        (`StateMismatch` otherwise: the model changed, which no restart or other copy mends)."""
+        saved = self.metadata.state_dict_metadata if self.metadata is not None else {}
+        missing = sorted(k for k in self.state_dict if k not in saved)
+        if missing and not self.allow_partial_load:
+            more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
+            raise StateMismatch(f"the checkpoint has no {', '.join(missing[:3])}{more}")
+        for fqn, obj in self.state_dict.items():
+            md = saved.get(fqn)
+            size = getattr(obj, "size", None)
+            if isinstance(md, TensorStorageMetadata) and callable(size) and md.size != size():
+                raise StateMismatch(f"{fqn} was saved with shape {list(md.size)}, the model's is {list(size())}")
+        return super().create_local_plan()
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         # DCP's DefaultLoadPlanner.load_bytes, with weights_only=True

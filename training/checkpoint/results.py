@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointKeyError", "RestoreResult", "SaveOutcome"]
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointKeyError",
+    "CheckpointMismatchError",
+    "RestoreResult",
+    "SaveOutcome",
+]
 
 
 class CheckpointError(Exception):
@@ -21,6 +28,11 @@ class CheckpointCorruptError(CheckpointError):
     """Every copy of every checkpoint this job committed failed its integrity check (a missing file, a
     wrong size or digest) in stores that all answered: no restart brings them back, so the worker exits
     `ExitCode.ENVIRONMENT` (permanent) instead of spending the job's restarts on the same verdict."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """This job's checkpoints load nowhere because their keys or shapes are not the model's: the model or
+    its task arguments changed under the same job. The worker exits `ExitCode.TASK_INVALID` (permanent)."""
 
 
 @dataclass(frozen=True)

@@ -678,21 +678,24 @@ class VerifiedReader(FileSystemReader):
             if item.type == LoadItemType.BYTE_IO or info.transform_descriptors:
                 rest.append(item)
                 continue
-            data = self._mem.files[f"{self.path}/{info.relative_path}"]
-            with memoryview(data) as whole, whole[info.offset : info.offset + info.length] as view:
-                source = _tensor_in(view)
-                if source is None:
-                    rest.append(item)
-                    continue
-                target = planner.resolve_tensor(item).detach()
-                source = narrow_tensor_by_index(source, item.storage_offsets, item.lengths)
-                if target.size() != source.size():
-                    raise VerifyError(
-                        errno.EIO,
-                        f"{info.relative_path}: item {item.storage_index.fqn} has shape "
-                        f"{tuple(source.size())}, the state's is {tuple(target.size())}",
-                    )
-                target.copy_(source)
-                del source
+            # (No `with` on these views: a tensor over them still alive when an error leaves the block would
+            # turn that error into a BufferError; the mapping is closed in `close`, tolerating late users.)
+            view = memoryview(self._mem.files[f"{self.path}/{info.relative_path}"])[
+                info.offset : info.offset + info.length
+            ]
+            source = _tensor_in(view)
+            if source is None:
+                rest.append(item)
+                continue
+            target = planner.resolve_tensor(item).detach()
+            source = narrow_tensor_by_index(source, item.storage_offsets, item.lengths)
+            if target.size() != source.size():
+                raise VerifyError(
+                    errno.EIO,
+                    f"{info.relative_path}: item {item.storage_index.fqn} has shape "
+                    f"{tuple(source.size())}, the state's is {tuple(target.size())}",
+                )
+            target.copy_(source)
+            del source, view
             planner.commit_tensor(item, target)
         return super().read_data(dataclasses.replace(plan, items=rest), planner)
