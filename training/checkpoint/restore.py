@@ -172,8 +172,9 @@ class RestoreSearch:
                 )
             raise CheckpointMismatchError(
                 f"this job's checkpoints (steps {steps}) do not fit its model: {self._mismatch}. The model or "
-                "its task.args changed under the same job: run it in a new run directory (or under another "
-                "name), or set checkpoint.resume: never to start fresh on purpose"
+                "its task.args changed under the same job name, and a store's checkpoints are a job's by "
+                "name: give this one another metadata.name, or set checkpoint.resume: never to start fresh "
+                "on purpose"
             )
         error = CheckpointCorruptError if final else CheckpointError
         steps = sorted({c.step for c in candidates}, reverse=True)
