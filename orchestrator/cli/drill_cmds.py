@@ -81,7 +81,8 @@ class _DrillCommand(click.Command):
     type=int,
     default=1,
     show_default=True,
-    help="kill-worker: kill N times in a row, once after each checkpoint (kill g drawn from seed + g).",
+    help="kill-worker: kill N times in a row, once after each checkpoint (kill g drawn from seed + g); "
+    "this soaks the group-restart path (restarts.mode: restart), the in-place soak is `make soak`.",
 )
 @set_option
 @output_option
