@@ -162,9 +162,9 @@ class RestoreSearch:
         # Retryable unless every copy failed its integrity check in a store that answered (`final`): then
         # a restart would only meet the same verdict, and the error is permanent.
         final = bool(candidates) and self.coll.min_all(not self._transient)
+        steps = sorted({c.step for c in candidates}, reverse=True)
         if final and self._mismatch is not None:
             # DCP's planner hands every rank the same failures: each rank raises the same error.
-            steps = sorted({c.step for c in candidates}, reverse=True)
             if self.owner is None:  # checkpoint.initFrom
                 raise CheckpointMismatchError(
                     f"checkpoint.initFrom: the checkpoint (step {steps[0]}) does not fit this job's model: "
@@ -177,7 +177,6 @@ class RestoreSearch:
                 "on purpose"
             )
         error = CheckpointCorruptError if final else CheckpointError
-        steps = sorted({c.step for c in candidates}, reverse=True)
         verdict = "every copy is corrupt or incomplete" if final else "no copy of any of them could be loaded"
         hint = (
             "(see the checkpoint_corrupt events). Check them with `torchrig checkpoints verify`, or set "
