@@ -95,7 +95,6 @@ def ray_train_summary(
 
     from orchestrator.compile.raytrain import compile_raytrain
     from orchestrator.loader import dump_spec
-    from orchestrator.rundir import build_summary
     from training.ray_train import create_run_ledger, train_loop_per_worker
 
     # Ray Train v2's config classes (the default in Ray >= 2.50); typed Any because ray.train's stubs
@@ -129,7 +128,7 @@ def ray_train_summary(
             worker_runtime_env={"env_vars": env},
         ),
     )
-    start = time.monotonic()
+    start, since = time.monotonic(), time.time()
     state, reason = RunState.SUCCEEDED, None
     try:
         if not cancelled():  # a stop that came while Ray was starting
@@ -145,18 +144,40 @@ def ray_train_summary(
         if cancelled():
             state, reason = RunState.CANCELLED, "cancelled by the user"
         _write_worker_report(ledger, root)
-        summary = build_summary(
-            root,
-            status=state.value,
-            wall_s=time.monotonic() - start,
-            stores=[{"name": n, "uri": u} for n, u in stores.items()],
-            total_steps=spec.spec.training.steps,
-            reason=reason,
-            cancel_wins=True,  # the cancel's Ray shutdown SIGTERMs the workers: still the user's cancel
-        )
         address = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
-        auth = os.environ.get(RAY_AUTH_MODE, "unset")  # what this driver's Ray runs with (`embedded_ray`)
-        write_json(files.summary, {**summary.to_dict(), "backend": "ray", "ray_address": address, "ray_auth": auth})
+        summary = write_ray_summary(
+            spec, root, state=state, reason=reason, wall_s=time.monotonic() - start, since=since, address=address
+        )
+    return summary
+
+
+def write_ray_summary(
+    spec: JobSpec,
+    root: Path,
+    *,
+    state: RunState,
+    reason: str | None,
+    wall_s: float,
+    since: float | None,
+    address: str | None,
+) -> Summary:
+    """Build a Ray run's summary from its run directory and write it (with the Ray it ran on)."""
+    from orchestrator.rundir import build_summary
+
+    summary = build_summary(
+        root,
+        status=state.value,
+        wall_s=wall_s,
+        stores=[{"name": s.display_name, "uri": s.resolved_uri(str(root))} for s in spec.spec.checkpoint.stores],
+        total_steps=spec.spec.training.steps,
+        reason=reason,
+        cancel_wins=True,  # the cancel's Ray shutdown SIGTERMs the workers: still the user's cancel
+        since=since,  # a resubmit reuses the run directory: an earlier attempt's result is not this one's
+    )
+    auth = os.environ.get(RAY_AUTH_MODE, "unset")  # what this driver's Ray runs with (`embedded_ray`)
+    write_json(
+        RunFiles(root).summary, {**summary.to_dict(), "backend": "ray", "ray_address": address, "ray_auth": auth}
+    )
     return summary
 
 
@@ -233,6 +254,7 @@ class RayLocalRun:
         self._cancel_requested = False
         self._force = False
         self._owns_ray: bool | None = None  # decided by the driver thread: did it start this process's Ray?
+        self._started = (time.monotonic(), time.time())
         run_dir.mkdir(parents=True, exist_ok=True)
         files = RunFiles(run_dir)
         write_json(
@@ -338,8 +360,25 @@ class RayLocalRun:
                 "abort from outside the driver's main thread)"
             )
         if self._thread.is_alive() and self._owns_ray:
+            # Written first: when the driver thread touches Ray after the shutdown, Ray's core worker may
+            # end this whole process ("The core worker has already been shutdown ... The process will
+            # exit") before the thread writes its own. The thread's summary, when it comes, replaces it.
+            self._write_cancelled_summary()
             ray.shutdown()
         self._thread.join(grace_s + 30.0)
+
+    def _write_cancelled_summary(self) -> None:
+        # A run directory that went away leaves the thread's own summary as all there can be.
+        with contextlib.suppress(OSError):
+            write_ray_summary(
+                self.spec,
+                self._run_dir.resolve(),
+                state=RunState.CANCELLED,
+                reason="cancelled by the user",
+                wall_s=time.monotonic() - self._started[0],
+                since=self._started[1],
+                address=None,
+            )
 
     def kill_node(self, node: int) -> list[int]:
         raise UnsupportedFeature("kill-node: the Ray backend runs one emulated node; use --backend local")

@@ -395,3 +395,47 @@ def test_a_member_gives_up_on_a_generation_once_a_watcher_found_a_node_lost(stor
     with pytest.raises(RecoveryFailed, match=r"^generation 2: node\(s\) \[1\] stopped beating .*back in place$"):
         group.form(2)
     assert time.monotonic() - started < 5
+
+
+def test_a_used_spare_is_replaced_once_the_recovery_has_stepped_unless_a_host_waits(
+    store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replacement spare's start-up (model, rehearsed step) would take cores from the members
+    re-forming the group, so it waits for the lost rank's replacement to step; a host of this node
+    waiting for a spare (a second failure) gets one at once."""
+    from training.inplace import forked, host
+
+    settings = InPlace(
+        store_addr=f"127.0.0.1:{store.port}", run_id="r", restart_count=0, node_rank=0, spares=1, timeout_s=60.0
+    )
+    client = settings.connect()
+    started: list[dict[str, str]] = []
+
+    class Started:
+        def __init__(self, pid: int) -> None:
+            self.pid = pid
+
+        def poll(self) -> None:
+            return None
+
+    def start(command: list[str], argv: list[str], env: dict[str, str]) -> Started:
+        started.append(env)
+        return Started(2**30 + len(started))  # above any pid_max: never a real process
+
+    monkeypatch.setattr(forked, "start", start)
+    pool = host.SparePool(settings, client, ["python"], [], first_trainer=7)
+    client.set(settings.stepped_key(7), "1")
+    pool.tick()
+    assert len(started) == 1, "the first spare starts once training runs"
+    client.set(settings.spare_key(0, "claim"), "1")  # rank 1 died and took spare 0
+    client.add(settings.lost_key, 1)
+    pool.tick()
+    assert len(started) == 1, "a spare started while the group re-forms"
+    client.add(settings.waiting_key, 1)  # meanwhile another rank of this node died and waits
+    pool.tick()
+    assert len(started) == 2
+    pool.procs.clear()
+    client.add(settings.waiting_key, -1)
+    client.add(settings.lost_key, -1)  # the replacements stepped: the pool refills
+    pool.tick()
+    assert len(started) == 3

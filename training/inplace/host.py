@@ -150,7 +150,13 @@ class SparePool:
         if self.spawned == 0 and not self.store.check([self.inplace.stepped_key(self.first_trainer)]):
             return  # the first spares start once training runs: they would slow the trainers' start-up
         unclaimed = sum(1 for index, _ in self.procs.values() if not self._claimed(index))
-        if int(self.store.add(self.inplace.waiting_key, 0)) > 0 and self._starting_too_long():
+        waiting = int(self.store.add(self.inplace.waiting_key, 0)) > 0
+        if unclaimed < self.inplace.spares and not waiting and int(self.store.add(self.inplace.lost_key, 0)) > 0:
+            # A recovery is under way (a rank's replacement has not stepped yet) and no host of this node
+            # waits for a spare: a new spare's start-up (model, rehearsed step) would take cores from the
+            # members re-forming the group. It starts once the replacement has stepped.
+            return
+        if waiting and self._starting_too_long():
             unclaimed = 0  # a host waits and the spares starting seem stuck (seen: one never got ready)
         while unclaimed < self.inplace.spares:
             env = {Env.INPLACE_ROLE: ROLE_SPARE, Env.INPLACE_SPARE: str(self.spawned)}
