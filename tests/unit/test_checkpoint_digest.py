@@ -12,6 +12,7 @@ import io
 import itertools
 import json
 import uuid
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -202,3 +203,44 @@ def test_an_item_in_another_byte_order_is_left_to_dcp() -> None:
     assert _tensor_in(memoryview(item)) is not None
     assert _tensor_in(memoryview(_with_byte_order(item, b"big"))) is None
     assert _tensor_in(memoryview(_with_byte_order(item, b"x" * 4096))) is None  # not read: not torch's
+
+
+def test_the_shards_a_rank_wrote_are_read_while_dcp_plans_and_an_unneeded_bad_one_is_never_checked(
+    tmp_path: Path,
+) -> None:
+    """`prefetch`: the rank's own files are queued with the metadata's, before DCP's planning asks for
+    them; only files the plan needs are checked, so a prefetched file it never asks for cannot fail it."""
+    from torch.distributed.checkpoint import load as dcp_load
+
+    from training.checkpoint.restore import SafeLoadPlanner
+    from training.checkpoint.writer import VerifiedReader
+
+    mem_uri = f"memory://digest-{uuid.uuid4().hex[:8]}"
+    saved = _save([mem_uri], tmp_path)
+    store = open_storage(mem_uri)
+    manifest = read_manifest(store, 1)
+    shard = next(e for e in manifest.files if e.path.endswith(".distcp"))
+    stray = f"{manifest.dcp_dir}/__9_0.distcp"  # in the manifest, not in DCP's plan, and corrupt
+    store.write_bytes_atomic(f"{step_dir(1)}/{stray}", b"not what the manifest says")
+    expected = {e.path: (e.sha256, e.size) for e in manifest.files}
+    expected[stray] = (hashlib.sha256(b"something else").hexdigest(), 26)
+    reads: list[str] = []
+
+    def read_range(rel: str, start: int, end: int) -> bytes:
+        reads.append(rel)
+        return store.read_range(f"{step_dir(1)}/{rel}", start, end)
+
+    reader = VerifiedReader(
+        read_range, manifest.dcp_dir, expected, digest_part_bytes=DIGEST_PART_BYTES, prefetch=[shard.path, stray]
+    )
+    try:
+        reader.read_metadata()
+        assert shard.path in reads and stray in reads, "the prefetch did not start with the metadata"
+        target = _big_state(7)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # DCP: "assuming ... a single process" (it is one)
+            dcp_load(target, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    finally:
+        reader.close()
+    _same(target, saved)
+    assert reads.count(shard.path) == -(-shard.size // (16 * 1024 * 1024)), "a part was read twice"

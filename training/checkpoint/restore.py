@@ -228,12 +228,17 @@ class RestoreSearch:
         # (planner: SafeLoadPlanner, below: a store's bytes are never unpickled beyond plain data)
         """Collective: load `cand` from `view` with every file verified while read; None, or why it failed."""
         expected = {e.path: (e.sha256, e.size) for e in cand.manifest.files}
+        # At the world size that wrote it, a rank mostly loads the shards it wrote itself (FSDP) or, under
+        # DDP, rank 0 holds them all: read them while DCP plans. A resharded restore reads only the plan's.
+        same_world = cand.manifest.world_size == self.identity.world_size
+        mine = [e.path for e in cand.manifest.files if same_world and e.rank == self.identity.rank]
         reader = VerifiedReader(
             view.read_range,
             cand.manifest.dcp_dir,
             expected,
             local_path=view.local_file,
             digest_part_bytes=cand.manifest.digest_part_bytes,
+            prefetch=mine,
         )
         try:
             with self.coll.quiet_single_process():

@@ -507,6 +507,9 @@ class VerifiedReader(FileSystemReader):
         digest_part_bytes: the manifest's `digest_part_bytes` (0: whole-file SHA-256).
         part_bytes: the size of the parts read at once (rounded up to a multiple of the digest's parts).
         threads: how many parts are read (and hashed) at once.
+        prefetch: files (below the step directory) this rank will most likely need: their reads start
+            with the metadata's, so DCP's planning runs while they are read. Only read and hashed ahead:
+            nothing of them is loaded before every file the plan needs is verified.
     """
 
     def __init__(
@@ -519,6 +522,7 @@ class VerifiedReader(FileSystemReader):
         digest_part_bytes: int = 0,
         part_bytes: int = 16 * 1024 * 1024,
         threads: int = 8,
+        prefetch: list[str] | None = None,
     ) -> None:
         super().__init__(dcp_dir)
         self._read_range = read_range
@@ -534,6 +538,28 @@ class VerifiedReader(FileSystemReader):
         self.fs = cast(Any, self._mem)
         self.path = cast(Path, dcp_dir)
         self.bytes_read = 0
+        self._reading: dict[str, tuple[Any, list[Future[Any]]]] = {}  # queued, not yet checked
+        self._prefetch = [r for r in prefetch or [] if r in expected]
+
+    def _start(self, rels: list[str]) -> None:
+        """Queue every part of `rels` (those not read or queued yet) on the read pool."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="torchrig-read")
+        for rel in rels:
+            if rel in self._mem.files or rel in self._reading:
+                continue
+            path = self._local_path(rel) if self._local_path else None
+            self._reading[rel] = (
+                self._map_parts(self._pool, rel, path) if path is not None else self._read_parts(self._pool, rel)
+            )
+
+    def _abandon_reads(self) -> None:
+        """Cancel the queued parts of every file not checked yet, and wait for the ones running."""
+        reading, self._reading = self._reading, {}
+        for _, parts in reading.values():
+            for fut in parts:
+                fut.cancel()
+        wait([f for _, parts in reading.values() for f in parts])
 
     def _fetch(self, rels: list[str]) -> None:
         """Read and verify `rels` (paths below the step directory) into memory, all at once in parallel parts."""
@@ -541,22 +567,14 @@ class VerifiedReader(FileSystemReader):
         for rel in todo:
             if rel not in self._expected:
                 raise VerifyError(errno.ENOENT, f"{rel}: not in the manifest")
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="torchrig-read")
-        pool = self._pool
-        pending: list[tuple[str, Any, list[Future[Any]]]] = []
         try:
-            for rel in todo:  # every part of every file is queued before the first is awaited
-                path = self._local_path(rel) if self._local_path else None
-                data, parts = self._map_parts(pool, rel, path) if path is not None else self._read_parts(pool, rel)
-                pending.append((rel, data, parts))
-            for rel, data, parts in pending:
+            self._start(todo)  # every part of every file is queued before the first is awaited
+            for rel in todo:
+                data, parts = self._reading.pop(rel)
                 self._check(rel, data, parts)
-        finally:
-            for _, _, parts in pending:  # a failed file: the others' parts are not left running
-                for fut in parts:
-                    fut.cancel()
-            wait([f for _, _, parts in pending for f in parts])
+        except BaseException:
+            self._abandon_reads()  # a failed file: the others' parts are not left running
+            raise
 
     def _bounds(self, size: int, part: int) -> list[tuple[int, int]]:
         return [(o, min(o + part, size)) for o in range(0, size, part)] or [(0, 0)]
@@ -633,6 +651,7 @@ class VerifiedReader(FileSystemReader):
 
     def close(self) -> None:
         """Unmap the local files (the loaded tensors are copies: nothing points into them any more)."""
+        self._abandon_reads()  # prefetched files the plan did not need
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
@@ -649,7 +668,13 @@ class VerifiedReader(FileSystemReader):
 
         from training.checkpoint.dcp_metadata import load_metadata
 
-        self._fetch([f"{self.path}/{DCP_METADATA}"])
+        metadata_file = f"{self.path}/{DCP_METADATA}"
+        try:
+            self._start([metadata_file, *self._prefetch])  # the likely data files read during the planning
+        except VerifyError:
+            self._abandon_reads()  # a prefetched file missing or of the wrong size: found again when needed
+            self._prefetch = []
+        self._fetch([metadata_file])
         with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as stream:
             metadata = load_metadata(cast(Any, stream))
         if getattr(metadata, "storage_meta", None) is None:
