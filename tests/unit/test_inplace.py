@@ -439,3 +439,53 @@ def test_a_used_spare_is_replaced_once_the_recovery_has_stepped_unless_a_host_wa
     client.add(settings.lost_key, -1)  # the replacements stepped: the pool refills
     pool.tick()
     assert len(started) == 3
+
+
+def test_closing_the_pool_kills_an_unclaimed_spare_that_ignores_sigterm(
+    store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A finished run's host must exit: an unclaimed spare still alive after its SIGTERM is killed."""
+    from training.inplace import forked, host
+
+    settings = InPlace(
+        store_addr=f"127.0.0.1:{store.port}", run_id="r", restart_count=0, node_rank=0, spares=1, timeout_s=60.0
+    )
+    client = settings.connect()
+    stubborn = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    )
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(command: list[str], argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen([sys.executable, "-c", stubborn], stdout=subprocess.PIPE)
+        started.append(proc)
+        return proc
+
+    monkeypatch.setattr(forked, "start", start)
+    monkeypatch.setattr(host, "SPARE_TERM_GRACE_S", 0.5)
+    pool = host.SparePool(settings, client, ["python"], [], first_trainer=7)
+    client.set(settings.stepped_key(7), "1")
+    pool.tick()
+    assert len(started) == 1 and started[0].stdout is not None
+    assert started[0].stdout.readline() == b"up\n"  # its SIGTERM handler is in place
+    begun = time.monotonic()
+    pool.close()
+    assert time.monotonic() - begun < 10
+    assert started[0].returncode == -signal.SIGKILL
+    assert client.get(settings.exit_key(started[0].pid)) == str(128 + signal.SIGKILL).encode()
+
+
+def test_a_finished_run_does_not_wait_forever_for_its_last_replica_exchange(caplog: pytest.LogCaptureFixture) -> None:
+    import threading
+
+    from training.inplace.replica import ReplicaSet
+
+    replicas = ReplicaSet(rank=0, world_size=2, every=5)
+    stuck = threading.Event()
+    replicas._thread = threading.Thread(target=stuck.wait, daemon=True)  # an exchange whose peer never came
+    replicas._thread.start()
+    begun = time.monotonic()
+    replicas.close(timeout_s=0.3)
+    assert time.monotonic() - begun < 5
+    assert "did not end within 0.3 s" in caplog.text
+    stuck.set()

@@ -45,6 +45,7 @@ __all__ = ["die_with_parent", "run_host"]
 log = logging.getLogger(__name__)
 
 POLL_S = 0.02
+SPARE_TERM_GRACE_S = 10.0  # an unclaimed spare still alive this long after its SIGTERM is killed
 EXIT_CODE_WAIT_S = 2.0  # how long a host waits for a dead spare's exit code to be published
 _PASS_THROUGH = {0, *PERMANENT, int(ExitCode.PREEMPTED), int(ExitCode.RECOVERY_FAILED)}
 _FORWARD = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2, signal.SIGUSR1)
@@ -178,6 +179,14 @@ class SparePool:
     def _claimed(self, index: int) -> bool:
         return bool(self.store.check([self.inplace.spare_key(index, "claim")]))
 
+    def _claimed_quietly(self, index: int) -> bool:
+        """`_claimed`, True when the store cannot say (a claimed spare is another rank's trainer: never
+        killed on a guess)."""
+        try:
+            return self._claimed(index)
+        except Exception:
+            return True
+
     def signal(self, sig: int, *, claimed: bool = True) -> None:
         for index, proc in self.procs.values():
             if claimed or not self._claimed(index):
@@ -189,7 +198,15 @@ class SparePool:
         hosts forward torchrun's shutdown to them, a second SIGTERM would cut a preemption save short)."""
         with contextlib.suppress(Exception):  # the store may be gone with the run
             self.signal(signal.SIGTERM, claimed=False)
+        killed_at: float | None = time.monotonic() + SPARE_TERM_GRACE_S
         while self.procs:
+            if killed_at is not None and time.monotonic() > killed_at:
+                killed_at = None  # an unclaimed spare that outlives its SIGTERM must not keep the node up
+                for index, proc in self.procs.values():
+                    if not self._claimed_quietly(index):
+                        log.warning("in-place: spare %d (pid %d) ignored SIGTERM; killing it", index, proc.pid)
+                        with contextlib.suppress(ProcessLookupError):
+                            proc.send_signal(signal.SIGKILL)
             try:
                 self.tick(spawn=False)
             except Exception:

@@ -53,6 +53,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 DEPTH = 2  # snapshots kept per kind: the newest may be incomplete on some ranks after a failure
+CLOSE_WAIT_S = 60.0  # how long a finished run waits for its last exchange (seconds of gloo traffic)
 
 
 def _to_local(tree: Any) -> Any:
@@ -230,8 +231,20 @@ class ReplicaSet:
         if error is not None:
             raise error
 
-    def close(self) -> None:
-        """The run ends: let the last exchange finish (its failure no longer matters)."""
+    def close(self, timeout_s: float = CLOSE_WAIT_S) -> None:
+        """The run ends: let the last exchange finish (its failure no longer matters), waiting at most
+        `timeout_s`: a finished run must exit even when a neighbour never took part in it."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+            if thread.is_alive():
+                log.warning(
+                    "in-place: the last in-memory replica exchange did not end within %g s of the run's end; "
+                    "exiting without it",
+                    timeout_s,
+                )
+                self._thread = None
+                return
         try:
             self.wait()
         except Exception:
