@@ -50,7 +50,9 @@ def _run(tmp_path: Path, examples_dir: Path, *codes: int, restarts: int = 3) -> 
         env={},
     )
     run = LocalRun(spec=spec, plan=plan)
-    run._started, run._started_at = time.monotonic(), time.time()
+    # A second back: the kernel stamps a file's mtime from a coarse clock that can lag `time.time()` by a
+    # tick, so a result.json written right after this line could otherwise look older than the start.
+    run._started, run._started_at = time.monotonic(), time.time() - 1.0
     # Pids above any kernel's pid_max (2**22): were one signalled by mistake, no process could get it.
     agents = [ExitedAgent(code, pid=2**30 + i) for i, code in enumerate(codes)]
     run._agents = [_Agent(node=i, proc=agent) for i, agent in enumerate(agents)]  # type: ignore[arg-type]
