@@ -302,12 +302,13 @@ def inspect_cmd(uri: str, step: int | None, max_keys: int, pairs: tuple[str, ...
         f"{_human(manifest.total_bytes)}  {_when(manifest.time)} UTC" + ("  (final)" if manifest.final else "")
     )
     part = manifest.digest_part_bytes
-    digest = f"sha256 of {_human(part)} parts" if part else "sha256"  # digest.py: a file of one part: its sha256
+    algo = manifest.digest_algorithm
+    digest = f"{algo} of {_human(part)} parts" if part else algo  # digest.py: a file of one part: its own hash
     files = Table(title=f"files (manifest version {manifest.version}; digest: {digest})")
     for col in ("path", "size", "digest", "rank", "node"):
         files.add_column(col)
     for f in manifest.files:
-        files.add_row(f.path, _human(f.size), f.sha256[:16] + "…", str(f.rank), str(f.node_rank))
+        files.add_row(f.path, _human(f.size), f.digest[:16] + "…", str(f.rank), str(f.node_rank))
     console.print(files)
     state = Table(title=f"state ({len(keys)} keys)")
     for col in ("key", "kind", "dtype", "shape"):

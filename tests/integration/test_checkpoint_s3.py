@@ -144,7 +144,7 @@ def test_cli_list_verify_inspect_across_stores(
     assert report["stores"][s3_server.uri()][0] == {
         "step": 2,
         "status": "CORRUPT",
-        "bad": {"gen-0000/__0_0.distcp": "sha256 mismatch"},
+        "bad": {"gen-0000/__0_0.distcp": "digest mismatch"},
     }
     # store a: its newest committed step (1) verifies, the uncommitted step 2 is not a failure
     assert runner.invoke(cli, ["checkpoints", "verify", a]).exit_code == 0

@@ -1,9 +1,10 @@
-"""Digests over parts (manifest version 3) and the one-copy load: what a restore verifies and loads.
+"""Digests over parts (manifest version 3), their hash (version 4: BLAKE3) and the one-copy load: what a
+restore verifies and loads.
 
 Files above one digest part (4 MiB) are what the other checkpoint tests never write: here a ~9 MB state
 goes through a file store (mapped, parts faulted in and hashed on threads) and an object store (ranged
-reads), a byte flipped in a middle part is caught, and manifests written before version 3 (whole-file
-SHA-256) still restore."""
+reads), a byte flipped in a middle part is caught, and manifests written before version 4 (SHA-256 parts)
+and before version 3 (whole-file SHA-256) still restore."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from blake3 import blake3
 from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,10 +28,18 @@ from hypothesis import strategies as st
 from orchestrator.cli import cli
 from tests.fixtures.checkpoint import Progress, Recorder, config, ctx
 from training.checkpoint import CheckpointManager, open_storage
-from training.checkpoint.digest import DIGEST_PART_BYTES, digest_of, root_of, valid_part_bytes
+from training.checkpoint.digest import (
+    DIGEST_ALGORITHM,
+    DIGEST_ALGORITHMS,
+    DIGEST_PART_BYTES,
+    digest_of,
+    new_hash,
+    root_of,
+    valid_part_bytes,
+)
 from training.checkpoint.manifest import MANIFEST_NAME, MANIFEST_VERSION, read_manifest, step_dir, verify_store
 from training.checkpoint.results import CheckpointCorruptError
-from training.checkpoint.storage import sha256_file
+from training.checkpoint.storage import file_digest
 from training.checkpoint.writer import _tensor_in
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,12 +47,16 @@ pytestmark = pytest.mark.timeout(120)
 SIDE = 1500  # a 1500 x 1500 float32 tensor: 9 MB, three digest parts
 
 
-def _reference(data: bytes, part: int) -> str:
+_PLAIN = {"sha256": hashlib.sha256, "blake3": blake3}  # the hashes themselves, not digest.py's
+
+
+def _reference(data: bytes, part: int, algorithm: str = "sha256") -> str:
     """The digest as digest.py defines it, written out plainly."""
+    h = _PLAIN[algorithm]
     if part == 0 or len(data) <= part:
-        return hashlib.sha256(data).hexdigest()
-    leaves = b"".join(hashlib.sha256(data[o : o + part]).digest() for o in range(0, len(data), part))
-    return hashlib.sha256(leaves).hexdigest()
+        return str(h(data).hexdigest())
+    leaves = b"".join(h(data[o : o + part]).digest() for o in range(0, len(data), part))
+    return str(h(leaves).hexdigest())
 
 
 @settings(max_examples=200, deadline=None)
@@ -50,19 +64,27 @@ def _reference(data: bytes, part: int) -> str:
     data=st.binary(max_size=300),
     part=st.sampled_from([0, 1, 7, 16, 64]),
     cuts=st.lists(st.integers(min_value=0, max_value=300), max_size=6),
+    algorithm=st.sampled_from(DIGEST_ALGORITHMS),
 )
-def test_part_digest_of_any_chunking_matches_the_definition(data: bytes, part: int, cuts: list[int]) -> None:
+def test_part_digest_of_any_chunking_matches_the_definition(
+    data: bytes, part: int, cuts: list[int], algorithm: str
+) -> None:
     bounds = sorted({0, len(data), *[c for c in cuts if c <= len(data)]})
     chunks = [data[a:b] for a, b in itertools.pairwise(bounds)]
-    assert digest_of(chunks, part) == (_reference(data, part), len(data))
+    assert digest_of(chunks, part, algorithm) == (_reference(data, part, algorithm), len(data))
 
 
-def test_a_file_of_one_part_has_its_plain_sha256() -> None:
-    for data in (b"", b"x", bytes(64)):
-        assert digest_of([data], 64)[0] == hashlib.sha256(data).hexdigest()
-    two = bytes(range(65))
-    assert digest_of([two], 64)[0] != hashlib.sha256(two).hexdigest()
-    assert root_of([b"\x01" * 32]) == "01" * 32
+def test_a_file_of_one_part_has_its_plain_hash() -> None:
+    for algorithm, plain in _PLAIN.items():
+        for data in (b"", b"x", bytes(64)):
+            assert digest_of([data], 64, algorithm)[0] == plain(data).hexdigest()
+        two = bytes(range(65))
+        assert digest_of([two], 64, algorithm)[0] != plain(two).hexdigest()
+        assert root_of([b"\x01" * 32], algorithm) == "01" * 32
+    # BLAKE3's published test vector (the empty input): the binding computes BLAKE3 itself
+    assert digest_of([b""], 0, "blake3")[0] == "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
+    with pytest.raises(ValueError, match="unknown digest algorithm 'md5'"):
+        new_hash("md5")
 
 
 def test_valid_part_sizes() -> None:
@@ -98,16 +120,17 @@ def test_a_multi_part_checkpoint_is_verified_and_loaded_exactly_from_file_and_ob
     file_uri, mem_uri = str(tmp_path / "a"), f"memory://digest-{uuid.uuid4().hex[:8]}"
     saved = _save([file_uri, mem_uri], tmp_path)
     manifest = read_manifest(open_storage(file_uri), 1)
-    assert manifest.version == MANIFEST_VERSION == 3 and manifest.digest_part_bytes == DIGEST_PART_BYTES
+    assert manifest.version == MANIFEST_VERSION == 4 and manifest.digest_part_bytes == DIGEST_PART_BYTES
+    assert manifest.digest_algorithm == DIGEST_ALGORITHM == "blake3"
     shard = next(e for e in manifest.files if e.path.endswith(".distcp"))
     path = Path(file_uri) / step_dir(1) / shard.path
     assert shard.size > 2 * DIGEST_PART_BYTES  # several parts: the tree digest, not the plain sha256
     data = path.read_bytes()
-    assert shard.sha256 == _reference(data, DIGEST_PART_BYTES) != hashlib.sha256(data).hexdigest()
-    assert sha256_file(str(path), DIGEST_PART_BYTES) == (shard.sha256, shard.size)
+    assert shard.digest == _reference(data, DIGEST_PART_BYTES, "blake3") != blake3(data).hexdigest()
+    assert file_digest(str(path), DIGEST_PART_BYTES, "blake3") == (shard.digest, shard.size)
     assert verify_store(open_storage(file_uri), manifest).ok and verify_store(open_storage(mem_uri), manifest).ok
     shown = CliRunner().invoke(cli, ["checkpoints", "inspect", file_uri])
-    assert shown.exit_code == 0 and "manifest version 3; digest: sha256 of 4.0 MiB parts" in shown.output
+    assert shown.exit_code == 0 and "manifest version 4; digest: blake3 of 4.0 MiB parts" in shown.output
     assert CliRunner().invoke(cli, ["checkpoints", "verify", file_uri]).exit_code == 0
     for uris, store in (([file_uri, mem_uri], "s0"), ([mem_uri], "s0")):
         target = _big_state(7)
@@ -127,7 +150,7 @@ def test_a_flipped_byte_in_a_middle_part_is_caught_and_the_other_copy_loads(tmp_
     data[DIGEST_PART_BYTES + 12345] ^= 0x10  # inside the second part, in the tensor's bytes
     path.write_bytes(bytes(data))
     report = verify_store(open_storage(a), manifest)
-    assert not report.ok and report.bad == {shard.path: "sha256 mismatch"}
+    assert not report.ok and report.bad == {shard.path: "digest mismatch"}
     sink = Recorder()
     target = _big_state(7)
     before = target["model"]["w"].clone()
@@ -135,41 +158,57 @@ def test_a_flipped_byte_in_a_middle_part_is_caught_and_the_other_copy_loads(tmp_
     with pytest.raises(CheckpointCorruptError, match="every copy is corrupt or incomplete"):
         result.restore(target)
     assert torch.equal(target["model"]["w"], before)  # the corrupt copy never reached the state
-    assert any(e == "checkpoint_corrupt" and "sha256 mismatch" in f["detail"] for e, f in sink.events)
+    assert any(e == "checkpoint_corrupt" and "digest mismatch" in f["detail"] for e, f in sink.events)
     got = CheckpointManager(config(a, b), ctx(tmp_path, 2)).restore(target)
     assert got is not None and got.store == "s1"
     _same(target, saved)
 
 
-def test_a_manifest_written_before_part_digests_still_restores(tmp_path: Path) -> None:
-    """Version 2 manifests (no digest_part_bytes: whole-file sha256) stay readable, from both read paths."""
+@pytest.mark.parametrize("version", [2, 3])
+def test_a_manifest_written_before_blake3_still_restores(tmp_path: Path, version: int) -> None:
+    """Manifests as the earlier releases wrote them stay readable, from both read paths: version 3 (SHA-256
+    of 4 MiB parts, each file's `sha256`) and version 2 (no digest_part_bytes: the whole file's SHA-256)."""
     file_uri, mem_uri = str(tmp_path / "a"), f"memory://digest-{uuid.uuid4().hex[:8]}"
     saved = _save([file_uri, mem_uri], tmp_path)
+    part = DIGEST_PART_BYTES if version == 3 else 0
     for uri in (file_uri, mem_uri):
         store: Any = open_storage(uri)
         raw = json.loads(store.read_bytes(f"{step_dir(1)}/{MANIFEST_NAME}"))
-        raw["version"] = 2
-        del raw["digest_part_bytes"]
+        raw["version"] = version
+        del raw["digest_algorithm"]
+        if version == 2:
+            del raw["digest_part_bytes"]
         for entry in raw["files"]:
-            entry["sha256"] = hashlib.sha256(store.read_bytes(f"{step_dir(1)}/{entry['path']}")).hexdigest()
+            del entry["digest"]
+            entry["sha256"] = _reference(store.read_bytes(f"{step_dir(1)}/{entry['path']}"), part)
         store.write_bytes_atomic(f"{step_dir(1)}/{MANIFEST_NAME}", json.dumps(raw).encode())
         old = read_manifest(store, 1)
-        assert old.digest_part_bytes == 0 and verify_store(store, old).ok
+        assert (old.digest_part_bytes, old.digest_algorithm) == (part, "sha256") and verify_store(store, old).ok
         target = _big_state(7)
         result = CheckpointManager(config(uri), ctx(tmp_path, 1)).restore(target)
         assert result is not None and result.step == 1
         _same(target, saved)
 
 
-@pytest.mark.parametrize("bad", [3 * 2**20, 1, -4, "4194304"])
-def test_a_manifest_with_an_odd_part_size_is_rejected(tmp_path: Path, bad: Any) -> None:
+_ODD_PART = "digest_part_bytes must be 0 or a power of two"
+_UNKNOWN_HASH = "digest_algorithm must be one of sha256, blake3"
+
+
+@pytest.mark.parametrize(
+    ("field", "bad", "error"),
+    [("digest_part_bytes", v, _ODD_PART) for v in (3 * 2**20, 1, -4, "4194304")]
+    + [("digest_algorithm", v, _UNKNOWN_HASH) for v in ("md5", "BLAKE3", "", None, 3)],
+)
+def test_a_manifest_with_an_odd_part_size_or_an_unknown_hash_is_rejected(
+    tmp_path: Path, field: str, bad: Any, error: str
+) -> None:
     a = str(tmp_path / "a")
     _save([a], tmp_path)
     store = open_storage(a)
     raw = json.loads(store.read_bytes(f"{step_dir(1)}/{MANIFEST_NAME}"))
-    raw["digest_part_bytes"] = bad
+    raw[field] = bad
     store.write_bytes_atomic(f"{step_dir(1)}/{MANIFEST_NAME}", json.dumps(raw).encode())
-    with pytest.raises(ValueError, match="digest_part_bytes"):
+    with pytest.raises(ValueError, match=error):
         read_manifest(store, 1)
 
 
@@ -222,8 +261,8 @@ def test_the_shards_a_rank_wrote_are_read_while_dcp_plans_and_an_unneeded_bad_on
     shard = next(e for e in manifest.files if e.path.endswith(".distcp"))
     stray = f"{manifest.dcp_dir}/__9_0.distcp"  # in the manifest, not in DCP's plan, and corrupt
     store.write_bytes_atomic(f"{step_dir(1)}/{stray}", b"not what the manifest says")
-    expected = {e.path: (e.sha256, e.size) for e in manifest.files}
-    expected[stray] = (hashlib.sha256(b"something else").hexdigest(), 26)
+    expected = {e.path: (e.digest, e.size) for e in manifest.files}
+    expected[stray] = (blake3(b"something else").hexdigest(), 26)
     reads: list[str] = []
 
     def read_range(rel: str, start: int, end: int) -> bytes:
@@ -231,7 +270,12 @@ def test_the_shards_a_rank_wrote_are_read_while_dcp_plans_and_an_unneeded_bad_on
         return store.read_range(f"{step_dir(1)}/{rel}", start, end)
 
     reader = VerifiedReader(
-        read_range, manifest.dcp_dir, expected, digest_part_bytes=DIGEST_PART_BYTES, prefetch=[shard.path, stray]
+        read_range,
+        manifest.dcp_dir,
+        expected,
+        digest_part_bytes=DIGEST_PART_BYTES,
+        digest_algorithm=manifest.digest_algorithm,
+        prefetch=[shard.path, stray],
     )
     try:
         reader.read_metadata()

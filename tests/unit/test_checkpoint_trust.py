@@ -4,7 +4,6 @@ unpickled with an allow-list, manifests can be HMAC-signed, and manifest paths c
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -15,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from blake3 import blake3
 from click.testing import CliRunner
 
 from orchestrator.cli import cli
@@ -121,7 +121,7 @@ def _forge(store: str, step: int, rel: str, data: bytes) -> None:
     raw = _manifest_raw(store, step)
     for entry in raw["files"]:
         if entry["path"] == rel:
-            entry["sha256"], entry["size"] = hashlib.sha256(data).hexdigest(), len(data)
+            entry["digest"], entry["size"] = blake3(data).hexdigest(), len(data)
     (Path(store) / step_dir(step) / MANIFEST_NAME).write_text(json.dumps(raw))
 
 
@@ -145,7 +145,7 @@ def test_signed_manifests_restore_and_tampered_ones_never_do(tmp_path: Path, mon
     store, states = _one_checkpoint(tmp_path, (1, 2, 3))
     assert _manifest_raw(store, 3)["signature"].startswith("hmac-sha256:")
     raw = _manifest_raw(store, 3)
-    raw["files"][0]["sha256"] = "0" * 64  # e.g. pointing the manifest at substituted files
+    raw["files"][0]["digest"] = "0" * 64  # e.g. pointing the manifest at substituted files
     (Path(store) / step_dir(3) / MANIFEST_NAME).write_text(json.dumps(raw))
     raw = _manifest_raw(store, 2)
     del raw["signature"]

@@ -6,7 +6,7 @@ One save, on every rank (`save`):
 
 1. *staging* (the only part training waits for): the state is copied to CPU memory;
 2. in a background thread: `dcp.save` of the copy written once into every store (and the node-local
-   copy) in parallel, sha256 computed while writing (no staging directory, no read-back; `writer`);
+   copy) in parallel, digests computed while writing (no staging directory, no read-back; `writer`);
    object stores upload from a written copy;
 3. the ranks exchange their file lists over a dedicated gloo group; rank 0 writes, per store where every
    rank's upload succeeded and the fence still names this writer, `step-N/manifest.json` LAST: the commit

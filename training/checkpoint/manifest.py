@@ -26,9 +26,9 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from training.checkpoint.digest import valid_part_bytes
+from training.checkpoint.digest import DIGEST_ALGORITHMS, valid_part_bytes
 from training.checkpoint.signing import SIGNATURE_FIELD, SignatureError, check_signature, sign
-from training.checkpoint.storage import CheckpointStorage, UnsafePathError, safe_join, sha256_file
+from training.checkpoint.storage import CheckpointStorage, UnsafePathError, file_digest, safe_join
 
 __all__ = [
     "DCP_METADATA",
@@ -53,12 +53,12 @@ __all__ = [
 
 MANIFEST_NAME = "manifest.json"
 DCP_METADATA = ".metadata"  # DCP's metadata file, written by rank 0 into the generation directory
-MANIFEST_VERSION = 3  # 3: digests over parts (`digest_part_bytes`, digest.py)
+MANIFEST_VERSION = 4  # 3: digests over parts (`digest_part_bytes`); 4: `digest_algorithm` (digest.py)
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
 _GEN_RE = re.compile(r"^gen-(\d{4,})$")
 # The only file paths a writer puts in a manifest (relative to the step directory).
 _FILE_RE = re.compile(r"^gen-(\d{4,})/(?:\.metadata|__(\d{1,9})_\d{1,9}\.distcp)$")
-_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 class ManifestLayoutError(ValueError):
@@ -89,13 +89,24 @@ def parse_gen_dir(name: str) -> int | None:
 
 @dataclass(frozen=True)
 class FileEntry:
-    """One file of a checkpoint: path relative to the step directory, size, sha256, writer."""
+    """One file of a checkpoint: path relative to the step directory, size, digest, writer.
+
+    `digest` is the file's digest by the manifest's `digest_algorithm` (`digest.py`); manifests before
+    version 4 name the field `sha256`.
+    """
 
     path: str
     size: int
-    sha256: str
+    digest: str
     rank: int
     node_rank: int
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> FileEntry:
+        fields = dict(raw)
+        if "digest" not in fields and "sha256" in fields:  # a manifest before version 4
+            fields["digest"] = fields.pop("sha256")
+        return cls(**fields)
 
 
 @dataclass(frozen=True)
@@ -109,7 +120,7 @@ class Manifest:
         job: The job's name: restore and retention only take this job's checkpoints.
         time: Wall-clock commit time.
         torch_version: torch of the writer.
-        files: Every file, with size and sha256.
+        files: Every file, with its size and digest.
         num_nodes: Nodes that wrote it.
         run_id: The launch's rendezvous id (diagnostics).
         final: The last checkpoint of a finished run.
@@ -119,6 +130,8 @@ class Manifest:
         writer: The writer's random id (diagnostics; ties a manifest to its fence object).
         digest_part_bytes: The part size of the files' digests (`digest.py`); 0 (manifests before version
             3): each file's digest is its whole SHA-256.
+        digest_algorithm: The hash of the files' digests (`digest.py`): `blake3` or `sha256` (every
+            manifest before version 4).
     """
 
     step: int
@@ -136,6 +149,7 @@ class Manifest:
     restart_count: int = 0
     writer: str = ""
     digest_part_bytes: int = 0
+    digest_algorithm: str = "sha256"
 
     @property
     def total_bytes(self) -> int:
@@ -163,7 +177,7 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Manifest:
-        files = [FileEntry(**f) for f in raw["files"]]
+        files = [FileEntry.from_dict(f) for f in raw["files"]]
         known = {k: v for k, v in raw.items() if k in cls.__dataclass_fields__ and k != "files"}
         known.setdefault("job", "")  # not written by pre-release versions: the owner is unknown
         return cls(files=files, **known)
@@ -184,6 +198,8 @@ def check_layout(manifest: Manifest) -> None:
         raise ManifestLayoutError("extra must be a JSON object")
     if not valid_part_bytes(m.digest_part_bytes):
         raise ManifestLayoutError("digest_part_bytes must be 0 or a power of two from 64 KiB to 1 GiB")
+    if m.digest_algorithm not in DIGEST_ALGORITHMS:
+        raise ManifestLayoutError(f"digest_algorithm must be one of {', '.join(DIGEST_ALGORITHMS)}")
     seen: set[str] = set()
     metadata = 0
     for f in m.files:
@@ -196,8 +212,8 @@ def check_layout(manifest: Manifest) -> None:
         seen.add(f.path)
         if not (_is_int(f.size) and _is_int(f.rank) and _is_int(f.node_rank) and f.rank < m.world_size):
             raise ManifestLayoutError(f"file {f.path!r}: size, rank and node_rank must be in range")
-        if not isinstance(f.sha256, str) or not _SHA256_RE.match(f.sha256):
-            raise ManifestLayoutError(f"file {f.path!r}: sha256 is not 64 lowercase hex digits")
+        if not isinstance(f.digest, str) or not _DIGEST_RE.match(f.digest):
+            raise ManifestLayoutError(f"file {f.path!r}: digest is not 64 lowercase hex digits")
         shard_rank = match.group(2)
         if shard_rank is None:
             metadata += 1
@@ -307,7 +323,7 @@ class VerifyReport:
 
     step: int
     ok: bool
-    bad: dict[str, str] = field(default_factory=dict)  # file -> "missing" | "size a != b" | "sha256 mismatch"
+    bad: dict[str, str] = field(default_factory=dict)  # file -> "missing" | "size a != b" | "digest mismatch"
     checked_bytes: int = 0
 
     def summary(self) -> str:
@@ -321,7 +337,7 @@ class VerifyReport:
 def verify_store(
     storage: CheckpointStorage, manifest: Manifest, *, hashes: bool = True, base: str | None = None
 ) -> VerifyReport:
-    """Check each file of a committed checkpoint in a store (size always; sha256 unless `hashes=False`).
+    """Check each file of a committed checkpoint in a store (size always; digest unless `hashes=False`).
 
     A path that would leave the store (`..`, a symlink pointing outside a `file` store) is reported as
     refused and never read. `base` is the step's directory in the store (default `step-N`; "" when the
@@ -333,9 +349,9 @@ def verify_store(
         rel = f"{base}/{entry.path}" if base else entry.path
         try:
             if hashes:
-                digest, size = storage.sha256(rel, manifest.digest_part_bytes)
+                digest, size = storage.digest(rel, manifest.digest_part_bytes, manifest.digest_algorithm)
             else:
-                digest, size = entry.sha256, storage.size(rel)
+                digest, size = entry.digest, storage.size(rel)
         except UnsafePathError as exc:
             report.bad[entry.path] = f"refused: {exc}"
             continue
@@ -348,8 +364,8 @@ def verify_store(
         report.checked_bytes += size
         if size != entry.size:
             report.bad[entry.path] = f"size {size} != {entry.size}"
-        elif digest != entry.sha256:
-            report.bad[entry.path] = "sha256 mismatch"
+        elif digest != entry.digest:
+            report.bad[entry.path] = "digest mismatch"
     report.ok = not report.bad
     return report
 
@@ -372,9 +388,9 @@ def verify_local(directory: str, manifest: Manifest, paths: list[str] | None = N
         if os.path.getsize(local) != entry.size:
             report.bad[entry.path] = f"size {os.path.getsize(local)} != {entry.size}"
             continue
-        digest, size = sha256_file(local, manifest.digest_part_bytes)
+        digest, size = file_digest(local, manifest.digest_part_bytes, manifest.digest_algorithm)
         report.checked_bytes += size
-        if digest != entry.sha256:
-            report.bad[entry.path] = "sha256 mismatch"
+        if digest != entry.digest:
+            report.bad[entry.path] = "digest mismatch"
     report.ok = not report.bad
     return report

@@ -227,7 +227,7 @@ class RestoreSearch:
     def _load(self, state: dict[str, Any], cand: Candidate, view: _StoreView, name: str) -> str | None:
         # (planner: SafeLoadPlanner, below: a store's bytes are never unpickled beyond plain data)
         """Collective: load `cand` from `view` with every file verified while read; None, or why it failed."""
-        expected = {e.path: (e.sha256, e.size) for e in cand.manifest.files}
+        expected = {e.path: (e.digest, e.size) for e in cand.manifest.files}
         # At the world size that wrote it, a rank mostly loads the shards it wrote itself (FSDP) or, under
         # DDP, rank 0 holds them all: read them while DCP plans. A resharded restore reads only the plan's.
         same_world = cand.manifest.world_size == self.identity.world_size
@@ -238,6 +238,7 @@ class RestoreSearch:
             expected,
             local_path=view.local_file,
             digest_part_bytes=cand.manifest.digest_part_bytes,
+            digest_algorithm=cand.manifest.digest_algorithm,
             prefetch=mine,
         )
         try:

@@ -2,7 +2,7 @@
 
 1. *staging* (`stage`, the only part training waits for): the state is copied to CPU memory;
 2. in a background thread (`SavePipeline.run`): `dcp.save` of the copy through a tee (`writer`): each
-   byte goes once from memory into every file store (and the node-local copy), sha256 computed in the
+   byte goes once from memory into every file store (and the node-local copy), its digest computed in the
    same pass, every copy fsynced in parallel; file stores on one reflink-capable filesystem share blocks
    copy-on-write; object stores upload from a written copy, in parallel (a node-local staging directory
    is written only when no file store or node-local copy exists to upload from);
@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils._pytree import tree_map
 
 from training.checkpoint.collectives import Collectives
-from training.checkpoint.digest import DIGEST_PART_BYTES
+from training.checkpoint.digest import DIGEST_ALGORITHM, DIGEST_PART_BYTES
 from training.checkpoint.fence import Fence
 from training.checkpoint.manifest import (
     DCP_METADATA,
@@ -237,7 +237,7 @@ class SavePipeline:
                 shutil.rmtree(local_step, ignore_errors=True)
             self.coll.barrier()
         plan = self._plan_targets(step, generation, local_step)
-        tee = TeeFileSystem(plan.targets, DIGEST_PART_BYTES)
+        tee = TeeFileSystem(plan.targets, DIGEST_PART_BYTES, DIGEST_ALGORITHM)
         try:
             with self.coll.quiet_single_process():
                 metadata = dcp_save(
@@ -301,6 +301,7 @@ class SavePipeline:
             writer=writer,
             extra=dict(self.manifest_extra),
             digest_part_bytes=DIGEST_PART_BYTES,
+            digest_algorithm=DIGEST_ALGORITHM,
         )
         result: dict[str, Any] = {"ok": [], "failed": {}}
         if ident.rank == 0:

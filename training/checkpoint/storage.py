@@ -36,9 +36,9 @@ __all__ = [
     "FsspecStorage",
     "UnsafePathError",
     "check_relative",
+    "file_digest",
     "open_storage",
     "safe_join",
-    "sha256_file",
 ]
 
 CHUNK_BYTES = 4 * 1024 * 1024
@@ -80,10 +80,10 @@ def safe_join(root: str, rel: str) -> str:
     return path
 
 
-def sha256_file(path: str, part_bytes: int = 0) -> tuple[str, int]:
-    """The manifest digest (`digest.py`: whole-file sha256 when `part_bytes` is 0) and size of a local file."""
+def file_digest(path: str, part_bytes: int = 0, algorithm: str = "sha256") -> tuple[str, int]:
+    """The manifest digest (`digest.py`: the whole file's when `part_bytes` is 0) and size of a local file."""
     with open(path, "rb") as fh:
-        return digest_of(iter(lambda: fh.read(CHUNK_BYTES), b""), part_bytes)
+        return digest_of(iter(lambda: fh.read(CHUNK_BYTES), b""), part_bytes, algorithm)
 
 
 @runtime_checkable
@@ -136,8 +136,8 @@ class CheckpointStorage(Protocol):
     def atomic_create(self) -> bool:
         """Whether `create_exclusive` is one atomic operation on this store (else: check, then write)."""
 
-    def sha256(self, rel: str, part_bytes: int = 0) -> tuple[str, int]:
-        """The manifest digest (`digest.py`; whole-file sha256 when `part_bytes` is 0) and size of a stored
+    def digest(self, rel: str, part_bytes: int = 0, algorithm: str = "sha256") -> tuple[str, int]:
+        """The manifest digest (`digest.py`; the whole file's when `part_bytes` is 0) and size of a stored
         file, streamed from the store."""
 
 
@@ -324,9 +324,9 @@ class FsspecStorage:
         if self.fs.exists(full):
             self.fs.rm(full, recursive=True)
 
-    def sha256(self, rel: str, part_bytes: int = 0) -> tuple[str, int]:
+    def digest(self, rel: str, part_bytes: int = 0, algorithm: str = "sha256") -> tuple[str, int]:
         with self.fs.open(self._full(rel), "rb", block_size=CHUNK_BYTES) as fh:
-            return digest_of(iter(lambda: fh.read(CHUNK_BYTES), b""), part_bytes)
+            return digest_of(iter(lambda: fh.read(CHUNK_BYTES), b""), part_bytes, algorithm)
 
 
 def open_storage(uri: str, options: dict[str, Any] | None = None, name: str | None = None) -> FsspecStorage:

@@ -2,7 +2,7 @@
 
 `dcp.save` plans, serialises and names the files exactly as it always does; only its `FileSystemBase` is
 replaced (`TeeFileSystem`), so the bytes go from the staged CPU copy straight into every local target
-directory, hashed (sha256) in the same pass over memory:
+directory, hashed (`digest.py`) in the same pass over memory:
 
 - a *target* is a local directory that gets its own copy: each file store, the node-local copy, and,
   only when an object store has no local file to upload from, a staging directory;
@@ -11,7 +11,7 @@ directory, hashed (sha256) in the same pass over memory:
   other, and no second write. Hard links are deliberately not used: two stores hard-linked are one copy
   under two names, and a byte flipped in one would be flipped in both (docs/architecture.md);
 - each `write` of DCP's serialiser goes to every target's file descriptor in turn (the page cache), while
-  a helper thread hashes the same memory; `os.write`, `os.fsync` and hashlib's update on large buffers
+  a helper thread hashes the same memory; `os.write`, `os.fsync` and the hash's update on large buffers
   release the GIL, so the training loop's thread is not starved by, and does not starve, this work. On
   close, the targets' files are fsynced in parallel;
 - a target that fails (a full disk, an I/O error) is dropped with its error; the others go on
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import hashlib
 import io
 import logging
 import mmap
@@ -46,7 +45,7 @@ from typing import IO, Any, cast
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
 
-from training.checkpoint.digest import DIGEST_PART_BYTES, PartDigest, root_of
+from training.checkpoint.digest import DIGEST_ALGORITHM, DIGEST_PART_BYTES, PartDigest, new_hash, root_of
 from training.checkpoint.manifest import DCP_METADATA
 
 __all__ = [
@@ -89,7 +88,7 @@ class _TeeStream(io.RawIOBase):
         super().__init__()
         self._fs = fs
         self._rel = rel
-        self._digest = PartDigest(fs.part_bytes)
+        self._digest = PartDigest(fs.part_bytes, fs.algorithm)
         self._size = 0
         self._buffer = bytearray()
         self._fds: dict[int, int] = {}  # target index -> fd
@@ -192,12 +191,16 @@ class TeeFileSystem(FileSystemBase):
 
     Args:
         targets: the directories that each get a physical copy.
-        part_bytes: the part size of the files' digests (`digest.py`; 0: whole-file sha256).
+        part_bytes: the part size of the files' digests (`digest.py`; 0: the whole file's).
+        algorithm: the hash of the files' digests (`digest.py`).
     """
 
-    def __init__(self, targets: list[Target], part_bytes: int = DIGEST_PART_BYTES) -> None:
+    def __init__(
+        self, targets: list[Target], part_bytes: int = DIGEST_PART_BYTES, algorithm: str = DIGEST_ALGORITHM
+    ) -> None:
         self.targets = targets
         self.part_bytes = part_bytes
+        self.algorithm = algorithm
         self.digests: dict[str, tuple[str, int]] = {}
         self.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrig-hash")
         self.syncer = ThreadPoolExecutor(max_workers=max(1, len(targets)), thread_name_prefix="torchrig-sync")
@@ -504,7 +507,8 @@ class VerifiedReader(FileSystemReader):
         dcp_dir: the checkpoint's directory below the step directory (`gen-G`).
         expected: path below the step directory -> (digest, size), from the manifest.
         local_path: path below the step directory -> a local file to map, or None (then `read_range`).
-        digest_part_bytes: the manifest's `digest_part_bytes` (0: whole-file SHA-256).
+        digest_part_bytes: the manifest's `digest_part_bytes` (0: the whole file's digest).
+        digest_algorithm: the manifest's `digest_algorithm`.
         part_bytes: the size of the parts read at once (rounded up to a multiple of the digest's parts).
         threads: how many parts are read (and hashed) at once.
         prefetch: files (below the step directory) this rank will most likely need: their reads start
@@ -520,6 +524,7 @@ class VerifiedReader(FileSystemReader):
         *,
         local_path: LocalPath | None = None,
         digest_part_bytes: int = 0,
+        digest_algorithm: str = "sha256",
         part_bytes: int = 16 * 1024 * 1024,
         threads: int = 8,
         prefetch: list[str] | None = None,
@@ -530,6 +535,8 @@ class VerifiedReader(FileSystemReader):
         self._maps: list[mmap.mmap] = []
         self._expected = expected
         self._digest_part = digest_part_bytes
+        self._algorithm = digest_algorithm
+        new_hash(digest_algorithm)  # an unknown one fails here, before anything is read
         dp = digest_part_bytes
         self._part = -(-part_bytes // dp) * dp if dp else part_bytes
         self._threads = threads
@@ -583,7 +590,7 @@ class VerifiedReader(FileSystemReader):
         """The raw digests of the digest parts of one read part (its offset is a multiple of them)."""
         dp = self._digest_part
         with memoryview(data) as view:
-            return [hashlib.sha256(view[o : o + dp]).digest() for o in range(0, max(len(view), 1), dp)]
+            return [new_hash(self._algorithm, view[o : o + dp]).digest() for o in range(0, max(len(view), 1), dp)]
 
     def _read_parts(self, pool: ThreadPoolExecutor, rel: str) -> tuple[None, list[Future[Any]]]:
         """An object: ranged reads in parallel, each part's digest parts hashed on the thread that read it."""
@@ -617,7 +624,7 @@ class VerifiedReader(FileSystemReader):
             if not self._digest_part:
                 return (a, b)  # hashed in order by `_check`
             with memoryview(data) as view:
-                return [hashlib.sha256(view[a:b]).digest()]
+                return [new_hash(self._algorithm, view[a:b]).digest()]
 
         return data, [pool.submit(fault_in, a, b) for a, b in self._bounds(size, part)]
 
@@ -625,9 +632,9 @@ class VerifiedReader(FileSystemReader):
         """Wait for `rel`'s parts, check its size and digest, and hand it to DCP's view of the files."""
         want_digest, want_size = self._expected[rel]
         digests: list[bytes] = []
-        whole = hashlib.sha256()
+        whole = new_hash(self._algorithm)
         chunks: list[bytes] = []
-        for fut in parts:  # in order; hashlib releases the GIL: part k is hashed while k+1.. are read
+        for fut in parts:  # in order; the hash releases the GIL: part k is hashed while k+1.. are read
             got = fut.result()
             if data is None:  # an object: (bytes, its digest parts' digests or None)
                 chunk, got = got
@@ -643,9 +650,9 @@ class VerifiedReader(FileSystemReader):
             data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         if len(data) != want_size:
             raise VerifyError(errno.EIO, f"{rel}: size {len(data)} != {want_size}")
-        digest = root_of(digests) if self._digest_part else whole.hexdigest()
+        digest = root_of(digests, self._algorithm) if self._digest_part else whole.hexdigest()
         if digest != want_digest:
-            raise VerifyError(errno.EIO, f"{rel}: sha256 mismatch")
+            raise VerifyError(errno.EIO, f"{rel}: digest mismatch")
         self._mem.files[rel] = data
         self.bytes_read += len(data)
 
