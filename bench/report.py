@@ -191,6 +191,23 @@ def _scaling(results: Results) -> list[str]:
             "grows with the ranks sharing this machine's cores (the `step s` column).",
             "",
         ]
+    eq = sc.get("equal_cpu_per_rank") or {}
+    if eq.get("doublings"):
+        pinned = ", ".join(
+            f"{w} ranks {m:.3f} s" for w, m in zip(eq["pinned_world_sizes"], eq["pinned_mttr_s"], strict=False)
+        )
+        each = "; ".join(
+            f"{a} -> {b} ranks at {d['ranks_per_core']:g} ranks per core: {d['ratio']:.2f}x"
+            for d in eq["doublings"]
+            for a, b in [d["world_sizes"]]
+        )
+        lines += [
+            f"At equal CPU per rank (half of each world size pinned to {eq['pinned_cores']} of the "
+            f"{eq['cores']} cores: {pinned}), doubling the world size changes the MTTR by {each}; "
+            f"their product, largest/smallest world size with the same CPU per rank: "
+            f"**{eq['mttr_ratio_max_vs_min']:.2f}x**.",
+            "",
+        ]
     return lines
 
 
@@ -275,6 +292,17 @@ def plot_scaling(results: Results, out_dir: Path = RESULTS) -> Path | None:
             xs = [w for w, runs in zip(sc["world_sizes"], sc["mttr_s_runs"], strict=False) for _ in runs]
             ys = [float(v) for runs in sc["mttr_s_runs"] for v in runs]
             ax.scatter(xs, ys, s=12, color=line.get_color(), alpha=0.5, label="MTTR of each run")
+            eq = sc.get("equal_cpu_per_rank") or {}
+            if eq.get("pinned_world_sizes"):  # half the sizes on half the cores: the full sizes' CPU per rank
+                label = f"MTTR on {eq['pinned_cores']} of {eq['cores']} cores (median)"
+                ax.plot(
+                    eq["pinned_world_sizes"],
+                    eq["pinned_mttr_s"],
+                    ls="--",
+                    marker="s",
+                    color=line.get_color(),
+                    label=label,
+                )
     ax.set_xlabel("world size (local ranks)")
     ax.set_ylabel("seconds")
     ax.set_xticks(sc["world_sizes"])

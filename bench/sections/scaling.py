@@ -3,12 +3,23 @@
 The drills recover in place (`restarts.mode: inplace`, which `auto` also chooses on one node; the
 drill's kill waits until a warm spare is ready): the MTTR target is flat, world size 8 at most 1.5x
 world size 2 (`mttr_ratio_max_vs_min`). Restore times come from restart-path runs
-only (in place nothing is restored), so they are NaN here unless a run fell back."""
+only (in place nothing is restored), so they are NaN here unless a run fell back.
+
+On a machine with fewer cores than ranks, a larger world size also means less CPU per rank, and every
+collective round of the recovery slows with it. `equal_cpu_per_rank` separates the two: the same drills
+at half of each world size, pinned to half the cores (`sched_setaffinity`, inherited by every process
+of the run), have the CPU per rank of the full size on all cores. Each doubling of the world size at
+equal CPU per rank is then one ratio, and their product estimates the largest/smallest ratio on a
+machine with a core per rank."""
 
 from __future__ import annotations
 
+import math
+import os
 import statistics
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -74,10 +85,53 @@ def _median(values: list[float]) -> float:
     return statistics.median(finite) if finite else float("nan")
 
 
-def bench_scaling(world_sizes: list[int], repeats: int = 3) -> dict[str, Any]:
+@contextmanager
+def _pinned(cores: set[int]) -> Iterator[None]:
+    """This process (and every process it starts meanwhile) on `cores` only."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _equal_cpu_per_rank(world_sizes: list[int], mttr_s: list[float], repeats: int) -> dict[str, Any] | None:
+    """MTTR at half of each world size on half the cores; each doubling's ratio at equal CPU per rank."""
+    cores = sorted(os.sched_getaffinity(0))
+    half = [w // 2 for w in world_sizes if w // 2 >= 2]
+    if len(cores) < 2 or not half:
+        return None
+    pinned_cores = set(cores[: len(cores) // 2])
+    runs: dict[int, list[float]] = {w: [] for w in half}
+    with _pinned(pinned_cores):
+        for _ in range(repeats):
+            for w in half:
+                runs[w].append(_one_drill(w)["mttr"])
+    pinned = {w: _median(runs[w]) for w in half}
+    full = dict(zip(world_sizes, mttr_s, strict=True))
+    doublings = [
+        {"world_sizes": [w // 2, w], "ranks_per_core": w / len(cores), "ratio": full[w] / pinned[w // 2]}
+        for w in world_sizes
+        if w // 2 in pinned and pinned[w // 2] > 0
+    ]
+    return {
+        "cores": len(cores),
+        "pinned_cores": len(pinned_cores),
+        "pinned_world_sizes": half,
+        "pinned_mttr_s": [pinned[w] for w in half],
+        "pinned_mttr_s_runs": [[round(v, 4) for v in runs[w]] for w in half],
+        "doublings": doublings,
+        # the product of the doublings: largest/smallest world size with the same CPU per rank throughout
+        "mttr_ratio_max_vs_min": math.prod(d["ratio"] for d in doublings) if doublings else float("nan"),
+    }
+
+
+def bench_scaling(world_sizes: list[int], repeats: int = 3, equal_cpu: bool = True) -> dict[str, Any]:
     """Checkpoint save, restore and MTTR against world size (local, tiny model), from kill-worker drills:
     `repeats` drills per size, taken in rounds over the sizes (2, 4, 8, 2, 4, 8, ...) so that the
-    machine's drift reaches every size alike; the medians are reported, every run's MTTR too."""
+    machine's drift reaches every size alike; the medians are reported, every run's MTTR too. With
+    `equal_cpu`, also the drills of `equal_cpu_per_rank` (module docstring)."""
     runs: dict[int, list[dict[str, Any]]] = {w: [] for w in world_sizes}
     for _ in range(repeats):
         for w in world_sizes:
@@ -108,7 +162,12 @@ def bench_scaling(world_sizes: list[int], repeats: int = 3) -> dict[str, Any]:
     rec = out["survivor_recovery_s"]
     if rec and rec[0] == rec[0] and rec[0] > 0:
         out["survivor_recovery_ratio_max_vs_min"] = rec[-1] / rec[0]
+    equal = _equal_cpu_per_rank(world_sizes, mttr_s, repeats) if equal_cpu else None
+    if equal is not None:
+        out["equal_cpu_per_rank"] = equal
     return out
 
 
-SECTION = Section("scaling", lambda quick: bench_scaling([2, 4], 1) if quick else bench_scaling([2, 4, 8], 3))
+SECTION = Section(
+    "scaling", lambda quick: bench_scaling([2, 4], 1, equal_cpu=False) if quick else bench_scaling([2, 4, 8], 3)
+)

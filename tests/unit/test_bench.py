@@ -4,6 +4,7 @@ writer (latest.json / latest.md / scaling.png) and the digits job file with `--s
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,15 @@ def fake_results() -> dict[str, Any]:
             "survivor_recovery_s": [0.1, 0.12],
             "survivor_recovery_ratio_max_vs_min": 1.2,
             "step_s": [0.01, 0.02],
+            "equal_cpu_per_rank": {
+                "cores": 2,
+                "pinned_cores": 1,
+                "pinned_world_sizes": [2],
+                "pinned_mttr_s": [5.0],
+                "pinned_mttr_s_runs": [[5.0]],
+                "doublings": [{"world_sizes": [2, 4], "ranks_per_core": 2.0, "ratio": 1.2}],
+                "mttr_ratio_max_vs_min": 1.2,
+            },
         },
         "startup": {
             "steps": 300,
@@ -153,6 +163,9 @@ def test_report_writes_json_markdown_and_plot(tmp_path: Path) -> None:
         "The survivors' own recovery, largest/smallest world size: 1.20x.",
         "MTTR largest/smallest world size: 2.00x (target <= 1.5x; inplace, restart).",
         "- 4 ranks, survivor phases ended at (s): left 0.020, formed 0.070, state 0.200",
+        "At equal CPU per rank (half of each world size pinned to 1 of the 2 cores: 2 ranks 5.000 s), doubling "
+        "the world size changes the MTTR by 2 -> 4 ranks at 2 ranks per core: 1.20x; their product, "
+        "largest/smallest world size with the same CPU per rank: **1.20x**.",
         "| torchrig run | 15.00 | 9.50 | 1.25 |",
         "| torchrun + naive loop | 10.00 | | |",
         "torchrig over torchrun, wall: 1.50x.",
@@ -160,6 +173,33 @@ def test_report_writes_json_markdown_and_plot(tmp_path: Path) -> None:
     ):
         assert row in md, row
     assert (tmp_path / "scaling.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_scaling_at_equal_cpu_per_rank_runs_half_of_each_size_on_half_the_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each drill of the pinned series runs with the affinity its processes inherit: half the cores."""
+    from bench.sections import scaling
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: affinity[0])
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cores: affinity.__setitem__(0, set(cores)))
+    affinity = [{0, 1, 2, 3}]
+    seen: list[tuple[int, set[int]]] = []
+
+    def drill(w: int) -> dict[str, Any]:
+        seen.append((w, set(affinity[0])))
+        return {"mttr": {2: 0.2, 4: 0.3}[w]}
+
+    monkeypatch.setattr(scaling, "_one_drill", drill)
+    got = scaling._equal_cpu_per_rank([2, 4, 8], [0.1, 0.2, 0.33], repeats=2)
+    assert seen == [(2, {0, 1}), (4, {0, 1})] * 2 and affinity[0] == {0, 1, 2, 3}  # restored afterwards
+    assert got is not None and got["pinned_world_sizes"] == [2, 4] and got["pinned_mttr_s"] == [0.2, 0.3]
+    assert [d["world_sizes"] for d in got["doublings"]] == [[2, 4], [4, 8]]
+    assert [round(d["ratio"], 3) for d in got["doublings"]] == [1.0, 1.1]  # 0.2/0.2, 0.33/0.3
+    assert [d["ranks_per_core"] for d in got["doublings"]] == [1.0, 2.0]
+    assert round(got["mttr_ratio_max_vs_min"], 3) == 1.1
+    affinity[0] = {0}  # one core: nothing to halve
+    assert scaling._equal_cpu_per_rank([2, 4], [0.1, 0.2], repeats=1) is None
 
 
 def test_report_of_an_empty_run_has_only_its_header(tmp_path: Path) -> None:
