@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -66,6 +67,7 @@ class Prewarmed:
     generation: int  # the process-group generation to join
     assigned_at: float  # `time.perf_counter()` of the assignment
     assigned_cpu: float = 0.0  # `time.thread_time()` of the assignment
+    modules: frozenset[str] = frozenset()  # `sys.modules` at the assignment
 
 
 def run_worker(
@@ -243,6 +245,7 @@ def run_worker(
                     source="replica" if replicas is not None else "peer",
                     cpu_s=round(time.thread_time() - prewarmed.assigned_cpu, 3),
                     phases=spare_phases,
+                    imports=sorted(set(sys.modules) - prewarmed.modules) if prewarmed.modules else None,
                 )
             )
         return trainer.run(wall_start).to_dict()

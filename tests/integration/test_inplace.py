@@ -75,6 +75,9 @@ def test_kill_rank_zero_of_four_recovers_in_place_bit_exactly(tmp_path: Path, re
         assert list(phases) == expected, phases
         times = list(phases.values())
         assert times == sorted(times) and times[-1] <= e.get("seconds") + 0.01, phases
+    # The spare's warm-up imported everything its rank's set-up needs: no import inside the recovery.
+    spare = next(e for e in recoveries if e.get("role") == "spare")
+    assert spare.get("imports") == [], spare.get("imports")
 
 
 @pytest.mark.slow
@@ -103,6 +106,8 @@ def test_hsdp_on_two_nodes_recovers_a_rank_in_place_on_its_node_bit_exactly(tmp_
     assert "rank 2's trainer died; spare 0" in node1, "node 1's own spare took the rank"
     recoveries = [e for e in read_events(Path(report.run_dir) / "events.jsonl") if e.kind is EventKind.RECOVERY]
     assert sorted(e.get("role") for e in recoveries) == ["spare", "survivor", "survivor", "survivor"]
+    spare = next(e for e in recoveries if e.get("role") == "spare")
+    assert spare.get("imports") == [], spare.get("imports")  # FSDP's sharding too: warmed by the rehearsal
 
 
 @pytest.mark.slow

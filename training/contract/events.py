@@ -301,6 +301,9 @@ class Recovery:
     # generation), `state` (the state transfer done), `checkpoints` (the checkpoint manager rebuilt),
     # `preemption` (its agreement group re-formed). A spare's clock starts at its assignment.
     phases: dict[str, float] = field(default_factory=dict)
+    # A spare: the modules it imported between its assignment and being ready to train (each one's
+    # import is CPU inside the recovery that its warm-up should have paid; `training.inplace.spare`).
+    imports: list[str] | None = None
     kind: EventKind = field(default=EventKind.RECOVERY, init=False, repr=False)
 
 
