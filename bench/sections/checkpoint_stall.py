@@ -61,8 +61,8 @@ def _peers(flat: dict[str, Any], model: Any, opt: Any, tmp: Path, i: int, res: d
     del _copy, _copy_o
 
 
-def _torchrig(flat: dict[str, Any], tmp: Path, i: int, res: dict[str, list[float]]) -> None:
-    """One repeat of torchrig: an async save to two file stores, blocked time and committed MB/s."""
+def _manager(stores: Path) -> Any:
+    """One job's checkpoint manager (async, two file stores), kept across the repeats as a job keeps it."""
     from training.checkpoint import CheckpointManager
     from training.config import CheckpointConfig
     from training.contract import WorkerIdentity
@@ -72,17 +72,24 @@ def _torchrig(flat: dict[str, Any], tmp: Path, i: int, res: dict[str, list[float
             "every": {"steps": 1},
             "keep": 1,
             "async": True,
-            "stores": [{"uri": f"file://{tmp}/a{i}", "name": "a"}, {"uri": f"file://{tmp}/b{i}", "name": "b"}],
+            "stores": [{"uri": f"file://{stores}/a", "name": "a"}, {"uri": f"file://{stores}/b", "name": "b"}],
         }
     )
-    mgr = CheckpointManager(config, WorkerIdentity(job="bench", run_dir=str(tmp)))
+    return CheckpointManager(config, WorkerIdentity(job="bench", run_dir=str(stores)))
+
+
+def _torchrig(flat: dict[str, Any], mgr: Any, stores: Path, step: int, res: dict[str, list[float]]) -> None:
+    """One repeat of torchrig: an async save of `step` to two file stores, blocked time and committed MB/s."""
+    from training.checkpoint.manifest import step_dir
+
     t = time.perf_counter()
-    mgr.save(1, flat)
+    mgr.save(step, flat)
     res["torchrig"].append(time.perf_counter() - t)
     mgr.wait()
     commit_s = time.perf_counter() - t
-    mgr.close()
-    written = sum(f.stat().st_size for st in ("a", "b") for f in (tmp / f"{st}{i}").rglob("*") if f.is_file())
+    written = sum(
+        f.stat().st_size for st in ("a", "b") for f in (stores / st / step_dir(step)).rglob("*") if f.is_file()
+    )
     res["torchrig_write_MBps"].append(written / 2**20 / commit_s)
 
 
@@ -94,14 +101,20 @@ def bench_checkpoint_stall(sizes_mb: list[int], repeats: int) -> dict[str, Any]:
         model, opt = _state_of(mb)
         flat = {"model": model.state_dict(), "optim": opt.state_dict()}
         res: dict[str, list[float]] = {k: [] for k in MEASURES}
-        with tempfile.TemporaryDirectory() as d:
-            tmp = Path(d)
-            for i in range(repeats):
-                _peers(flat, model, opt, tmp, i, res)
-                _torchrig(flat, tmp, i, res)
-                res["dd_MBps"].append(_dd_write_mbps(tmp, mb))
-                for p in tmp.iterdir():
-                    shutil.rmtree(p) if p.is_dir() else p.unlink()
+        with tempfile.TemporaryDirectory() as d, tempfile.TemporaryDirectory() as s:
+            tmp, stores = Path(d), Path(s)
+            # One manager for every repeat, saving steps 1, 2, ... as a job's does: the blocked time is a
+            # running job's, not a new manager's first save (its thread pool, its first allocations).
+            mgr = _manager(stores)
+            try:
+                for i in range(repeats):
+                    _peers(flat, model, opt, tmp, i, res)
+                    _torchrig(flat, mgr, stores, i + 1, res)
+                    res["dd_MBps"].append(_dd_write_mbps(tmp, mb))
+                    for p in tmp.iterdir():
+                        shutil.rmtree(p) if p.is_dir() else p.unlink()
+            finally:
+                mgr.close()
         med = {k: stats(v)["median"] for k, v in res.items()}
         out[f"{mb}MB"] = {
             "torchrig_blocked_s": med["torchrig"],
