@@ -21,7 +21,7 @@ from training.config import WorkerSpec, load_worker_spec
 from training.contract import Env, Event, EventKind
 from training.inplace import InPlace
 from training.inplace.group import RecoveryFailed, is_peer_failure
-from training.inplace.host import _Promoted, claim_spare
+from training.inplace.host import _Child, _Promoted, claim_spare
 
 
 def _worker_spec(**restarts: Any) -> WorkerSpec:
@@ -150,6 +150,30 @@ def test_a_promoted_spare_is_watched_until_its_exit_code_is_published(store: Any
     while code is None and time.monotonic() < deadline:
         code = watched.poll()
     assert code == 128 + signal.SIGTERM
+
+
+def test_a_hosts_wait_between_polls_ends_when_its_trainer_dies_and_never_spins_after(store: Any) -> None:
+    """The host sleeps `POLL_S` between looks at its trainer: a death cuts the sleep short (it was inside
+    every recovery), and a promoted spare already dead (its exit code awaited) sleeps the whole time."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    child = _Child(proc)
+    started = time.monotonic()
+    child.sleep(30.0)
+    assert 0.2 < time.monotonic() - started < 10, "woke at the trainer's exit, not after 30 s"
+    assert child.poll() == 0
+    child.close()
+
+    settings = InPlace(
+        store_addr=f"127.0.0.1:{store.port}", run_id="s", restart_count=0, node_rank=0, spares=1, timeout_s=5.0
+    )
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    watched = _Promoted(dead.pid, settings.connect(), settings)
+    assert watched.poll() is None  # dead, its exit code not published
+    started = time.monotonic()
+    watched.sleep(0.2)
+    assert time.monotonic() - started >= 0.15, "a readable pidfd must not turn the loop into a spin"
+    watched.close()
 
 
 def test_summary_counts_recoveries_by_path() -> None:

@@ -65,16 +65,43 @@ def _status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
+def _pidfd(pid: int) -> int | None:
+    """A pidfd of `pid` (readable once it exits), or None (before Linux 5.3, or it is gone)."""
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None
+
+
+def _sleep_on(fd: int | None, timeout_s: float) -> None:
+    """Sleep `timeout_s`, or less: until `fd` (a pidfd) turns readable, i.e. its process exited."""
+    if fd is None:
+        time.sleep(timeout_s)
+    else:
+        select.select([fd], [], [], timeout_s)
+
+
 class _Child:
     """The first trainer: this host's own child."""
 
     def __init__(self, proc: subprocess.Popen[bytes] | forked.Process) -> None:
         self.proc = proc
         self.pid = proc.pid
+        self._fd = _pidfd(self.pid)
 
     def poll(self) -> int | None:
         code = self.proc.poll()
         return None if code is None else _status(code)
+
+    def sleep(self, timeout_s: float) -> None:
+        """Between two polls: `timeout_s`, cut short when the trainer exits (its death is seen at once,
+        not up to a poll interval later: that wait was inside every recovery)."""
+        _sleep_on(self._fd, timeout_s)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def signal(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -114,6 +141,16 @@ class _Promoted:
         if time.monotonic() - self._dead_at > EXIT_CODE_WAIT_S:
             return 128 + int(signal.SIGKILL)  # nobody saw its status: count it as a crash
         return None
+
+    def sleep(self, timeout_s: float) -> None:
+        """Between two polls: cut short when the spare exits, but not once it has (its pidfd stays
+        readable while its exit code is awaited in the store)."""
+        _sleep_on(self._fd if self._dead_at is None else None, timeout_s)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def signal(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -331,7 +368,7 @@ def run_host(inplace: InPlace, argv: list[str]) -> int:
                     pool = None
             code = current.poll()
             if code is None:
-                time.sleep(POLL_S)
+                current.sleep(POLL_S)
                 continue
             if stopping or code in _PASS_THROUGH:
                 return code
@@ -369,7 +406,9 @@ def run_host(inplace: InPlace, argv: list[str]) -> int:
                     flush=True,
                 )
                 return int(ExitCode.RECOVERY_FAILED)
+            current.close()
             current = _Promoted(pid, store, inplace)
     finally:
+        current.close()
         if pool is not None:
             pool.close()
