@@ -65,29 +65,35 @@ def _status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def _pidfd(pid: int) -> int | None:
-    """A pidfd of `pid` (readable once it exits), or None (before Linux 5.3, or it is gone)."""
-    try:
-        return os.pidfd_open(pid)
-    except OSError:
-        return None
+class _Watched:
+    """A trainer process this host watches through a pidfd (readable once it exits; None before Linux
+    5.3 or when the process is already gone)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._fd: int | None = None
+        with contextlib.suppress(OSError):
+            self._fd = os.pidfd_open(pid)
+
+    def _sleep_on(self, fd: int | None, timeout_s: float) -> None:
+        """Sleep `timeout_s`, or less: until `fd` (the pidfd) turns readable, i.e. the process exited."""
+        if fd is None:
+            time.sleep(timeout_s)
+        else:
+            select.select([fd], [], [], timeout_s)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
-def _sleep_on(fd: int | None, timeout_s: float) -> None:
-    """Sleep `timeout_s`, or less: until `fd` (a pidfd) turns readable, i.e. its process exited."""
-    if fd is None:
-        time.sleep(timeout_s)
-    else:
-        select.select([fd], [], [], timeout_s)
-
-
-class _Child:
+class _Child(_Watched):
     """The first trainer: this host's own child."""
 
     def __init__(self, proc: subprocess.Popen[bytes] | forked.Process) -> None:
+        super().__init__(proc.pid)
         self.proc = proc
-        self.pid = proc.pid
-        self._fd = _pidfd(self.pid)
 
     def poll(self) -> int | None:
         code = self.proc.poll()
@@ -96,28 +102,20 @@ class _Child:
     def sleep(self, timeout_s: float) -> None:
         """Between two polls: `timeout_s`, cut short when the trainer exits (its death is seen at once,
         not up to a poll interval later: that wait was inside every recovery)."""
-        _sleep_on(self._fd, timeout_s)
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        self._sleep_on(self._fd, timeout_s)
 
     def signal(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             self.proc.send_signal(sig)
 
 
-class _Promoted:
+class _Promoted(_Watched):
     """A spare that took this rank: watched through a pidfd, its exit code read from the store."""
 
     def __init__(self, pid: int, store: Any, inplace: InPlace) -> None:
-        self.pid = pid
+        super().__init__(pid)
         self.store = store
         self.inplace = inplace
-        self._fd: int | None = None
-        with contextlib.suppress(OSError):
-            self._fd = os.pidfd_open(pid)
         self._dead_at: float | None = None
 
     def _exited(self) -> bool:
@@ -145,12 +143,7 @@ class _Promoted:
     def sleep(self, timeout_s: float) -> None:
         """Between two polls: cut short when the spare exits, but not once it has (its pidfd stays
         readable while its exit code is awaited in the store)."""
-        _sleep_on(self._fd if self._dead_at is None else None, timeout_s)
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        self._sleep_on(self._fd if self._dead_at is None else None, timeout_s)
 
     def signal(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):

@@ -134,11 +134,10 @@ def _preimport(spec: WorkerSpec) -> None:
     import training.metrics.trainer_status  # noqa: F401
 
     for store in spec.spec.checkpoint.stores:
-        scheme = store.uri.split("://", 1)[0] if "://" in store.uri else "file"
         try:
-            fsspec.get_filesystem_class(scheme)  # imports the implementation (s3fs for s3://), connects nowhere
+            fsspec.get_filesystem_class(store.scheme)  # imports the implementation (s3fs for s3://), connects nowhere
         except (ImportError, ValueError):  # the store's own set-up reports it
-            log.debug("spare: no fsspec filesystem for %r", scheme, exc_info=True)
+            log.debug("spare: no fsspec filesystem for %r", store.scheme, exc_info=True)
 
 
 def run_spare(spec: WorkerSpec, inplace: InPlace, *, run_dir: str) -> dict[str, Any]:
