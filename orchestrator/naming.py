@@ -103,13 +103,14 @@ def _fit(*suffixes: str) -> int:
     return MAX_NAME_LEN - max(len(s) for s in suffixes)
 
 
-def target_name_rule(target: str, max_nodes: int, *, elastic: bool = False) -> NameRule | None:
+def target_name_rule(target: str, max_nodes: int, *, elastic: bool = False, spare_nodes: int = 0) -> NameRule | None:
     """The name rule of a Kubernetes target's operator, or None for a target without one.
 
     Args:
         target: `pytorchjob`, `trainjob`, `rayjob` (others: None, the job model's rule is all).
         max_nodes: `spec.nodes.max`.
         elastic: the job is rendered elastic (`nodes.min < nodes.max` and not `--fixed-size`).
+        spare_nodes: standby Worker replicas past the members (`compile.pytorchjob.spare_nodes`).
     """
     if target == "rayjob":
         return NameRule(
@@ -120,9 +121,9 @@ def target_name_rule(target: str, max_nodes: int, *, elastic: bool = False) -> N
             f"RayCluster names to {KUBERAY_MAX_RAYCLUSTER_NAME_LEN}",
         )
     if target == "pytorchjob":
-        # Worker indices 0..max-1 when elastic (no Master); Master 0 plus Workers 0..max-2 otherwise.
-        last = max_nodes - 1 if elastic else max(max_nodes - 2, 0)
-        longest = f"-worker-{last}" if elastic or max_nodes > 1 else "-master-0"
+        # Worker indices 0..max-1 when elastic (no Master); Master 0 plus Workers 0..max-2+spares otherwise.
+        last = max_nodes - 1 if elastic else max(max_nodes - 2 + spare_nodes, 0)
+        longest = f"-worker-{last}" if elastic or max_nodes > 1 or spare_nodes else "-master-0"
         return NameRule(
             target,
             _fit(longest, "-master-0"),

@@ -354,6 +354,7 @@ class JobSpec(Model):
             out.append("spec.kubernetes.runtimeKind: has no effect without runtimeRef")
         out += _shared_credential_warnings(s)
         out += _in_memory_warnings(s)
+        out += _spare_node_warnings(s)
         if s.training.precision is Precision.fp16 and s.resources.gpus == 0:
             out.append("spec.training.precision: fp16 on CPU runs slowly and is emulated; prefer bf16 or fp32")
         if s.training.lr_schedule.decay == "constant" and s.training.lr_schedule.min_lr_ratio != 0.0:
@@ -372,6 +373,22 @@ def _in_memory_warnings(body: JobSpecBody) -> list[str]:
         ]
     if body.restarts.mode == "restart" or body.restarts.spares == 0:
         return [f"{field}: has no effect without in-place recovery (restarts.mode restart or restarts.spares 0)"]
+    return []
+
+
+def _spare_node_warnings(body: JobSpecBody) -> list[str]:
+    """`restarts.spareNodes` runs standby pods in a fixed-size PyTorchJob only (`compile.pytorchjob`)."""
+    r = body.restarts
+    if r.spare_nodes == 0:
+        return []
+    field = "spec.restarts.spareNodes"
+    if r.mode == "restart" or r.spares == 0:
+        return [f"{field}: has no effect without in-place recovery (restarts.mode restart or restarts.spares 0)"]
+    if body.kubernetes.target != "pytorchjob" or body.nodes.elastic:
+        return [
+            f"{field}: standby nodes run in a fixed-size PyTorchJob only (kubernetes.target pytorchjob, "
+            "nodes.min == nodes.max); other launches restart the group when a node is lost"
+        ]
     return []
 
 

@@ -229,7 +229,8 @@ class RestartsConfig(Model):
             "`restart` elsewhere. In-place applies to jobs of 2+ ranks launched by the local backend, a PyTorchJob "
             "(any number of pods), a one-pod TrainJob or the torchrun target: DDP, and FSDP/HSDP with "
             "checkpoint.inMemory.every (it returns to the newest in-memory snapshot of the shards); a rank is "
-            "replaced by a spare of its own node, and a whole node lost restarts the group (docs/operations.md). "
+            "replaced by a spare of its own node, and a whole node lost restarts the group unless a standby pod "
+            "takes it (`spareNodes`; docs/operations.md). "
             "`inplace` differs from "
             "`auto` only in the warning it logs when the job cannot recover in place."
         ),
@@ -242,6 +243,19 @@ class RestartsConfig(Model):
             "Warm spare processes per node for `mode: inplace`: each has imported torch and built the model and "
             "optimizer, and waits to be assigned a dead rank's place; a used spare is replaced in the background. "
             "0: no spares (every failure takes the restart path)."
+        ),
+    )
+    spare_nodes: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        description=(
+            "Standby nodes for `mode: inplace` on Kubernetes (a fixed-size PyTorchJob): this many more Worker pods "
+            "than nodes, which stand by outside the rendezvous with a warm spare per local rank. When a node is "
+            "lost (its pod evicted or killed, its machine gone) one of them takes all of that node's ranks in "
+            "place: the other pods keep running and their state, 0 steps are lost, and the lost node's recreated "
+            "pod stands by in turn. Without one a lost node restarts the group from the checkpoint. Detection "
+            "takes about 3 s (the node's heartbeat). 0: none."
         ),
     )
     in_place_timeout_seconds: float = Field(

@@ -17,8 +17,10 @@ of a `torchrun` command; the local backend's agents (`orchestrator.backends._loc
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
+import signal
 import sys
 import uuid
 from collections.abc import MutableMapping, Sequence
@@ -112,10 +114,28 @@ def export_rendezvous_round() -> None:
             os.environ.pop(Env.INPLACE_ROUND, None)
         else:
             os.environ[Env.INPLACE_ROUND] = token
+            _publish_round(self, info, token)
         return info
 
     next_rendezvous._torchrig_round = True  # type: ignore[attr-defined]
     DynamicRendezvousHandler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
+
+
+def _publish_round(handler: Any, info: Any, token: str) -> None:
+    """Record the round this agent runs in the rendezvous store, outside every round's prefix
+    (`InPlace.round_record_key`): a standby node (`training.inplace.standby`) finds the round's key space,
+    its size and its exit barrier there. Every agent of the round writes the same token and round."""
+    from training.inplace import InPlace
+
+    record = {
+        "token": token,
+        "round": int(handler._state_holder.state.round),
+        "nodes": int(info.world_size),
+    }
+    try:
+        handler._store.set(InPlace.round_record_key(handler._settings.run_id), json.dumps(record))
+    except Exception as exc:  # no standby can find this round; the job itself is unaffected
+        log.warning("in-place recovery: could not record the rendezvous round for standby nodes: %s", exc)
 
 
 def _permanent_codes(failures: Any) -> list[int]:
@@ -182,6 +202,15 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import main as torchrun_main
 
     args = sys.argv[1:] if argv is None else argv
+    from training.inplace.standby import JOIN, run_standby, standby_wanted
+
+    launch = standby_wanted(args)  # a spare node's pod (`restarts.spareNodes`) stands by instead
+    if launch is not None:
+        code = run_standby(launch)
+        if code != JOIN:
+            return code
+        for sig in (signal.SIGTERM, signal.SIGINT):  # torchrun installs its own
+            signal.signal(sig, signal.SIG_DFL)
     store = host_inplace_store(argv=args)  # noqa: F841 - lives as long as the agent
     return run_agent(torchrun_main, args)
 

@@ -129,23 +129,27 @@ def resources(spec: JobSpec) -> dict[str, Any]:
     return {"requests": requests, "limits": limits}
 
 
-def inplace_store_env(spec: JobSpec, *, c10d: bool = True) -> dict[str, str]:
+def inplace_store_env(spec: JobSpec, *, c10d: bool = True, standby: bool = False) -> dict[str, str]:
     """Where a torchrun launch that may recover in place finds its long-lived store: on one node its agent
     hosts one (`Env.INPLACE_STORE_AGENT`, `training.torchrun.host_inplace_store`); on several nodes
     launched over the c10d rendezvous (`c10d`) every node shares the rendezvous store
     (`Env.INPLACE_STORE_RDZV`); several nodes under a static rendezvous (TrainJob) get nothing and restart
-    the group (docs/operations.md). The worker still decides (`training.inplace.InPlace`)."""
+    the group (docs/operations.md); with standby nodes (`standby`, PyTorchJob) one node shares it too, as
+    the standby pods must reach it. The worker still decides (`training.inplace.InPlace`)."""
     s = spec.spec
     if s.restarts.mode == "restart" or s.restarts.spares < 1:
         return {}
-    if s.nodes.max == 1:
+    if s.nodes.max == 1 and not standby:
         return {Env.INPLACE_STORE: Env.INPLACE_STORE_AGENT} if s.procs_per_node >= 2 else {}
     return {Env.INPLACE_STORE: Env.INPLACE_STORE_RDZV} if c10d else {}
 
 
-def worker_env(spec: JobSpec, *, torchrun: bool = True, c10d: bool = True) -> list[dict[str, Any]]:
+def worker_env(
+    spec: JobSpec, *, torchrun: bool = True, c10d: bool = True, standby: bool = False
+) -> list[dict[str, Any]]:
     """Environment of the worker container (architecture.md: backend -> worker contract); `torchrun`: the
-    container runs torchrun (PyTorchJob, TrainJob), not a Ray head; `c10d`: over the c10d rendezvous."""
+    container runs torchrun (PyTorchJob, TrainJob), not a Ray head; `c10d`: over the c10d rendezvous;
+    `standby`: the PyTorchJob runs standby nodes (`compile.pytorchjob.spare_nodes`)."""
     env: dict[str, str] = {
         Env.SPEC: SPEC_FILE,
         Env.RUN_DIR: RUN_DIR,
@@ -156,7 +160,7 @@ def worker_env(spec: JobSpec, *, torchrun: bool = True, c10d: bool = True) -> li
         # torchrun waits past restarts.preemptGraceSeconds before it SIGKILLs its workers on a SIGTERM, so
         # their emergency checkpoint fits (training.preemption); the pod's grace period covers both.
         **launcher_env(spec.spec.restarts),
-        **(inplace_store_env(spec, c10d=c10d) if torchrun else {}),
+        **(inplace_store_env(spec, c10d=c10d, standby=standby) if torchrun else {}),
     }
     env.update(spec.spec.kubernetes.env)
     return [{"name": k, "value": v} for k, v in env.items()]

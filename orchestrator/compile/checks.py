@@ -59,8 +59,11 @@ def check_name(spec: JobSpec, target: str, *, fixed_size: bool = False) -> None:
     The job model takes any DNS-1035 name up to 63 characters; each Kubernetes target's operator derives
     longer names from it (Services, pods, the RayCluster), so its limit applies only to that target.
     """
+    from orchestrator.compile.pytorchjob import spare_nodes
+
     elastic = spec.spec.nodes.elastic and not fixed_size
-    rule = target_name_rule(target, spec.spec.nodes.max, elastic=elastic)
+    spare = spare_nodes(spec, elastic=elastic) if target == "pytorchjob" else 0
+    rule = target_name_rule(target, spec.spec.nodes.max, elastic=elastic, spare_nodes=spare)
     problem = rule.problem(spec.name) if rule else None
     if problem:
         raise UnsupportedFeature(problem)

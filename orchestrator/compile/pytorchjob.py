@@ -12,6 +12,11 @@ Two shapes, following the operator (release-1.9) and its validating webhook:
   running job (a static rendezvous could not take it back), and in-place recovery shares that store
   across nodes (`Env.INPLACE_STORE_RDZV`).
 
+Standby nodes (`restarts.spareNodes: S`, fixed size only): S more Worker replicas, whose pods from
+replica index `nodes - 1` on stand by outside the rendezvous (`training.inplace.standby`:
+`TORCHRIG_STANDBY_FROM`, and the operator's `replica-index` label through the downward API) and take a
+lost node's ranks in place.
+
 Every replica has `restartPolicy: ExitCode` (the operator runs the pods with `restartPolicy: Never` and
 reads the `pytorch` container's exit code, `pkg/controller.v1/common/pod.go` `ReconcilePods`): 128 and
 above (a signal: a lost node, an OOM kill, the liveness probe) recreates the pod; 1-127 fails the job at
@@ -22,6 +27,7 @@ restart budget here. `runPolicy.backoffLimit` still bounds the recreated pods.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from orchestrator.compile import _common as c
@@ -29,7 +35,7 @@ from orchestrator.compile import _pod as p
 from orchestrator.spec import JobSpec
 from training.contract import Env
 
-__all__ = ["API_VERSION", "CONTAINER_NAME", "KIND", "RDZV_PORT", "compile_pytorchjob", "worker_command"]
+__all__ = ["API_VERSION", "CONTAINER_NAME", "KIND", "RDZV_PORT", "compile_pytorchjob", "spare_nodes", "worker_command"]
 
 API_VERSION = "kubeflow.org/v1"
 KIND = "PyTorchJob"
@@ -40,6 +46,8 @@ PORT_NAME = "pytorchjob-port"
 RDZV_PORT = 23456
 # training-operator: 1-127 fail the job, 128+ recreate the pod (training.contract.ExitCode).
 RESTART_POLICY = "ExitCode"
+# The operator labels every pod with its index within its replica type (common/pod.go createNewPod).
+REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
 
 
 def worker_command(spec: JobSpec, *, elastic: bool) -> list[str]:
@@ -70,7 +78,7 @@ def _pod_template(spec: JobSpec, *, elastic: bool) -> dict[str, Any]:
         "image": s.image,
         "imagePullPolicy": s.kubernetes.image_pull_policy,
         "command": worker_command(spec, elastic=elastic),
-        "env": c.worker_env(spec),
+        "env": c.worker_env(spec, standby=spare_nodes(spec, elastic=elastic) > 0),
         "ports": [{"name": PORT_NAME, "containerPort": RDZV_PORT, "protocol": "TCP"}, *c.metrics_ports(spec)],
         "resources": c.resources(spec),
         "volumeMounts": mounts,
@@ -113,6 +121,30 @@ def _run_policy(spec: JobSpec, min_available: int) -> dict[str, Any]:
     return policy
 
 
+def spare_nodes(spec: JobSpec, *, elastic: bool) -> int:
+    """How many standby Worker pods the job runs (`restarts.spareNodes`): the fixed-size shape only (an
+    elastic job's operator and rendezvous handle a lost node themselves), and only with in-place recovery."""
+    r = spec.spec.restarts
+    if elastic or r.mode == "restart" or r.spares < 1:
+        return 0
+    return r.spare_nodes
+
+
+def _standby_template(template: dict[str, Any], members: int) -> dict[str, Any]:
+    """The Worker template of a job with standby nodes: Workers from replica index `members` on stand by
+    (`training.inplace.standby`); every Worker learns its index from the operator's label."""
+    out = copy.deepcopy(template)
+    env = out["spec"]["containers"][0]["env"]
+    env.append({"name": Env.STANDBY_FROM, "value": str(members)})
+    env.append(
+        {
+            "name": Env.REPLICA_INDEX,
+            "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{REPLICA_INDEX_LABEL}']"}},
+        }
+    )
+    return out
+
+
 def compile_pytorchjob(spec: JobSpec, *, fixed_size: bool = False) -> list[dict[str, Any]]:
     """The ConfigMap and the PyTorchJob, in apply order.
 
@@ -127,12 +159,13 @@ def compile_pytorchjob(spec: JobSpec, *, fixed_size: bool = False) -> list[dict[
     if elastic:
         replica_specs["Worker"] = {"replicas": s.nodes.max, "restartPolicy": RESTART_POLICY, "template": template}
     else:
+        spare = spare_nodes(spec, elastic=elastic)
         replica_specs["Master"] = {"replicas": 1, "restartPolicy": RESTART_POLICY, "template": template}
-        if s.nodes.max > 1:
+        if s.nodes.max > 1 or spare:
             replica_specs["Worker"] = {
-                "replicas": s.nodes.max - 1,
+                "replicas": s.nodes.max - 1 + spare,
                 "restartPolicy": RESTART_POLICY,
-                "template": template,
+                "template": _standby_template(template, s.nodes.max - 1) if spare else template,
             }
     meta = c.object_meta(spec, "training")
     if s.kubernetes.gang == "kueue" and s.kubernetes.queue:

@@ -76,6 +76,22 @@ def _run_pytorchjob(make: MakeCluster, objects: list[dict[str, Any]], **kw: Any)
     return cluster, outcome
 
 
+def _kill_once(
+    victim: str, when: Callable[[PodCluster], bool]
+) -> tuple[list[float], Callable[[PodCluster, list[str]], None]]:
+    """A harness tick that SIGKILLs `victim`'s PID namespace the first time `when(cluster)` holds; the
+    list gets the kill's time."""
+    killed_at: list[float] = []
+
+    def tick(cluster: PodCluster, events: list[str]) -> None:
+        if not killed_at and when(cluster):
+            killed_at.append(time.time())
+            cluster.kill(victim)
+            events.append(f"harness: SIGKILL of {victim}'s PID namespace")
+
+    return killed_at, tick
+
+
 def test_pytorchjob_fixed_master_and_worker_train_like_torchrig_run(
     pod_cluster: MakeCluster, reference_result: dict[str, Any]
 ) -> None:
@@ -110,18 +126,13 @@ def test_killed_elastic_worker_pod_is_restarted_and_resumes_from_the_pvc(
     slow = '\'[{"kind": "slow", "rank": 0, "step": 20, "seconds": 0.4}]\''
     objects = render("pytorchjob", f"spec.kubernetes.env.TORCHRIG_FAULTS={slow}")
     victim = "digits-ddp-worker-1"  # not the c10d store host (PET_RDZV_ENDPOINT = worker-0)
-    killed_at: list[float] = []
 
-    def kill_after_step_20_checkpoint(cluster: PodCluster, events: list[str]) -> None:
-        if killed_at:
-            return
+    def step_20_committed(cluster: PodCluster) -> bool:
         committed = [e for e in _events(cluster) if e.kind is EventKind.CHECKPOINT_COMMITTED]
-        if any((e.step or 0) >= 20 for e in committed):
-            killed_at.append(time.time())
-            cluster.kill(victim)
-            events.append(f"harness: SIGKILL of {victim}'s PID namespace")
+        return any((e.step or 0) >= 20 for e in committed)
 
-    cluster, outcome = _run_pytorchjob(pod_cluster, objects, on_tick=kill_after_step_20_checkpoint)
+    killed_at, kill = _kill_once(victim, step_20_committed)
+    cluster, outcome = _run_pytorchjob(pod_cluster, objects, on_tick=kill)
     assert killed_at, "the job ended before the step-20 checkpoint was committed"
     assert outcome.status == "Succeeded", _why(outcome, cluster)
     state = cluster.pods[victim]
@@ -191,6 +202,46 @@ def test_two_pod_job_replaces_a_killed_rank_in_place_across_pods_without_restart
     and the run ends bit-identical to the uninterrupted `torchrig run --nodes 2` reference."""
     result = _replace_a_rank_in_place(pod_cluster, 3, "Worker", "rdzv", fixed_size=True)
     assert result["params_sha256"] == reference_result["params_sha256"]
+
+
+def test_a_standby_pod_takes_a_lost_nodes_ranks_in_place_and_its_recreated_pod_stands_by(
+    pod_cluster: MakeCluster, reference_result: dict[str, Any]
+) -> None:
+    """`restarts.spareNodes: 1` on a fixed-size 2-node PyTorchJob: Master, Worker 0 and a standby Worker 1.
+    Once the standby's spares are warm, Worker 0's whole PID namespace is SIGKILLed (a lost node: its
+    ranks and its spare die together). The standby takes both of its ranks in place: the Master's ranks
+    keep their state and never restart, no step is lost, and the run ends bit-identical to the
+    uninterrupted `torchrig run --nodes 2`. Worker 0's recreated pod finds the round running and stands by
+    instead of joining the rendezvous (which would restart every healthy agent)."""
+    slow = '\'[{"kind": "slow", "rank": 0, "step": 5, "seconds": 0.4}]\''
+    objects = render(
+        "pytorchjob", "spec.nodes.min=2", "spec.restarts.spareNodes=1", f"spec.kubernetes.env.TORCHRIG_FAULTS={slow}"
+    )
+    job = one(objects, "PyTorchJob")
+    assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 2
+    victim, standby = "digits-ddp-worker-0", "digits-ddp-worker-1"
+    killed_at, kill = _kill_once(victim, lambda cluster: "torchrig: standby: ready" in cluster.pods[standby].logs())
+    cluster, outcome = _run_pytorchjob(pod_cluster, objects, on_tick=kill)
+    assert killed_at, "the job ended before the standby was ready"
+    assert outcome.status == "Succeeded", _why(outcome, cluster)
+    assert cluster.pods["digits-ddp-master-0"].exit_codes == [0], "the master's pod never restarts"
+    assert cluster.pods[standby].exit_codes == [0], _why(outcome, cluster)
+    assert cluster.pods[victim].exit_codes[0] == 137, _why(outcome, cluster)
+    taken = [line for line in cluster.pods[standby].logs().splitlines() if "standby: node" in line]
+    assert len(taken) == 1 and "takes its ranks" in taken[0], _why(outcome, cluster)
+    recoveries = [e for e in _events(cluster) if e.kind is EventKind.RECOVERY and e.time >= killed_at[0]]
+    assert {e.get("path") for e in recoveries} == {"inplace"}, _why(outcome, cluster)
+    assert sorted(e.get("role") for e in recoveries) == ["spare", "spare", "survivor", "survivor"]
+    assert len({e.step for e in recoveries}) == 1, "every rank resumed from the same step: none lost"
+    assert not [e for e in _events(cluster) if e.kind is EventKind.RESTORE and e.time >= killed_at[0]]
+    result = _result(cluster)
+    assert (result["steps"], result["world_size"]) == (40, 4)
+    # Bit-identical: the standby's ranks compute with torchrun's thread count (OMP_NUM_THREADS=1); with
+    # the interpreter's default they differed in the 8th digit.
+    assert result["params_sha256"] == reference_result["params_sha256"]
+    # The recreated victim stood by: had it joined the rendezvous, every healthy agent would have restarted.
+    assert cluster.pods[victim].starts >= 2, _why(outcome, cluster)
+    assert "this pod stands by" in cluster.pods[victim].logs(), _why(outcome, cluster)
 
 
 def test_trainjob_with_two_nodes_trains_like_torchrig_run(

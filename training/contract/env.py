@@ -54,6 +54,12 @@ class Env:
     INPLACE_ROUND = "TORCHRIG_INPLACE_ROUND"
     INPLACE_ROLE = "TORCHRIG_INPLACE_ROLE"  # "trainer" | "spare" (set by the per-rank host for its children)
     INPLACE_SPARE = "TORCHRIG_INPLACE_SPARE"  # a spare's index on its node (its keys in the store)
+    # Spare nodes (`restarts.spareNodes`, `training.inplace.standby`): a PyTorchJob Worker pod whose
+    # replica index (`REPLICA_INDEX`, the operator's label) is at least `STANDBY_FROM` stands by instead
+    # of joining the rendezvous; `INPLACE_STANDBY` is a standby host's slot (set by the standby for its hosts).
+    STANDBY_FROM = "TORCHRIG_STANDBY_FROM"
+    REPLICA_INDEX = "TORCHRIG_REPLICA_INDEX"
+    INPLACE_STANDBY = "TORCHRIG_INPLACE_STANDBY"
     # The CLI: seconds a Kubernetes / Ray Jobs API call may take, "S" or "CONNECT,READ" (default 10,30).
     API_TIMEOUT = "TORCHRIG_API_TIMEOUT"
 

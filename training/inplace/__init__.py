@@ -40,13 +40,16 @@ from training.contract import Env
 if TYPE_CHECKING:
     from training.config import WorkerSpec
 
-__all__ = ["BEAT_S", "HOST_LOST_S", "IDENTITY_ENV", "ROLE_SPARE", "ROLE_TRAINER", "InPlace"]
+__all__ = ["BEAT_S", "HOST_LOST_S", "IDENTITY_ENV", "ROLE_SPARE", "ROLE_TRAINER", "STANDBY_GRACE_S", "InPlace"]
 
 log = logging.getLogger(__name__)
 ROLE_TRAINER = "trainer"
 BEAT_S = 0.25  # how often a host adds to its beat counter (`InPlace.beat_key`)
 # A host whose beat counter stood still this long is gone (its node lost, or cut off from the store).
 HOST_LOST_S = 3.0
+# While standby nodes are ready, the members forming a generation wait this much longer before they give
+# a lost node up: a standby, which watches the beats all along, takes it first.
+STANDBY_GRACE_S = 3.0
 ROLE_SPARE = "spare"
 # What a host hands its spare: the launcher variables that make up a `WorkerIdentity`.
 IDENTITY_ENV = (
@@ -173,6 +176,40 @@ class InPlace:
         """Set by a member that found a node's beat stopped while generation `generation` formed (what
         it found): every member gives up on that generation at once."""
         return f"gen{generation}/nodes-lost"
+
+    @staticmethod
+    def ended_key(node: int) -> str:
+        """Set by node `node`'s local-rank-0 host when it exits on its own (any code): a node whose beat
+        stopped without it was lost, one with it ended (a standby never takes its place)."""
+        return f"node{node}/ended"
+
+    @staticmethod
+    def restart_count_key(node: int) -> str:
+        """Node `node`'s `TORCHELASTIC_RESTART_COUNT` (its agent's own), for the standby that takes it."""
+        return f"node{node}/restart-count"
+
+    @staticmethod
+    def taker_key(node: int, beat: str) -> str:
+        """Which standby took node `node` when its beat counter stopped at `beat`
+        (`training.inplace.standby`): set with a compare-and-set, so two standbys that saw the same loss
+        never both take it; a node taken and lost again stopped at another count."""
+        return f"node{node}/taker/{beat}"
+
+    @staticmethod
+    def standbys_key() -> str:
+        """How many standby nodes stand ready for this round (their spares warm): the members forming a
+        new generation then wait `STANDBY_GRACE_S` longer before they give a lost node up."""
+        return "standbys"
+
+    def promote_key(self, local_rank: int) -> str:
+        """A standby host's orders (JSON: the lost node, and the identity of the rank it becomes)."""
+        return f"node{self.node_rank}/host{local_rank}/promote"
+
+    @staticmethod
+    def round_record_key(run_id: str) -> str:
+        """Outside every round's prefix: the c10d round the agents run now (JSON: token, round, nodes;
+        `training.torchrun.export_rendezvous_round`), which a standby reads to find it."""
+        return f"torchrig/inplace/{run_id}/current"
 
     @staticmethod
     def exit_key(pid: int) -> str:

@@ -27,7 +27,7 @@ from torch import nn
 from torch._C._distributed_c10d import PrefixStore
 
 from training.contract import WorkerIdentity
-from training.inplace import BEAT_S, HOST_LOST_S, InPlace, sockets
+from training.inplace import BEAT_S, HOST_LOST_S, STANDBY_GRACE_S, InPlace, sockets
 
 __all__ = ["InPlaceGroup", "NodeWatch", "RecoveryFailed", "StateSync", "freeze_heap", "is_peer_failure"]
 
@@ -158,13 +158,19 @@ class InPlaceGroup:
             # Two members watch the nodes' beats (the first and the last rank: on different nodes when
             # there are several) and tell the others through one key: O(nodes) reads per check, not
             # O(world x nodes).
-            watch = NodeWatch(self.store, self.inplace, self.identity.num_nodes) if rank in (0, world - 1) else None
+            watch = None
+            if rank in (0, world - 1):
+                # A ready standby node takes a lost node's ranks once its beat stood still `HOST_LOST_S`
+                # (`training.inplace.standby`): give it that long and a margin before giving up.
+                standby = int(self.store.add(self.inplace.standbys_key(), 0)) > 0
+                after = HOST_LOST_S + (STANDBY_GRACE_S if standby else 0.0)
+                watch = NodeWatch(self.store, self.inplace, self.identity.num_nodes, lost_after_s=after)
             next_look = time.monotonic() + BEAT_S  # a generation formed within a beat reads no extra key
             while int(self.store.add(key, 0)) < world:
                 if cancelled is not None and cancelled():
                     raise RecoveryFailed(f"generation {generation}: a shutdown signal arrived while forming")
                 if watch is not None and (gone := watch.lost()):
-                    found = f"node(s) {gone} stopped beating for {HOST_LOST_S:g} s (lost or cut off)"
+                    found = f"node(s) {gone} stopped beating for {watch.lost_after_s:g} s (lost or cut off)"
                     self.store.compare_set(lost_key, "", found)
                 now = time.monotonic()
                 if now >= next_look:

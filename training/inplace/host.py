@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -158,13 +159,23 @@ class SparePool:
     exits, so a finished rank 0 never takes a still-running rank down with it (`PR_SET_PDEATHSIG`).
     """
 
-    def __init__(self, inplace: InPlace, store: Any, command: list[str], argv: list[str], first_trainer: int) -> None:
+    def __init__(
+        self,
+        inplace: InPlace,
+        store: Any,
+        command: list[str],
+        argv: list[str],
+        first_trainer: int,
+        *,
+        first_index: int = 0,
+    ) -> None:
         self.inplace = inplace
         self.store = store
         self.command = command
         self.argv = argv
         self.first_trainer = first_trainer
-        self.spawned = 0
+        self.first_index = first_index  # a standby taking a lost node's place numbers on from its spares
+        self.spawned = first_index
         self.last_spawn = 0.0
         self.procs: dict[int, tuple[int, subprocess.Popen[bytes] | forked.Process]] = {}  # pid -> (index, process)
 
@@ -178,7 +189,7 @@ class SparePool:
                 del self.procs[pid]
         if not spawn:
             return
-        if self.spawned == 0 and not self.store.check([self.inplace.stepped_key(self.first_trainer)]):
+        if self.spawned == self.first_index and not self.store.check([self.inplace.stepped_key(self.first_trainer)]):
             return  # the first spares start once training runs: they would slow the trainers' start-up
         unclaimed = sum(1 for index, _ in self.procs.values() if not self._claimed(index))
         waiting = int(self.store.add(self.inplace.waiting_key, 0)) > 0
@@ -321,6 +332,24 @@ def _stepped(store: Any, inplace: InPlace, pid: int) -> bool:
         return False
 
 
+def _await_promotion(
+    inplace: InPlace, store: Any, local_rank: int, child: _Child | _Promoted, stopping: Any
+) -> tuple[InPlace, int] | None:
+    """A standby host: wait until the standby takes a lost node (`InPlace.promote_key`); then this
+    process is that node's host of local rank `local_rank` (its environment, its node's keys) and its
+    spare child, assigned the same rank by the standby, is its trainer. Returns the lost node's
+    `InPlace` and the index its next spare takes; None when the spare died or `stopping()` first."""
+    key = inplace.promote_key(local_rank)
+    while not store.check([key]):
+        if stopping() or child.poll() is not None:
+            return None
+        child.sleep(POLL_S)
+    orders = json.loads(store.get(key).decode())
+    os.environ.update(orders["env"])
+    os.environ.pop(Env.INPLACE_STANDBY, None)
+    return dataclasses.replace(inplace, node_rank=int(orders["node"])), int(orders["next_spare"])
+
+
 def run_host(inplace: InPlace, argv: list[str]) -> int:
     """Run this rank's trainer, replace it with a spare when it dies; returns the exit status."""
     rank = int(os.environ.get(Env.RANK, "0"))
@@ -330,9 +359,12 @@ def run_host(inplace: InPlace, argv: list[str]) -> int:
     # (`training.inplace.forked`), before this host opens its store connection.
     forked.remember_signal_handlers(_FORWARD)
     forked.warm_up()
-    current: _Child | _Promoted = _Child(forked.start(command, argv, {Env.INPLACE_ROLE: ROLE_TRAINER}))
+    standby = Env.INPLACE_STANDBY in os.environ
+    # A standby node's host (`training.inplace.standby`) starts its child as a spare of its own, which
+    # it hands a lost node's rank when the standby takes that node's place.
+    first = {Env.INPLACE_ROLE: ROLE_SPARE, Env.INPLACE_SPARE: str(local_rank)} if standby else {}
+    current: _Child | _Promoted = _Child(forked.start(command, argv, first or {Env.INPLACE_ROLE: ROLE_TRAINER}))
     store = inplace.connect()
-    pool = SparePool(inplace, store, command, argv, current.pid) if local_rank == 0 else None
     stopping = False
 
     def _forward(signum: int, frame: FrameType | None) -> None:
@@ -344,6 +376,20 @@ def run_host(inplace: InPlace, argv: list[str]) -> int:
     for sig in _FORWARD:
         signal.signal(sig, _forward)
     lost = False  # this rank's trainer died and its replacement has not completed a step yet
+    first_index = 0
+    if standby:
+        promoted = _await_promotion(inplace, store, local_rank, current, lambda: stopping)
+        if promoted is None:  # the spare died, or a shutdown signal came first
+            current.close()
+            code = current.poll()
+            return 0 if stopping else (code if code not in (None, 0) else int(ExitCode.RECOVERY_FAILED))
+        inplace, first_index = promoted
+        rank = int(os.environ[Env.RANK])
+        store.add(inplace.lost_key, 1)  # this rank's trainer was lost with its node; the spare replaces it
+        lost = True
+    elif local_rank == 0:
+        store.set(inplace.restart_count_key(inplace.node_rank), os.environ.get(Env.RESTART_COUNT, "0"))
+    pool = SparePool(inplace, store, command, argv, current.pid, first_index=first_index) if local_rank == 0 else None
     beat = _Beat(inplace, store) if local_rank == 0 else None  # one beat per node (`InPlace.beat_key`)
     try:
         while True:
@@ -403,5 +449,8 @@ def run_host(inplace: InPlace, argv: list[str]) -> int:
             current = _Promoted(pid, store, inplace)
     finally:
         current.close()
+        if local_rank == 0:  # this node ended, it was not lost: no standby takes its place
+            with contextlib.suppress(Exception):
+                store.set(inplace.ended_key(inplace.node_rank), "1")
         if pool is not None:
             pool.close()

@@ -1,0 +1,129 @@
+"""Standby nodes (`restarts.spareNodes`) without pods: who stands by, what the compiled PyTorchJob gives
+them, and how a standby takes a lost node's ranks through a real c10d store. The whole path (a pod
+killed, its ranks taken in place, bit-identical) runs in tests/pods/test_pods.py."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from orchestrator.compile import compile as compile_manifests
+from orchestrator.compile.pytorchjob import REPLICA_INDEX_LABEL
+from orchestrator.loader import load_spec
+from tests.crds import assert_valid
+from tests.fixtures.common import REPO
+from training.contract import Env
+from training.inplace import InPlace
+from training.inplace.standby import Launch, Round, Standby, standby_wanted
+
+EXAMPLE = REPO / "examples" / "digits-ddp.yaml"
+
+
+@pytest.fixture
+def store() -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+
+
+def _job(*sets: str) -> dict[str, Any]:
+    spec = load_spec(EXAMPLE, list(sets))
+    objects = compile_manifests(spec, "pytorchjob")
+    return next(o for o in objects if o["kind"] == "PyTorchJob")
+
+
+def _env(template: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in template["spec"]["containers"][0]["env"]}
+
+
+def test_spare_nodes_are_extra_worker_replicas_that_learn_their_index_from_the_operators_label() -> None:
+    job = _job("spec.nodes.min=3", "spec.nodes.max=3", "spec.restarts.spareNodes=2")
+    assert_valid([job])
+    replicas = job["spec"]["pytorchReplicaSpecs"]
+    assert replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] == 2 + 2
+    worker, master = _env(replicas["Worker"]["template"]), _env(replicas["Master"]["template"])
+    assert worker[Env.STANDBY_FROM] == "2", "workers 0 and 1 are members, 2 and 3 stand by"
+    assert worker[Env.REPLICA_INDEX] == {"fieldRef": {"fieldPath": f"metadata.labels['{REPLICA_INDEX_LABEL}']"}}
+    assert Env.STANDBY_FROM not in master, "the master hosts the rendezvous store: it never stands by"
+    assert worker[Env.INPLACE_STORE] == master[Env.INPLACE_STORE] == Env.INPLACE_STORE_RDZV
+
+
+def test_a_one_node_job_with_a_spare_node_shares_the_rendezvous_store_not_the_agents() -> None:
+    replicas = _job("spec.nodes.min=1", "spec.nodes.max=1", "spec.restarts.spareNodes=1")["spec"]["pytorchReplicaSpecs"]
+    assert replicas["Worker"]["replicas"] == 1
+    assert _env(replicas["Master"]["template"])[Env.INPLACE_STORE] == Env.INPLACE_STORE_RDZV
+
+
+@pytest.mark.parametrize(
+    ("sets", "warning"),
+    [
+        ((), "fixed-size PyTorchJob only"),  # the example is elastic (nodes 1..2)
+        (("spec.nodes.min=2", "spec.restarts.mode=restart"), "without in-place recovery"),
+        (("spec.nodes.min=2", "spec.kubernetes.target=trainjob"), "fixed-size PyTorchJob only"),
+    ],
+)
+def test_spare_nodes_where_they_cannot_run_add_no_pods_and_say_why(sets: tuple[str, ...], warning: str) -> None:
+    spec = load_spec(EXAMPLE, [*sets, "spec.restarts.spareNodes=1"])
+    assert [w for w in spec.warnings() if w.startswith("spec.restarts.spareNodes: ") and warning in w]
+    if spec.spec.kubernetes.target == "pytorchjob":
+        replicas = _job(*sets, "spec.restarts.spareNodes=1")["spec"]["pytorchReplicaSpecs"]
+        assert all(Env.STANDBY_FROM not in _env(r["template"]) for r in replicas.values())
+        assert sum(r["replicas"] for r in replicas.values()) == spec.spec.nodes.max
+
+
+def test_who_stands_by_and_what_it_reads_from_torchruns_arguments() -> None:
+    job = _job("spec.nodes.min=2", "spec.restarts.spareNodes=1")
+    command = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["command"]
+    argv = command[command.index("torchrun") + 1 :]
+    argv = [a.replace("$(MASTER_ADDR)", "digits-ddp-master-0").replace("$(MASTER_PORT)", "23456") for a in argv]
+    assert standby_wanted(argv, {}) is None, "no spare nodes: torchrun as before"
+    launch = standby_wanted(argv, {Env.STANDBY_FROM: "1", Env.REPLICA_INDEX: "1"})
+    assert launch is not None
+    assert (launch.endpoint, launch.run_id, launch.nproc) == ("digits-ddp-master-0:23456", "digits-ddp", 2)
+    assert launch.program[1:] == ["-u", "-m", "training", "--spec", "/etc/torchrig/job.yaml"]
+    # A member's pod stands by only while its job's round runs; with no store reachable it joins.
+    assert (
+        standby_wanted(
+            [*argv[:-5], "--rdzv-endpoint", "127.0.0.1:9", *argv[-5:]],
+            {
+                Env.STANDBY_FROM: "1",
+                Env.REPLICA_INDEX: "0",
+            },
+        )
+        is None
+    )
+    assert Round.parse(b'{"token": "t"}') is None and Round.parse(b"\xff") is None
+
+
+def test_a_standby_takes_a_lost_node_once_and_hands_each_spare_its_rank(store: Any) -> None:
+    found = Round(token="tok", round=3, nodes=2)
+    launch = Launch(f"127.0.0.1:{store.port}", "job", 2, 0, ["python", "-m", "training"])
+    first, second = (Standby(launch, store, found, slot, {}) for slot in (0, 1))
+    lost = InPlace(store_addr="", run_id="job", restart_count=0, node_rank=1, spares=1, timeout_s=5, round_token="tok")
+    space = first.store
+    space.add(lost.spawned_key, 2)  # node 1 had started two spares; both died with it
+    space.set(lost.spare_key(1, "ready"), "999")
+    space.set(lost.restart_count_key(1), "2")
+    space.set(lost.rank_gen_key(2), "4")  # rank 2 had joined generation 4 when its node was lost
+    assert first.take(1, b"17")
+    assert not second.take(1, b"17"), "two standbys that saw one loss never both take it"
+    for index in range(2):
+        assert space.check([lost.spare_key(index, "claim")]), "the lost node's dead spares are never claimed"
+    for local, rank, generation in ((0, 2, 5), (1, 3, 1)):
+        assignment = json.loads(space.get(first.inplace.spare_key(local, "assign")))
+        assert assignment["generation"] == generation
+        env = assignment["env"]
+        assert (env[Env.RANK], env[Env.LOCAL_RANK], env[Env.GROUP_RANK], env[Env.WORLD_SIZE]) == (
+            str(rank),
+            str(local),
+            "1",
+            "4",
+        )
+        assert env[Env.RESTART_COUNT] == "2"
+        orders = json.loads(space.get(first.inplace.promote_key(local)))
+        assert orders["node"] == 1 and orders["next_spare"] == 2 and orders["env"] == env
+    assert first.inplace.node_rank == 2, "a standby's own spares live past the members' node indices"
+    assert int(space.add(lost.beat_key(1), 0)) == 1, "the taken node's beat moves again"
+    assert second.take(1, b"40"), "lost again later (its beat stopped elsewhere): another standby takes it"

@@ -1,0 +1,430 @@
+"""Standby nodes: spare pods that take a lost node's ranks in place (`restarts.spareNodes`).
+
+A per-node spare (`training.inplace.spare`) replaces one dead rank; a lost node (its pod evicted, its
+machine gone) takes every process of the node, spares included, and used to cost a group restart. A
+PyTorchJob with `spareNodes: S` runs S more Worker pods than it has nodes. They run the same command:
+`training.torchrun.main` asks `standby_wanted` first, and such a pod runs this module instead of
+torchrun's agent. Joining the rendezvous is exactly what it must not do: a node waiting at a running
+c10d rendezvous makes every healthy agent restart its workers (torchrun's membership change).
+
+- **Who stands by**: a Worker pod whose replica index (the operator's `replica-index` label) is at
+  least `TORCHRIG_STANDBY_FROM` (the spare replicas), and a member's pod that starts while its job's
+  round is running (it was recreated after its node was lost, and a standby holds its ranks now).
+- **Warm**: the standby reads the running round from the rendezvous store
+  (`InPlace.round_record_key`, written by every agent), starts one light host per local rank
+  (`training.inplace.host`, `TORCHRIG_INPLACE_STANDBY`) under a node index of its own past the
+  members', whose children are spares (torch imported, model built, a step rehearsed), and counts
+  itself ready (`InPlace.standbys_key`).
+- **Take a lost node**: it watches every node's beat (`InPlace.beat_key`). A node that stopped
+  beating for `HOST_LOST_S` without ending (`InPlace.ended_key`) is taken with one compare-and-set
+  (`InPlace.taker_key`, keyed by where its beat stopped): the node's old spares are marked taken
+  (they died with it), each spare is assigned the node's rank of its local rank and the next
+  generation (what the dead rank's host would have assigned), and each host is told it now is that
+  node's host (`InPlace.promote_key`): from then on it is one like any other (its beat, its pool of
+  spares, in-place recovery of its own ranks). The survivors, forming that generation, wait
+  `STANDBY_GRACE_S` longer while a standby is ready.
+- **The end**: when its hosts exit 0 the standby stands in for the lost node's agent at torchrun's
+  exit barrier (the other agents would wait out `exit_barrier_timeout` for it) and exits 0. A standby
+  that was never needed exits 0 once the round's agents passed that barrier, or once the store is gone
+  after it saw the job run (a finished job; a store lost mid-run restarts the job anyway). When the
+  round ends otherwise (the group fell back to a restart), a member's pod joins the next rendezvous
+  (runs torchrun) and a spare pod stands by for the next round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any
+
+from training.contract import Env, ExitCode
+from training.inplace import BEAT_S, HOST_LOST_S, InPlace
+
+__all__ = ["JOIN", "Round", "run_standby", "standby_wanted"]
+
+log = logging.getLogger(__name__)
+
+JOIN = -1  # `run_standby`'s answer when this pod should join the rendezvous (run torchrun) after all
+POLL_S = 0.05
+STORE_TIMEOUT_S = 30.0
+STORE_GONE_S = 10.0  # the store unreachable this long: the job ended (or its master was lost)
+TERMINAL_STATE_SYNC_ID = "torchelastic/agent/terminal_state"  # torch.distributed.elastic.agent.server.api
+
+
+@dataclass(frozen=True)
+class Round:
+    """A c10d rendezvous round as its agents recorded it (`training.torchrun._publish_round`)."""
+
+    token: str
+    round: int
+    nodes: int
+
+    @classmethod
+    def parse(cls, raw: bytes) -> Round | None:
+        try:
+            data = json.loads(raw.decode())
+            return cls(token=str(data["token"]), round=int(data["round"]), nodes=int(data["nodes"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What a standby needs from torchrun's arguments."""
+
+    endpoint: str  # host:port of the c10d rendezvous store
+    run_id: str
+    nproc: int
+    max_restarts: int
+    program: list[str]  # `python -u -m training --spec ...`: the workers' command, as torchrun runs it
+
+    @classmethod
+    def parse(cls, argv: list[str]) -> Launch | None:
+        """torchrun's own reading of `argv` (`config_from_args`, which also sets `OMP_NUM_THREADS=1` for
+        several processes per node, as torchrun does: the standby's ranks must compute like the
+        members', thread count included, to stay bit-identical)."""
+        from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+        from torch.distributed.run import config_from_args, parse_args
+
+        try:
+            args = parse_args(argv)  # type: ignore[no-untyped-call]
+            if args.rdzv_backend != "c10d" or not args.rdzv_endpoint:
+                return None
+            config, cmd, cmd_args = config_from_args(args)
+        except (SystemExit, ValueError):
+            return None
+        if not isinstance(cmd, str):
+            return None  # `--run-path`: no program to start
+        host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
+        program = [cmd, *cmd_args]
+        return cls(f"{host}:{port}", config.run_id, int(config.nproc_per_node), config.max_restarts, program)
+
+
+def _replica_role(env: Mapping[str, str]) -> str | None:
+    """ "spare" (a spare replica), "member" (a member's pod, standby only while its round runs) or None
+    (no spare nodes here: run torchrun)."""
+    first, index = env.get(Env.STANDBY_FROM, ""), env.get(Env.REPLICA_INDEX, "")
+    if not first.isdigit() or not index.isdigit():
+        return None
+    return "spare" if int(index) >= int(first) else "member"
+
+
+def _connect(endpoint: str, timeout_s: float) -> Any:
+    from torch._C._distributed_c10d import TCPStore
+
+    host, _, port = endpoint.rpartition(":")
+    return TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+
+
+def _beats(store: Any, inplace: InPlace, nodes: int) -> list[bytes] | None:
+    keys = [inplace.beat_key(n) for n in range(nodes)]
+    return list(store.multi_get(keys)) if store.check(keys) else None
+
+
+def _round_running(store: Any, run_id: str) -> Round | None:
+    """The recorded round when its nodes are beating now (two looks a second apart), else None."""
+    raw_key = InPlace.round_record_key(run_id)
+    if not store.check([raw_key]):
+        return None
+    found = Round.parse(store.get(raw_key))
+    if found is None:
+        return None
+    inplace = _inplace("", run_id, found, node=0)
+    space = _space(store, inplace)
+    before = _beats(space, inplace, found.nodes)
+    time.sleep(4 * BEAT_S)
+    after = _beats(space, inplace, found.nodes)
+    return found if before is not None and after is not None and before != after else None
+
+
+def _inplace(endpoint: str, run_id: str, found: Round, *, node: int) -> InPlace:
+    """The round's in-place key space, as node `node` of it."""
+    return InPlace(
+        store_addr=endpoint,
+        run_id=run_id,
+        restart_count=0,
+        node_rank=node,
+        spares=1,
+        timeout_s=STORE_TIMEOUT_S,
+        round_token=found.token,
+    )
+
+
+def _space(raw: Any, inplace: InPlace) -> Any:
+    """`raw` (the rendezvous store) under the round's in-place prefix."""
+    from torch._C._distributed_c10d import PrefixStore
+
+    return PrefixStore(inplace.prefix, raw)
+
+
+def standby_wanted(argv: list[str], env: Mapping[str, str] | None = None) -> Launch | None:
+    """The launch this pod stands by for, or None: run torchrun (no spare nodes, a member's pod whose job
+    is not running yet, or arguments without a c10d rendezvous)."""
+    env = os.environ if env is None else env
+    role = _replica_role(env)
+    if role is None:
+        return None
+    launch = Launch.parse(argv)
+    if launch is None:
+        log.warning("spare nodes need torchrun's c10d rendezvous; this pod joins the rendezvous instead")
+        return None
+    if role == "spare":
+        return launch
+    try:  # a member's pod: stand by only when its job's round runs without it
+        store = _connect(launch.endpoint, timeout_s=5.0)
+        return launch if _round_running(store, launch.run_id) is not None else None
+    except Exception:  # no store yet: the job is starting, and this pod is one of its members
+        return None
+
+
+class Standby:
+    """One standby node's life for one round (see the module docstring)."""
+
+    def __init__(self, launch: Launch, raw: Any, found: Round, slot: int, env: MutableMapping[str, str]) -> None:
+        self.launch = launch
+        self.raw = raw
+        self.found = found
+        self.slot = slot
+        self.node = found.nodes + slot  # this standby's own node index (its spares' keys), past the members'
+        self.inplace = _inplace(launch.endpoint, launch.run_id, found, node=self.node)
+        self.store = _space(raw, self.inplace)
+        self.env = env
+        self.hosts: list[subprocess.Popen[bytes]] = []
+        self.ready = False
+        self.taken: int | None = None  # the node this standby holds
+
+    def start_hosts(self) -> None:
+        """One host per local rank, each with a spare child, under this standby's own node index."""
+        nproc, nodes = self.launch.nproc, self.found.nodes
+        for local in range(nproc):
+            env = dict(self.env)
+            env.update(
+                {
+                    Env.INPLACE_STORE: self.launch.endpoint,
+                    Env.INPLACE_ROUND: self.found.token,
+                    Env.INPLACE_STANDBY: str(self.slot),
+                    Env.RUN_ID: self.launch.run_id,
+                    Env.RESTART_COUNT: "0",
+                    Env.RANK: str(self.node * nproc + local),  # a placeholder until it takes a node's rank
+                    Env.WORLD_SIZE: str(nodes * nproc),
+                    Env.LOCAL_RANK: str(local),
+                    Env.LOCAL_WORLD_SIZE: str(nproc),
+                    Env.GROUP_RANK: str(self.node),
+                    Env.GROUP_WORLD_SIZE: str(nodes),
+                    # The rest of what torchrun's agent gives its workers (LocalElasticAgent._start_workers).
+                    "ROLE_NAME": "default",
+                    "TORCHELASTIC_MAX_RESTARTS": str(self.launch.max_restarts),
+                    "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+                }
+            )
+            for name in (Env.STANDBY_FROM, Env.REPLICA_INDEX):
+                env.pop(name, None)
+            self.hosts.append(subprocess.Popen(self.launch.program, env=env))
+
+    def spares_ready(self) -> bool:
+        keys = [self.inplace.spare_key(local, "ready") for local in range(self.launch.nproc)]
+        return bool(self.store.check(keys))
+
+    def take(self, node: int, beat: bytes) -> bool:
+        """Take lost node `node`, whose beat counter stopped at `beat`, with one compare-and-set against
+        every other standby that saw it stop there (a node taken and lost again stops at another count)."""
+        key = self.inplace.taker_key(node, beat.decode())
+        mine = f"standby{self.slot}/{os.getpid()}"
+        if self.store.compare_set(key, "", mine).decode() != mine:
+            return False
+        nproc, nodes = self.launch.nproc, self.found.nodes
+        lost = replace(self.inplace, node_rank=node)
+        for index in range(int(self.store.add(lost.spawned_key, 0))):  # its spares died with it
+            self.store.compare_set(lost.spare_key(index, "claim"), "", "lost with its node")
+        next_spare = int(self.store.add(lost.spawned_key, 0))
+        restart_key = self.inplace.restart_count_key(node)
+        restart_count = self.store.get(restart_key).decode() if self.store.check([restart_key]) else "0"
+        for local in range(nproc):
+            rank = node * nproc + local
+            gen_key = self.inplace.rank_gen_key(rank)
+            dead_gen = int(self.store.get(gen_key).decode()) if self.store.check([gen_key]) else 0
+            identity = {
+                Env.RANK: str(rank),
+                Env.WORLD_SIZE: str(nodes * nproc),
+                Env.LOCAL_RANK: str(local),
+                Env.LOCAL_WORLD_SIZE: str(nproc),
+                Env.GROUP_RANK: str(node),
+                Env.GROUP_WORLD_SIZE: str(nodes),
+                Env.RESTART_COUNT: restart_count,
+                Env.RUN_ID: self.launch.run_id,
+            }
+            # The spare first: it joins the survivors' new generation while its host takes over the node.
+            self.store.set(
+                self.inplace.spare_key(local, "assign"), json.dumps({"env": identity, "generation": dead_gen + 1})
+            )
+            orders = {"env": identity, "node": node, "next_spare": next_spare}
+            self.store.set(self.inplace.promote_key(local), json.dumps(orders))
+        self.store.add(lost.beat_key(node), 1)  # it beats again from here on (the promoted host keeps it)
+        self.taken = node
+        print(
+            f"torchrig: standby: node {node} stopped beating; this pod takes its ranks "
+            f"{node * nproc}-{(node + 1) * nproc - 1} in place",
+            file=sys.stderr,
+            flush=True,
+        )
+        return True
+
+    def stop_hosts(self, sig: int = signal.SIGTERM, *, grace_s: float | None = 10.0) -> None:
+        """Signal the hosts and wait for them (`grace_s`, then SIGKILL; None: as long as they take, as a
+        preemption's emergency checkpoint may)."""
+        for proc in self.hosts:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
+        for proc in self.hosts:
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def exit_barrier(self) -> None:
+        """Stand in for the lost node's agent at torchrun's exit barrier (torch's own `store_util.barrier`
+        on the round's store), so the other agents do not wait out its timeout."""
+        from torch._C._distributed_c10d import PrefixStore
+        from torch.distributed.elastic.utils.store import barrier
+
+        round_store = PrefixStore(f"torch.rendezvous.{self.launch.run_id}.{self.found.round}", self.raw)
+        try:
+            barrier(round_store, self.found.nodes, TERMINAL_STATE_SYNC_ID, barrier_timeout=300)
+        except Exception as exc:
+            log.warning("standby: the exit barrier failed: %s", exc)
+
+    def barrier_passed(self) -> bool:
+        from torch._C._distributed_c10d import PrefixStore
+
+        round_store = PrefixStore(f"torch.rendezvous.{self.launch.run_id}.{self.found.round}", self.raw)
+        return bool(round_store.check([f"{TERMINAL_STATE_SYNC_ID}last_member"]))
+
+
+def _wait_for_round(launch: Launch, role: str, stop: Any) -> tuple[Any, Round] | None:
+    """Connect and wait until the job's round runs (its nodes beating); None when `stop()`."""
+    while not stop():
+        try:
+            raw = _connect(launch.endpoint, timeout_s=STORE_TIMEOUT_S)
+            found = _round_running(raw, launch.run_id)
+        except Exception:
+            found, raw = None, None
+        if found is not None:
+            return raw, found
+        if role == "member":
+            return None  # a member's pod joins the rendezvous when no round runs
+        time.sleep(1.0)
+    return None
+
+
+def run_standby(launch: Launch, env: MutableMapping[str, str] | None = None) -> int:
+    """Stand by for the running round, take a lost node when one is lost; returns the exit code, or
+    `JOIN` when this (member's) pod should run torchrun after all."""
+    env = os.environ if env is None else env
+    role = _replica_role(env) or "spare"
+    stopping: list[int] = []
+
+    def _stop(signum: int, frame: Any) -> None:
+        stopping.append(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop)
+    while not stopping:
+        waited = _wait_for_round(launch, role, lambda: bool(stopping))
+        if waited is None:
+            return 128 + stopping[0] if stopping else JOIN
+        raw, found = waited
+        code = _stand_by(launch, raw, found, env, stopping)
+        if code is not None:
+            return code
+        if role == "member":
+            return JOIN
+    return 128 + stopping[0]
+
+
+def _stand_by(launch: Launch, raw: Any, found: Round, env: MutableMapping[str, str], stopping: list[int]) -> int | None:
+    """One round: warm hosts, watch the beats, take a lost node. The exit code, or None when the round
+    ended without needing this standby's end (a group restart: stand by for the next one)."""
+    from training.inplace.group import NodeWatch
+
+    slot = int(raw.add(f"torchrig/inplace/{launch.run_id}/standby-slots", 1)) - 1
+    standby = Standby(launch, raw, found, slot, env)
+    print(
+        f"torchrig: standby: round {found.round} of {launch.run_id} runs on {found.nodes} node(s); this pod "
+        f"stands by (slot {slot}) instead of joining the rendezvous",
+        file=sys.stderr,
+        flush=True,
+    )
+    standby.start_hosts()
+    store, inplace = standby.store, standby.inplace
+    watch = NodeWatch(store, inplace, found.nodes, lost_after_s=HOST_LOST_S)
+    last_reached = time.monotonic()
+    try:
+        while not stopping:
+            if standby.taken is not None:
+                codes = [proc.poll() for proc in standby.hosts]
+                if any(c is None for c in codes):
+                    time.sleep(POLL_S)
+                    continue
+                failed = [c for c in codes if c]
+                if not failed:
+                    standby.exit_barrier()
+                    return 0
+                if all(c == int(ExitCode.RECOVERY_FAILED) for c in failed):
+                    return None  # the group falls back to a restart: this round is over
+                return next(c for c in failed if c != int(ExitCode.RECOVERY_FAILED))
+            if any(proc.poll() is not None for proc in standby.hosts):
+                try:  # its spares end with the store: at the job's end, or when the master was lost
+                    over = standby.barrier_passed()
+                except Exception:
+                    over = True
+                if over:
+                    return 0
+                log.warning("standby: a host of this standby ended before it was needed; starting over")
+                return None
+            try:
+                if standby.barrier_passed():
+                    return 0  # the job's agents finished: nothing left to stand by for
+                if not standby.ready and standby.spares_ready():
+                    store.add(inplace.standbys_key(), 1)
+                    standby.ready = True
+                    print(f"torchrig: standby: ready for round {found.round} ({found.nodes} nodes)", file=sys.stderr)
+                gone = watch.lost()
+                last_reached = time.monotonic()
+            except Exception:
+                if time.monotonic() - last_reached > STORE_GONE_S:
+                    log.info("standby: the rendezvous store is gone; the job ended")
+                    return 0
+                time.sleep(POLL_S)
+                continue
+            ended = [n for n in gone if store.check([inplace.ended_key(n)])]
+            lost = [n for n in gone if n not in ended]
+            if ended and len(ended) + len(lost) == found.nodes:
+                return None  # every node ended: the round is over
+            if lost and len(lost) == found.nodes:
+                return None  # every node stopped at once: the round is over (a group restart)
+            if lost and standby.ready:
+                for node in lost:
+                    if standby.take(node, watch.seen[node][0]):
+                        store.add(inplace.standbys_key(), -1)
+                        standby.ready = False
+                        break
+            time.sleep(POLL_S)
+        return 128 + stopping[0]
+    finally:
+        if standby.taken is None:
+            if standby.ready:
+                with contextlib.suppress(Exception):
+                    store.add(inplace.standbys_key(), -1)
+            standby.stop_hosts()
+        elif stopping:
+            standby.stop_hosts(stopping[0], grace_s=None)
