@@ -386,8 +386,8 @@ def _spare_node_warnings(body: JobSpecBody) -> list[str]:
         return [f"{field}: has no effect without in-place recovery (restarts.mode restart or restarts.spares 0)"]
     if body.kubernetes.target != "pytorchjob" or body.nodes.elastic:
         return [
-            f"{field}: standby nodes run in a fixed-size PyTorchJob only (kubernetes.target pytorchjob, "
-            "nodes.min == nodes.max); other launches restart the group when a node is lost"
+            f"{field}: on Kubernetes standby nodes run in a fixed-size PyTorchJob only (kubernetes.target "
+            "pytorchjob, nodes.min == nodes.max; elsewhere a lost node restarts the group); local runs start them"
         ]
     return []
 

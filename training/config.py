@@ -250,8 +250,9 @@ class RestartsConfig(Model):
         ge=0,
         le=64,
         description=(
-            "Standby nodes for `mode: inplace` on Kubernetes (a fixed-size PyTorchJob): this many more Worker pods "
-            "than nodes, which stand by outside the rendezvous with a warm spare per local rank. When a node is "
+            "Standby nodes for `mode: inplace`: on Kubernetes (a fixed-size PyTorchJob) this many more Worker pods "
+            "than nodes, in a local run this many more emulated nodes, which stand by outside the rendezvous with "
+            "a warm spare per local rank. When a node is "
             "lost (its pod evicted or killed, its machine gone) one of them takes all of that node's ranks in "
             "place: the other pods keep running and their state, 0 steps are lost, and the lost node's recreated "
             "pod stands by in turn. Without one a lost node restarts the group from the checkpoint. Detection "

@@ -35,6 +35,7 @@ __all__ = [
     "host_inplace_store",
     "main",
     "run_agent",
+    "stand_by_first",
     "stop_restarting_on_permanent_exit",
 ]
 
@@ -202,17 +203,28 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import main as torchrun_main
 
     args = sys.argv[1:] if argv is None else argv
-    from training.inplace.standby import JOIN, run_standby, standby_wanted
-
-    launch = standby_wanted(args)  # a spare node's pod (`restarts.spareNodes`) stands by instead
-    if launch is not None:
-        code = run_standby(launch)
-        if code != JOIN:
-            return code
-        for sig in (signal.SIGTERM, signal.SIGINT):  # torchrun installs its own
-            signal.signal(sig, signal.SIG_DFL)
+    code = stand_by_first(args)
+    if code is not None:
+        return code
     store = host_inplace_store(argv=args)  # noqa: F841 - lives as long as the agent
     return run_agent(torchrun_main, args)
+
+
+def stand_by_first(args: list[str]) -> int | None:
+    """A standby node (`restarts.spareNodes`, `training.inplace.standby`) stands by instead of running
+    torchrun's agent: its exit code; None when this process should run torchrun (no standby here, or a
+    member's node whose round ended while it stood by)."""
+    from training.inplace.standby import JOIN, run_standby, standby_wanted
+
+    launch = standby_wanted(args)
+    if launch is None:
+        return None
+    code = run_standby(launch)
+    if code != JOIN:
+        return code
+    for sig in (signal.SIGTERM, signal.SIGINT):  # torchrun installs its own
+        signal.signal(sig, signal.SIG_DFL)
+    return None
 
 
 def run_agent(torchrun_main: Any, args: list[str]) -> int:

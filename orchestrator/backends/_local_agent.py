@@ -8,7 +8,8 @@ Usage: `python -m orchestrator.backends._local_agent PORT_FILE TORCHRUN_ARGS...`
 of `STORE_PORT` in TORCHRUN_ARGS and in `TORCHRIG_INPLACE_STORE` becomes the port (PORT_FILE `-`: the
 arguments already name it, as for a node added to a running job); then this process
 is `python -m torch.distributed.run TORCHRUN_ARGS...` (same exit status, same output), with the
-rendezvous round exported to its workers (`training.torchrun.export_rendezvous_round`).
+rendezvous round exported to its workers (`training.torchrun.export_rendezvous_round`). A standby node
+(`TORCHRIG_STANDBY_FROM`, `training.inplace.standby`) stands by first.
 """
 
 from __future__ import annotations
@@ -52,7 +53,11 @@ def main(argv: list[str]) -> int:
         if Env.INPLACE_STORE in os.environ:
             os.environ[Env.INPLACE_STORE] = os.environ[Env.INPLACE_STORE].replace(PORT_PLACEHOLDER, str(port))
     sys.argv = ["torchrun", *args]
-    from training.torchrun import run_agent
+    from training.torchrun import run_agent, stand_by_first
+
+    code = stand_by_first(args)  # a standby node (`restarts.spareNodes`) runs no agent while it stands by
+    if code is not None:
+        return code
 
     # The in-place key space every node's hosts share; a worker's permanent exit ends the run at once.
     return run_agent(torchrun_main, args)

@@ -106,6 +106,8 @@ class LocalPlan:
         resume: The run directory holds an earlier attempt of the same job.
         placements: Where each node runs (the partition drill puts each in its own network
             namespace); a replacement node takes the last one.
+        standby_nodes: Agents started past `nodes` that stand by instead of joining the rendezvous
+            (`restarts.spareNodes`, `training.inplace.standby`).
     """
 
     run_dir: str
@@ -118,6 +120,7 @@ class LocalPlan:
     env: dict[str, str]
     resume: bool = False
     placements: list[NodePlacement] = field(default_factory=list)
+    standby_nodes: int = 0
 
     def placement(self, node: int) -> NodePlacement:
         """Where node `node` runs; a replacement node takes the last placement (the lost node's place)."""
@@ -189,6 +192,7 @@ class LocalPlan:
                 {"node": i, "command": shlex.join(self.agent_command(i, "<store-port>", spec_file))}
                 for i in range(self.nodes)
             ],
+            **({"standbyAgents": self.standby_nodes} if self.standby_nodes else {}),
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -230,4 +234,12 @@ def create_local_plan(spec: JobSpec, options: SubmitOptions, run_dir: Path, *, r
         env=env,
         resume=resume,
         placements=list(local.placements),
+        standby_nodes=standby_nodes(spec),
     )
+
+
+def standby_nodes(spec: JobSpec) -> int:
+    """Standby agents of a local launch (`restarts.spareNodes`): only where ranks recover in place."""
+    r = spec.spec.restarts
+    in_place = r.mode != "restart" and r.spares >= 1 and spec.spec.nodes.max * spec.spec.procs_per_node >= 2
+    return r.spare_nodes if in_place else 0

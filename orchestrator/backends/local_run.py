@@ -42,6 +42,7 @@ class _Agent:
     node: int
     proc: subprocess.Popen[bytes]
     killed: bool = False
+    standby: bool = False  # started as a standby node (it may have taken a lost node's ranks since)
 
 
 @dataclass
@@ -88,6 +89,8 @@ class LocalRun:
             self._start_store()
             for node in range(self.plan.nodes):
                 self._start_agent(node)
+            for node in range(self.plan.nodes, self.plan.nodes + self.plan.standby_nodes):
+                self._start_agent(node, role=self._STANDBY)
             self._await_store_port()
         except BaseException:
             self._kill_everything()
@@ -155,9 +158,16 @@ class LocalRun:
         path.write_text(dump_spec(spec))
         return path
 
-    def _start_agent(self, node: int) -> _Agent:
+    _STANDBY, _REPLACEMENT = "standby", "replacement"
+
+    def _start_agent(self, node: int, role: str | None = None) -> _Agent:
+        """Start agent `node`. `role`: a standby node (it stands by from the start), or a replacement in a
+        run with standby nodes (it stands by while the round runs, else joins; `training.inplace.standby`)."""
         spec_file = self._node_spec_file(node)
         env = {**self.plan.env, Env.SPEC: str(spec_file), Env.LOG_LINE_PREFIX_TEMPLATE: LOG_LINE_PREFIX}
+        if role is not None and self.plan.standby_nodes:
+            env[Env.STANDBY_FROM] = str(self.plan.nodes)
+            env[Env.REPLICA_INDEX] = str(node if role == self._STANDBY else 0)
         # In-place recovery forms every process-group generation on this store: it outlives every trainer.
         starting = not self._store_port  # the store is still starting: the agent reads its port file
         port_file = str(self.files.store_port) if starting else None
@@ -166,6 +176,7 @@ class LocalRun:
             env[Env.GLOO_SOCKET_IFNAME] = ifname
         cmd = self.plan.agent_command(node, self._store_port, str(spec_file), port_file=port_file)
         agent = _Agent(node=node, proc=self._spawn(cmd, node=str(node), log=self.files.node_log(node), env=env))
+        agent.standby = role == self._STANDBY
         self._agents.append(agent)
         return agent
 
@@ -210,6 +221,15 @@ class LocalRun:
         store = {self._store.pid} if self._store else set()
         return sorted(set(find_marked(self.token, node)) - agents - store)
 
+    def standby_ready(self) -> bool:
+        """Whether a standby node of this run has its spares warm (its log says so)."""
+        for agent in self._agents:
+            if agent.standby and not agent.killed:
+                with contextlib.suppress(OSError):
+                    if "torchrig: standby: ready" in self.files.node_log(agent.node).read_text(errors="replace"):
+                        return True
+        return False
+
     def kill_node(self, node: int, sig: signal.Signals = signal.SIGKILL) -> list[int]:
         """Kill emulated node `node` like a machine dying: its agent and all its workers. Returns the pids."""
         agent = next((a for a in self._agents if a.node == node and not a.killed), None)
@@ -232,11 +252,11 @@ class LocalRun:
 
     def add_node(self) -> int:
         """Start one more agent that joins the running rendezvous (a replacement node). Returns its index."""
-        live = len(self.agent_pids())
+        live = len([a for a in self._agents if not a.standby and not a.killed and a.proc.poll() is None])
         if live >= self.spec.spec.nodes.max:
             raise UnsupportedFeature(f"spec.nodes.max: the job already runs on {live} of at most {live} nodes")
         node = max((a.node for a in self._agents), default=-1) + 1
-        self._start_agent(node)
+        self._start_agent(node, role=self._REPLACEMENT)
         self._write_supervisor()
         return node
 

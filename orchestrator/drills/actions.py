@@ -24,6 +24,7 @@ from orchestrator.drills.plan import (
     Action,
     AwaitCommit,
     AwaitProgress,
+    AwaitStandby,
     AwaitStep,
     AwaitWorldSize,
     DrillPlan,
@@ -185,6 +186,10 @@ class ActionRunner:
             case NodeAdd():
                 self.outcome.record(DrillEventKind.NODE_ADDED)
                 self.run.add_node()
+            case AwaitStandby():
+                ready = getattr(self.run, "standby_ready", None)
+                if ready is not None:
+                    self._wait(ready)
         return True
 
     def _preempt(self, node: int | None, grace_s: float) -> None:

@@ -25,6 +25,7 @@ __all__ = [
     "Action",
     "AwaitCommit",
     "AwaitProgress",
+    "AwaitStandby",
     "AwaitStep",
     "AwaitWorldSize",
     "DrillContext",
@@ -184,6 +185,11 @@ class NodeAdd:
     """Start a replacement node that joins the running job."""
 
 
+@dataclass(frozen=True)
+class AwaitStandby:
+    """Wait until a standby node of the run has its spares warm (`restarts.spareNodes`)."""
+
+
 Action = (
     AwaitStep
     | AwaitProgress
@@ -197,6 +203,7 @@ Action = (
     | LinkCut
     | LinkHeal
     | NodeAdd
+    | AwaitStandby
 )
 
 

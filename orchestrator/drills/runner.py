@@ -191,9 +191,9 @@ def _compare_with_reference(
     report.reference_run_dir = ref_dir
     report.reference_final_loss = ref_summary.final_loss
     report.reference_params_sha256 = ref_summary.params_sha256
-    if scenario.compares_params and report.params_sha256 and report.reference_params_sha256:
+    if scenario.compares(spec) and report.params_sha256 and report.reference_params_sha256:
         report.final_params_match_reference = report.params_sha256 == report.reference_params_sha256
-    elif not scenario.compares_params:
+    elif not scenario.compares(spec):
         report.final_params_match_reference = None
 
 

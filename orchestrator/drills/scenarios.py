@@ -19,6 +19,7 @@ from orchestrator.drills.plan import (
     Action,
     AwaitCommit,
     AwaitProgress,
+    AwaitStandby,
     AwaitStep,
     AwaitWorldSize,
     DrillContext,
@@ -54,6 +55,13 @@ def _stored_at_resubmit(report: DrillReport) -> list[int]:
             committed = entry.get("committed") or {}
             return sorted({int(s) for steps in committed.values() for s in steps})
     return []
+
+
+def _standby(spec: JobSpec) -> bool:
+    """The job runs standby nodes (`restarts.spareNodes`, where in-place recovery applies)."""
+    from orchestrator.backends.local_plan import standby_nodes
+
+    return standby_nodes(spec) > 0
 
 
 def _params_check(verdict: Verdict, report: DrillReport) -> None:
@@ -139,6 +147,10 @@ class Scenario:
         )
 
     # -- verdict -------------------------------------------------------------------------------------
+    def compares(self, spec: JobSpec) -> bool:
+        """Whether the final parameters of `spec`'s drill must equal the reference's (`compares_params`)."""
+        return self.compares_params
+
     def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> Verdict:
         verdict = Verdict()
         _succeeded_check(verdict, report)
@@ -422,10 +434,27 @@ def _pace(ctx: DrillContext) -> list[Fault]:
 
 class KillNode(Scenario):
     name = "kill-node"
-    summary = "Kill a whole node (agent and its ranks); survivors continue smaller, then a new node rejoins."
-    proves = "elastic jobs shrink and grow back without losing more than the steps since the last checkpoint."
+    summary = (
+        "Kill a whole node (agent and its ranks); survivors continue smaller, then a new node rejoins. With "
+        "restarts.spareNodes a standby node takes the lost node's ranks in place instead."
+    )
+    proves = (
+        "elastic jobs shrink and grow back without losing more than the steps since the last checkpoint; with a "
+        "standby node the job keeps its size, loses no step and ends bit-identical."
+    )
     needs_nodes = 2
-    compares_params = False  # the world size changes on purpose
+    compares_params = False  # the world size changes on purpose (not with a standby node: `compares`)
+
+    def compares(self, spec: JobSpec) -> bool:
+        return _standby(spec)
+
+    def nodes_unmet(self, spec: JobSpec, nodes: int) -> str | None:
+        if _standby(spec):  # the standby keeps the size: any job of `nodes` nodes can lose one
+            n = spec.spec.nodes
+            ok = n.min <= nodes <= n.max
+            return None if ok else f"needs spec.nodes to allow {nodes} nodes; got {n.min}..{n.max}"
+        return super().nodes_unmet(spec, nodes)
+
     # Losing the node, the restart at the smaller size, the progress there and the rejoin (a second
     # restart) must all happen before the job ends: a fault drawn at step 270 of 300 left no time to
     # grow back (campaign, seeds 0 and 2).
@@ -436,6 +465,8 @@ class KillNode(Scenario):
 
     def actions(self, spec: JobSpec, ctx: DrillContext) -> list[Action]:
         victim = ctx.rng.randrange(1, ctx.nodes) if ctx.nodes > 1 else 0
+        if _standby(spec):  # the kill lands once a standby is warm: it measures the standby, not its start
+            return [AwaitStep(ctx.fault_step), AwaitStandby(), NodeKill(victim), AwaitProgress(2)]
         return [
             AwaitStep(ctx.fault_step),
             NodeKill(victim),
@@ -447,6 +478,11 @@ class KillNode(Scenario):
     def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> Verdict:
         verdict = super().judge(report, history, ctx)
         sizes = report.world_sizes
+        if report.recovery_path == "inplace":  # a standby node took the lost node's ranks
+            verdict.check("kept the full world size", sizes == [ctx.world_size], f"world sizes {sizes}")
+            if report.reference_params_sha256 is not None:
+                _params_check(verdict, report)
+            return verdict
         full, small = ctx.world_size, ctx.world_size - ctx.world_size // ctx.nodes
         shrank = small in sizes
         grew_back = shrank and sizes.index(small) < len(sizes) - 1 and full in sizes[sizes.index(small) + 1 :]

@@ -119,6 +119,24 @@ def test_kill_node_shrinks_and_grows_back(tmp_path: Path) -> None:
     assert report.world_sizes[:2] == [2, 1] and report.world_sizes[-1] == 2
 
 
+def test_kill_node_with_a_standby_node_keeps_the_world_size_and_loses_no_step(tmp_path: Path) -> None:
+    """`restarts.spareNodes: 1` on 2 nodes x 2 ranks: the drill kills node 1 (its agent, ranks and spare)
+    once the standby is warm; the standby takes ranks 2 and 3 in place (`training.inplace.standby`), the
+    world stays at 4, no step is lost and the end is bit-identical to the uninterrupted reference."""
+    spec = load_spec(
+        REPO / "examples" / "digits-ddp.yaml",
+        [*SMALL[:-2], "spec.training.steps=200", "spec.nodes.min=2", "spec.nodes.max=2", "spec.restarts.spareNodes=1"],
+    )
+    spec.spec.metrics.port = _PORT
+    report = run_drill("kill-node", spec, DrillOptions(seed=3, nodes=2, drill_dir=str(tmp_path / "kn"), timeout_s=400))
+    assert report.passed, _failure(report)
+    assert report.recovery_path == "inplace" and report.lost_steps == 0
+    assert report.world_sizes == [4]
+    assert report.final_params_match_reference is True
+    logs = (Path(report.run_dir) / "logs" / "node2.log").read_text()
+    assert "torchrig: standby: node 1 stopped beating; this standby takes its ranks 2-3 in place" in logs
+
+
 @pytest.mark.slow
 def test_preempt_stops_with_an_emergency_checkpoint_and_resumes_losing_no_step(tmp_path: Path) -> None:
     """SIGTERM to every process mid-run: one agreed stop step, its checkpoint committed within the grace,

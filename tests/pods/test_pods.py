@@ -241,7 +241,7 @@ def test_a_standby_pod_takes_a_lost_nodes_ranks_in_place_and_its_recreated_pod_s
     assert result["params_sha256"] == reference_result["params_sha256"]
     # The recreated victim stood by: had it joined the rendezvous, every healthy agent would have restarted.
     assert cluster.pods[victim].starts >= 2, _why(outcome, cluster)
-    assert "this pod stands by" in cluster.pods[victim].logs(), _why(outcome, cluster)
+    assert "this node stands by" in cluster.pods[victim].logs(), _why(outcome, cluster)
 
 
 def test_trainjob_with_two_nodes_trains_like_torchrig_run(

@@ -127,3 +127,19 @@ def test_a_standby_takes_a_lost_node_once_and_hands_each_spare_its_rank(store: A
     assert first.inplace.node_rank == 2, "a standby's own spares live past the members' node indices"
     assert int(space.add(lost.beat_key(1), 0)) == 1, "the taken node's beat moves again"
     assert second.take(1, b"40"), "lost again later (its beat stopped elsewhere): another standby takes it"
+
+
+@pytest.mark.parametrize(
+    ("sets", "standby"), [((), 1), (("spec.restarts.mode=restart",), 0), (("spec.restarts.spares=0",), 0)]
+)
+def test_a_local_run_starts_its_standby_nodes_past_its_members(
+    sets: tuple[str, ...], standby: int, tmp_path: Any
+) -> None:
+    from orchestrator.backends.base import SubmitOptions
+    from orchestrator.backends.local_plan import create_local_plan
+
+    spec = load_spec(EXAMPLE, ["spec.nodes.min=2", "spec.restarts.spareNodes=1", *sets])
+    plan = create_local_plan(spec, SubmitOptions(run_dir=str(tmp_path)), tmp_path, resume=False)
+    assert (plan.nodes, plan.standby_nodes) == (2, standby)
+    assert plan.to_dict().get("standbyAgents", 0) == standby, "the dry run shows them"
+    assert type(plan).from_json(json.loads(json.dumps(plan.to_json()))) == plan

@@ -58,6 +58,7 @@ POLL_S = 0.05
 STORE_TIMEOUT_S = 30.0
 STORE_GONE_S = 10.0  # the store unreachable this long: the job ended (or its master was lost)
 TERMINAL_STATE_SYNC_ID = "torchelastic/agent/terminal_state"  # torch.distributed.elastic.agent.server.api
+LAST_MEMBER = "/last_member"  # set by the barrier's last arrival (torch.distributed.elastic.utils.store)
 
 
 @dataclass(frozen=True)
@@ -271,7 +272,7 @@ class Standby:
         self.store.add(lost.beat_key(node), 1)  # it beats again from here on (the promoted host keeps it)
         self.taken = node
         print(
-            f"torchrig: standby: node {node} stopped beating; this pod takes its ranks "
+            f"torchrig: standby: node {node} stopped beating; this standby takes its ranks "
             f"{node * nproc}-{(node + 1) * nproc - 1} in place",
             file=sys.stderr,
             flush=True,
@@ -307,7 +308,7 @@ class Standby:
         from torch._C._distributed_c10d import PrefixStore
 
         round_store = PrefixStore(f"torch.rendezvous.{self.launch.run_id}.{self.found.round}", self.raw)
-        return bool(round_store.check([f"{TERMINAL_STATE_SYNC_ID}last_member"]))
+        return bool(round_store.check([f"{TERMINAL_STATE_SYNC_ID}{LAST_MEMBER}"]))
 
 
 def _wait_for_round(launch: Launch, role: str, stop: Any) -> tuple[Any, Round] | None:
@@ -359,7 +360,7 @@ def _stand_by(launch: Launch, raw: Any, found: Round, env: MutableMapping[str, s
     slot = int(raw.add(f"torchrig/inplace/{launch.run_id}/standby-slots", 1)) - 1
     standby = Standby(launch, raw, found, slot, env)
     print(
-        f"torchrig: standby: round {found.round} of {launch.run_id} runs on {found.nodes} node(s); this pod "
+        f"torchrig: standby: round {found.round} of {launch.run_id} runs on {found.nodes} node(s); this node "
         f"stands by (slot {slot}) instead of joining the rendezvous",
         file=sys.stderr,
         flush=True,
