@@ -43,6 +43,7 @@ class _Agent:
     proc: subprocess.Popen[bytes]
     killed: bool = False
     standby: bool = False  # started as a standby node (it may have taken a lost node's ranks since)
+    took_node: bool = False  # a standby that took a lost node's ranks (`LocalRun._took_a_node`)
 
 
 @dataclass
@@ -221,6 +222,14 @@ class LocalRun:
         store = {self._store.pid} if self._store else set()
         return sorted(set(find_marked(self.token, node)) - agents - store)
 
+    def _took_a_node(self, agent: _Agent) -> bool:
+        """Whether standby `agent` took a lost node's ranks (its log says so; remembered once seen)."""
+        if not agent.took_node:
+            with contextlib.suppress(OSError):
+                log = self.files.node_log(agent.node).read_text(errors="replace")
+                agent.took_node = "torchrig: standby: node " in log
+        return agent.took_node
+
     def standby_ready(self) -> bool:
         """Whether a standby node of this run has its spares warm (its log says so)."""
         for agent in self._agents:
@@ -277,8 +286,9 @@ class LocalRun:
         if self.summary is not None:
             return RunState(self.summary.status)
         live = [a for a in self._agents if not a.killed]
-        if any(a.proc.poll() is None for a in live):
-            return RunState.RUNNING
+        if any(a.proc.poll() is None and (not a.standby or self._took_a_node(a)) for a in live):
+            return RunState.RUNNING  # a standby that never took a node keeps nothing running
+        live = [a for a in live if not a.standby or a.proc.poll() is not None]
         if self._workers_finished():
             return RunState.SUCCEEDED
         if self._cancel_requested:

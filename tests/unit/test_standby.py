@@ -143,3 +143,30 @@ def test_a_local_run_starts_its_standby_nodes_past_its_members(
     assert (plan.nodes, plan.standby_nodes) == (2, standby)
     assert plan.to_dict().get("standbyAgents", 0) == standby, "the dry run shows them"
     assert type(plan).from_json(json.loads(json.dumps(plan.to_json()))) == plan
+
+
+def test_a_local_run_ends_when_only_standbys_that_took_no_node_are_left(tmp_path: Any) -> None:
+    """A standby that took no node keeps nothing running: a run whose members all ended is over (its
+    standby is stopped with it); one that took a node runs that node's ranks and keeps the run going."""
+    import subprocess
+    import sys
+
+    from orchestrator.backends.base import RunState, SubmitOptions
+    from orchestrator.backends.local_plan import create_local_plan
+    from orchestrator.backends.local_run import LocalRun, _Agent
+
+    spec = load_spec(EXAMPLE, ["spec.nodes.min=2", "spec.restarts.spareNodes=1"])
+    run = LocalRun(spec, create_local_plan(spec, SubmitOptions(run_dir=str(tmp_path)), tmp_path, resume=False))
+    member = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    member.wait()
+    standby = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        run._agents = [_Agent(node=0, proc=member), _Agent(node=2, proc=standby, standby=True)]
+        assert run.poll() is RunState.FAILED
+        log = run.files.node_log(2)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("torchrig: standby: node 1 stopped beating; this standby takes its ranks 2-3 in place\n")
+        assert run.poll() is RunState.RUNNING
+    finally:
+        standby.kill()
+        standby.wait()

@@ -311,11 +311,15 @@ class Standby:
         return bool(round_store.check([f"{TERMINAL_STATE_SYNC_ID}{LAST_MEMBER}"]))
 
 
-def _wait_for_round(launch: Launch, role: str, stop: Any) -> tuple[Any, Round] | None:
-    """Connect and wait until the job's round runs (its nodes beating); None when `stop()`."""
+def _wait_for_round(launch: Launch, role: str, stop: Any, *, seen: bool) -> tuple[Any, Round] | int | None:
+    """Connect and wait until the job's round runs (its nodes beating). None when `stop()` or, for a
+    member's node, when no round runs (it joins the rendezvous); 0 when this standby saw the job run
+    (`seen`) and its store has been gone `STORE_GONE_S` since (the job ended)."""
+    reached = time.monotonic()
     while not stop():
         try:
-            raw = _connect(launch.endpoint, timeout_s=STORE_TIMEOUT_S)
+            raw = _connect(launch.endpoint, timeout_s=5.0 if seen else STORE_TIMEOUT_S)
+            reached = time.monotonic()
             found = _round_running(raw, launch.run_id)
         except Exception:
             found, raw = None, None
@@ -323,6 +327,9 @@ def _wait_for_round(launch: Launch, role: str, stop: Any) -> tuple[Any, Round] |
             return raw, found
         if role == "member":
             return None  # a member's pod joins the rendezvous when no round runs
+        if seen and time.monotonic() - reached > STORE_GONE_S:
+            log.info("standby: the rendezvous store is gone; the job ended")
+            return 0
         time.sleep(1.0)
     return None
 
@@ -339,11 +346,15 @@ def run_standby(launch: Launch, env: MutableMapping[str, str] | None = None) -> 
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _stop)
+    seen = False
     while not stopping:
-        waited = _wait_for_round(launch, role, lambda: bool(stopping))
+        waited = _wait_for_round(launch, role, lambda: bool(stopping), seen=seen)
         if waited is None:
             return 128 + stopping[0] if stopping else JOIN
+        if isinstance(waited, int):
+            return waited
         raw, found = waited
+        seen = True
         code = _stand_by(launch, raw, found, env, stopping)
         if code is not None:
             return code
@@ -398,7 +409,11 @@ def _stand_by(launch: Launch, raw: Any, found: Round, env: MutableMapping[str, s
                 if not standby.ready and standby.spares_ready():
                     store.add(inplace.standbys_key(), 1)
                     standby.ready = True
-                    print(f"torchrig: standby: ready for round {found.round} ({found.nodes} nodes)", file=sys.stderr)
+                    print(
+                        f"torchrig: standby: ready for round {found.round} ({found.nodes} nodes)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 gone = watch.lost()
                 last_reached = time.monotonic()
             except Exception:
