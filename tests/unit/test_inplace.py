@@ -113,6 +113,7 @@ def test_a_claimed_spare_gets_the_rank_and_the_next_generation(store: Any, monke
     assert assignment["generation"] == 4
     assert assignment["env"][Env.RANK] == "1" and assignment["env"][Env.LOCAL_RANK] == "1"
     assert client.get(settings.spare_key(0, "claim")) == b"1"
+    assert client.get(settings.owner_key(1)) == b"4242", "rank 1 is the spare's now"
     # The next claim finds no spare 1 ready in time: the caller falls back to the group restart.
     quick = InPlace(**{**settings.__dict__, "timeout_s": 0.2})
     assert claim_spare(quick, client, 1, None) is None
@@ -419,6 +420,26 @@ def test_a_member_gives_up_on_a_generation_once_a_watcher_found_a_node_lost(stor
     with pytest.raises(RecoveryFailed, match=r"^generation 2: node\(s\) \[1\] stopped beating .*back in place$"):
         group.form(2)
     assert time.monotonic() - started < 5
+
+
+def test_a_process_whose_rank_was_given_to_another_stands_down_instead_of_joining(store: Any) -> None:
+    """A node cut off from the store long enough for a standby to take it comes back: its trainer must not
+    join the next generation beside the spare that holds its rank now (`InPlace.owner_key`)."""
+    from training.contract import WorkerIdentity
+    from training.inplace.group import InPlaceGroup
+
+    settings = InPlace(
+        store_addr=f"127.0.0.1:{store.port}", run_id="r", restart_count=0, node_rank=1, spares=1, timeout_s=60.0
+    )
+    identity = WorkerIdentity(rank=3, world_size=4, local_rank=1, local_world_size=2, node_rank=1, num_nodes=2)
+    group = InPlaceGroup(settings, identity, "gloo")
+    client = settings.connect()
+    client.set(settings.owner_key(3), str(os.getpid() + 1))
+    with pytest.raises(
+        RecoveryFailed, match=r"^generation 2: rank 3 is held by pid \d+ now; this process stands down$"
+    ):
+        group.form(2)
+    assert int(client.add(settings.join_key(2), 0)) == 0, "it never counted itself in"
 
 
 def test_a_used_spare_is_replaced_once_the_recovery_has_stepped_unless_a_host_waits(

@@ -107,6 +107,9 @@ def test_a_standby_takes_a_lost_node_once_and_hands_each_spare_its_rank(store: A
     space.set(lost.spare_key(1, "ready"), "999")
     space.set(lost.restart_count_key(1), "2")
     space.set(lost.rank_gen_key(2), "4")  # rank 2 had joined generation 4 when its node was lost
+    for local, pid in ((0, "501"), (1, "502")):  # each standby's own warm spares
+        space.set(first.inplace.spare_key(local, "ready"), pid)
+        space.set(second.inplace.spare_key(local, "ready"), f"6{pid}")
     assert first.take(1, b"17")
     assert not second.take(1, b"17"), "two standbys that saw one loss never both take it"
     for index in range(2):
@@ -124,6 +127,7 @@ def test_a_standby_takes_a_lost_node_once_and_hands_each_spare_its_rank(store: A
         assert env[Env.RESTART_COUNT] == "2"
         orders = json.loads(space.get(first.inplace.promote_key(local)))
         assert orders["node"] == 1 and orders["next_spare"] == 2 and orders["env"] == env
+        assert space.get(lost.owner_key(rank)) == str(501 + local).encode(), "the node's old processes stand down"
     assert first.inplace.node_rank == 2, "a standby's own spares live past the members' node indices"
     assert int(space.add(lost.beat_key(1), 0)) == 1, "the taken node's beat moves again"
     assert second.take(1, b"40"), "lost again later (its beat stopped elsewhere): another standby takes it"

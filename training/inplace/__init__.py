@@ -221,6 +221,13 @@ class InPlace:
         return f"stepped/{pid}"
 
     @staticmethod
+    def owner_key(rank: int) -> str:
+        """The pid of the process that holds `rank` now, set before a spare is assigned it: a process of
+        that rank that is not its owner (a node cut off from the store long enough for a standby to take
+        it, then back) must never join a generation beside its replacement."""
+        return f"rank{rank}/owner"
+
+    @staticmethod
     def rank_gen_key(rank: int) -> str:
         return f"rank{rank}/gen"
 

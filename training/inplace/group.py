@@ -146,6 +146,14 @@ class InPlaceGroup:
             RecoveryFailed: not every member joined within the timeout, or `cancelled`.
         """
         rank, world = self.identity.rank, self.identity.world_size
+        owner_key = self.inplace.owner_key(rank)
+        if generation > 0 and self.store.check([owner_key]) and self.store.get(owner_key).decode() != str(os.getpid()):
+            # This rank was given to another process meanwhile (a standby took this node while it was cut
+            # off): joining beside it would put two processes in one rank.
+            raise RecoveryFailed(
+                f"generation {generation}: rank {rank} is held by pid {self.store.get(owner_key).decode()} now; "
+                "this process stands down"
+            )
         self.store.set(self.inplace.rank_gen_key(rank), str(generation))
         key = self.inplace.join_key(generation)
         self.store.add(key, 1)

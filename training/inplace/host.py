@@ -290,6 +290,7 @@ def claim_spare(inplace: InPlace, store: Any, rank: int, pool: SparePool | None)
     finally:
         store.add(inplace.waiting_key, -1)
     index, pid = taken
+    store.set(inplace.owner_key(rank), str(pid))
     gen_key = inplace.rank_gen_key(rank)
     dead_gen = int(store.get(gen_key).decode()) if store.check([gen_key]) else 0
     assignment = {name: os.environ[name] for name in IDENTITY_ENV if name in os.environ}

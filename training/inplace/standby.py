@@ -263,6 +263,8 @@ class Standby:
                 Env.RESTART_COUNT: restart_count,
                 Env.RUN_ID: self.launch.run_id,
             }
+            spare_pid = self.store.get(self.inplace.spare_key(local, "ready")).decode()
+            self.store.set(self.inplace.owner_key(rank), spare_pid)  # the node's old processes stand down
             # The spare first: it joins the survivors' new generation while its host takes over the node.
             self.store.set(
                 self.inplace.spare_key(local, "assign"), json.dumps({"env": identity, "generation": dead_gen + 1})
