@@ -40,7 +40,16 @@ from training.contract import Env
 if TYPE_CHECKING:
     from training.config import WorkerSpec
 
-__all__ = ["BEAT_S", "HOST_LOST_S", "IDENTITY_ENV", "ROLE_SPARE", "ROLE_TRAINER", "STANDBY_GRACE_S", "InPlace"]
+__all__ = [
+    "BEAT_S",
+    "HOST_LOST_S",
+    "IDENTITY_ENV",
+    "ROLE_SPARE",
+    "ROLE_TRAINER",
+    "STANDBY_GRACE_S",
+    "InPlace",
+    "store_client",
+]
 
 log = logging.getLogger(__name__)
 ROLE_TRAINER = "trainer"
@@ -129,17 +138,10 @@ class InPlace:
 
     def connect(self, timeout_s: float | None = None) -> Any:
         """A client of the long-lived store, under this launch's prefix (imports torch's c10d)."""
-        from torch._C._distributed_c10d import PrefixStore, TCPStore
+        from torch._C._distributed_c10d import PrefixStore
 
-        host, _, port = self.store_addr.rpartition(":")
-        store = TCPStore(
-            host,
-            int(port),
-            is_master=False,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=timeout_s if timeout_s is not None else self.timeout_s),
-        )
-        return PrefixStore(self.prefix, store)
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        return PrefixStore(self.prefix, store_client(self.store_addr, limit))
 
     # -- keys --------------------------------------------------------------------------------------
     def spare_key(self, index: int, what: str) -> str:
@@ -212,6 +214,11 @@ class InPlace:
         return f"torchrig/inplace/{run_id}/current"
 
     @staticmethod
+    def standby_slots_key(run_id: str) -> str:
+        """Outside every round's prefix: a counter that gives each standby of the run its own slot."""
+        return f"torchrig/inplace/{run_id}/standby-slots"
+
+    @staticmethod
     def exit_key(pid: int) -> str:
         return f"exit/{pid}"
 
@@ -238,6 +245,14 @@ class InPlace:
     @staticmethod
     def pg_prefix(generation: int) -> str:
         return f"pg/{generation}/"
+
+
+def store_client(addr: str, timeout_s: float) -> Any:
+    """A client of the c10d store at `host:port`, no prefix (imports torch's c10d)."""
+    from torch._C._distributed_c10d import TCPStore
+
+    host, _, port = addr.rpartition(":")
+    return TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
 
 
 def _not_in_place(mode: str, reason: str) -> None:

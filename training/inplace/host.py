@@ -16,7 +16,9 @@ its child (the same command, `TORCHRIG_INPLACE_ROLE=trainer`) and watches it eve
 
 The host of local rank 0 also keeps `restarts.spares` spares per node started (from its trainer's first
 completed step on, so they do not slow the trainers' start-up), replacing each one as soon as it is
-claimed. Signals: SIGTERM, SIGINT, SIGHUP, SIGUSR2 (torchrun's shutdown, a preemption
+claimed. A standby node's host (`TORCHRIG_INPLACE_STANDBY`, `training.inplace.standby`) starts its child
+as a spare instead and waits: when the standby takes a lost node, it becomes that node's host for its
+local rank, its child that rank's trainer. Signals: SIGTERM, SIGINT, SIGHUP, SIGUSR2 (torchrun's shutdown, a preemption
 notice) and SIGUSR1 (stack dumps) are forwarded to the current trainer; after SIGTERM/SIGINT/SIGHUP
 the host only waits for the trainer's exit code and passes it through, and ends its spares. Spares and
 trainers die with their parent (`PR_SET_PDEATHSIG`), so a SIGKILLed host leaves nothing behind.

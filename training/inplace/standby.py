@@ -43,11 +43,10 @@ import sys
 import time
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from typing import Any
 
 from training.contract import Env, ExitCode
-from training.inplace import BEAT_S, HOST_LOST_S, InPlace
+from training.inplace import BEAT_S, HOST_LOST_S, InPlace, store_client
 
 __all__ = ["JOIN", "Round", "run_standby", "standby_wanted"]
 
@@ -119,13 +118,6 @@ def _replica_role(env: Mapping[str, str]) -> str | None:
     return "spare" if int(index) >= int(first) else "member"
 
 
-def _connect(endpoint: str, timeout_s: float) -> Any:
-    from torch._C._distributed_c10d import TCPStore
-
-    host, _, port = endpoint.rpartition(":")
-    return TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
-
-
 def _beats(store: Any, inplace: InPlace, nodes: int) -> list[bytes] | None:
     keys = [inplace.beat_key(n) for n in range(nodes)]
     return list(store.multi_get(keys)) if store.check(keys) else None
@@ -181,7 +173,7 @@ def standby_wanted(argv: list[str], env: Mapping[str, str] | None = None) -> Lau
     if role == "spare":
         return launch
     try:  # a member's pod: stand by only when its job's round runs without it
-        store = _connect(launch.endpoint, timeout_s=5.0)
+        store = store_client(launch.endpoint, timeout_s=5.0)
         return launch if _round_running(store, launch.run_id) is not None else None
     except Exception:  # no store yet: the job is starting, and this pod is one of its members
         return None
@@ -297,20 +289,22 @@ class Standby:
     def exit_barrier(self) -> None:
         """Stand in for the lost node's agent at torchrun's exit barrier (torch's own `store_util.barrier`
         on the round's store), so the other agents do not wait out its timeout."""
-        from torch._C._distributed_c10d import PrefixStore
         from torch.distributed.elastic.utils.store import barrier
 
-        round_store = PrefixStore(f"torch.rendezvous.{self.launch.run_id}.{self.found.round}", self.raw)
         try:
-            barrier(round_store, self.found.nodes, TERMINAL_STATE_SYNC_ID, barrier_timeout=300)
+            barrier(self._round_store(), self.found.nodes, TERMINAL_STATE_SYNC_ID, barrier_timeout=300)
         except Exception as exc:
             log.warning("standby: the exit barrier failed: %s", exc)
 
     def barrier_passed(self) -> bool:
+        """Whether the round's agents all passed torchrun's exit barrier (the job's end)."""
+        return bool(self._round_store().check([f"{TERMINAL_STATE_SYNC_ID}{LAST_MEMBER}"]))
+
+    def _round_store(self) -> Any:
+        """The store torchrun's agents of this round use (the c10d handler's `_wrap_store` prefix)."""
         from torch._C._distributed_c10d import PrefixStore
 
-        round_store = PrefixStore(f"torch.rendezvous.{self.launch.run_id}.{self.found.round}", self.raw)
-        return bool(round_store.check([f"{TERMINAL_STATE_SYNC_ID}{LAST_MEMBER}"]))
+        return PrefixStore(f"torch.rendezvous.{self.launch.run_id}.{self.found.round}", self.raw)
 
 
 def _wait_for_round(launch: Launch, role: str, stop: Any, *, seen: bool) -> tuple[Any, Round] | int | None:
@@ -320,7 +314,7 @@ def _wait_for_round(launch: Launch, role: str, stop: Any, *, seen: bool) -> tupl
     reached = time.monotonic()
     while not stop():
         try:
-            raw = _connect(launch.endpoint, timeout_s=5.0 if seen else STORE_TIMEOUT_S)
+            raw = store_client(launch.endpoint, timeout_s=5.0 if seen else STORE_TIMEOUT_S)
             reached = time.monotonic()
             found = _round_running(raw, launch.run_id)
         except Exception:
@@ -370,7 +364,7 @@ def _stand_by(launch: Launch, raw: Any, found: Round, env: MutableMapping[str, s
     ended without needing this standby's end (a group restart: stand by for the next one)."""
     from training.inplace.group import NodeWatch
 
-    slot = int(raw.add(f"torchrig/inplace/{launch.run_id}/standby-slots", 1)) - 1
+    slot = int(raw.add(InPlace.standby_slots_key(launch.run_id), 1)) - 1
     standby = Standby(launch, raw, found, slot, env)
     print(
         f"torchrig: standby: round {found.round} of {launch.run_id} runs on {found.nodes} node(s); this node "
