@@ -87,12 +87,15 @@ class NameRule:
     kind: str  # what the operator calls the job, e.g. "KubeRay RayJob"
     why: str  # the operator rule, with the job name as <name>
     max_nodes: int | None = None  # set where the limit depends on spec.nodes.max
+    spare_nodes: int = 0  # standby Worker replicas counted in the limit (spec.restarts.spareNodes)
 
     def problem(self, name: str) -> str | None:
         """The one-line `metadata.name: ...` message when `name` is too long for this target, else None."""
         if len(name) <= self.limit:
             return None
         nodes = f" with spec.nodes.max={self.max_nodes}" if self.max_nodes is not None else ""
+        if self.spare_nodes:
+            nodes += f" and spec.restarts.spareNodes={self.spare_nodes}"
         return (
             f"metadata.name: {name!r} is {len(name)} characters; {self.kind} names (target {self.target}) "
             f"are limited to {self.limit}{nodes} ({self.why})"
@@ -131,6 +134,7 @@ def target_name_rule(target: str, max_nodes: int, *, elastic: bool = False, spar
             f"the training operator names a Service per replica, up to '<name>{longest}', and a Service "
             f"name is a DNS-1035 label of at most {MAX_NAME_LEN} characters",
             max_nodes,
+            spare_nodes,
         )
     if target == "trainjob":
         pod = f"-{TRAINJOB_REPLICATED_JOB}-0-{max_nodes - 1}-{RANDOM_SUFFIX}"

@@ -172,14 +172,14 @@ class ActionRunner:
                     self._strike("kill-node", node=node)
                 self.run.kill_node(node)
                 if fault:
-                    self.outcome.fault_rank = node
+                    self.outcome.fault_rank, self.outcome.fault_node = None, node
             case Preempt(grace_s=grace_s, node=node):
                 self._strike("preempt", node="all" if node is None else node)
                 self._preempt(node, grace_s)
             case LinkCut(node=node):
                 network = self._network()
                 self._strike("partition", node=node)
-                self.outcome.fault_rank = node
+                self.outcome.fault_rank, self.outcome.fault_node = None, node
                 network.cut(node)
             case LinkHeal(node=node):
                 self._network().heal(node)

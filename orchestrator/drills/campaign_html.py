@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from orchestrator.drills.report import fault_text
+
 __all__ = ["render_html"]
 
 _CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
@@ -310,7 +312,7 @@ def _case(case: dict[str, Any], out_dir: str | None) -> str:
         body.append(f"<p>{_e(case['reason'])}</p>")
     if report:
         facts = [
-            ("fault", f"step {report.get('fault_step')}, rank {report.get('fault_rank')}"),
+            ("fault", fault_text(report)),
             ("resumed from step", _fmt(report.get("resumed_from_step"))),
             ("lost steps", _fmt(report.get("lost_steps"))),
             ("MTTR", _fmt(report.get("mttr_seconds"), " s")),

@@ -13,6 +13,8 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from typing import Any
 
+from orchestrator.drills.report import fault_text
+
 __all__ = ["render_junit"]
 
 
@@ -22,7 +24,7 @@ def _facts(case: dict[str, Any]) -> str:
         f"case dir: {case.get('dir') or '-'}",
         f"run dir: {report.get('run_dir') or '-'}",
         f"reference run dir: {report.get('reference_run_dir') or '-'}",
-        f"fault: step {report.get('fault_step')}, rank {report.get('fault_rank')}",
+        f"fault: {fault_text(report)}",
         f"resumed from step {report.get('resumed_from_step')}, lost steps {report.get('lost_steps')}, "
         f"MTTR {report.get('mttr_seconds')} s",
     ]

@@ -79,7 +79,7 @@ def run_kubernetes_kill_worker(
         report.check("job has pods", False, "the job runs but lists no pods with a node index")
         return report
     index = node_index if node_index is not None else rng.choice(indices)
-    report.fault_rank = index
+    report.fault_rank, report.fault_node = None, index
     # The operator recreates the pod under the same name: only a new uid marks the replacement.
     old_uids = {p.metadata.uid for p in backend.pods(run_id) if backend.pod_index(p) == index}
     pod_name = backend.delete_pod(run_id, index)

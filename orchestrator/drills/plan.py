@@ -253,12 +253,13 @@ class Outcome:
     """What the drill did and where its fault struck (updated by the actions as they run)."""
 
     fault_step: int
-    fault_rank: int
+    fault_rank: int | None
     timeline: list[DrillEvent] = field(default_factory=list)
     damage: dict[str, Any] | None = None
     errors: list[BaseException] = field(default_factory=list)
     # Why an outside fault proved nothing: it struck a job that had done every step (or already succeeded).
     too_late: str | None = None
+    fault_node: int | None = None  # a node fault (kill-node, partition) names the node, not a rank
 
     def record(self, event: DrillEventKind, /, *, at: float | None = None, **data: Any) -> None:
         """Add `event` to the timeline, now or `at` a time the job's own records give."""

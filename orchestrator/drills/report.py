@@ -10,7 +10,7 @@ from orchestrator.drills.history import RunHistory
 from orchestrator.errors import EXIT_FAILED, EXIT_INCONCLUSIVE, EXIT_OK
 from training.contract import DrillEventKind, write_json
 
-__all__ = ["Check", "DrillReport", "Verdict", "plot_report", "render_table"]
+__all__ = ["Check", "DrillReport", "Verdict", "fault_text", "plot_report", "render_table"]
 
 
 @dataclass
@@ -66,6 +66,7 @@ class DrillReport(_Checks):
     recovered: bool = False
     fault_step: int | None = None
     fault_rank: int | None = None
+    fault_node: int | None = None  # kill-node, partition, a deleted pod: the node's index (no one rank)
     resumed_from_step: int | None = None
     lost_steps: int | None = None
     mttr_seconds: float | None = None
@@ -121,6 +122,13 @@ class DrillReport(_Checks):
         write_json(path, self.to_dict())
 
 
+def fault_text(report: dict[str, Any]) -> str:
+    """Where the fault struck, from a report's dict: `step 23, rank 1`, or `step 23, node 1` for a node fault."""
+    node = report.get("fault_node")
+    where = f"node {node}" if node is not None else f"rank {report.get('fault_rank')}"
+    return f"step {report.get('fault_step')}, {where}"
+
+
 def render_table(report: DrillReport) -> Any:
     """A rich Table of the verdict (imported lazily: rich is only needed for people)."""
     from rich.markup import escape
@@ -138,7 +146,7 @@ def render_table(report: DrillReport) -> Any:
     for c in report.checks:
         table.add_row(c.name, "[green]ok[/]" if c.passed else "[red]FAILED[/]", c.detail)
     facts = [
-        ("fault", f"step {report.fault_step}, rank {report.fault_rank}"),
+        ("fault", fault_text(report.to_dict())),
         ("recovery", report.recovery_path or "-"),
         ("resumed from step", str(report.resumed_from_step)),
         ("lost steps", str(report.lost_steps)),

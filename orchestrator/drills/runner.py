@@ -206,6 +206,7 @@ def _fill_from_run(report: DrillReport, summary: Summary, history: RunHistory, o
     report.damage = outcome.damage
     # Outside faults record the step the job had actually reached when they struck.
     report.fault_step, report.fault_rank = outcome.fault_step, outcome.fault_rank
+    report.fault_node = outcome.fault_node
     # The fault time: the worker's own `fault` event (exact), else the drill's outside action.
     worker_faults = [e for e in history.of(EventKind.FAULT) if e.get("kind") not in (None, "slow")]
     if worker_faults:

@@ -14,7 +14,7 @@ import textwrap
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 import torch
@@ -97,6 +97,21 @@ def _join_group(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
 
 
+def _end_child() -> NoReturn:
+    """End a child whose phase succeeded while its frame still holds the phase's objects.
+
+    Returning would free them (the model, the checkpoint manager's gloo groups, tensors gloo's threads
+    may still reference) in the frame's teardown, where torch can deadlock on the GIL (a gloo thread
+    releasing a tensor needs it; pytorch/pytorch#179291). Seen once in CI: a child that had finished
+    its phase hung in `_wrap` after `fn` returned until the phase's deadline. `exit_now` joins the
+    threads, runs the atexit handlers, flushes the streams, then `os._exit`s. A failed phase raises
+    before this and reaches `_spawn` as an error, as before.
+    """
+    from training.fastexit import exit_now
+
+    exit_now(0)
+
+
 def _spawn(fn: Any, world: int, *args: Any) -> None:
     """Run `fn(rank, world, port, *args)` in `world` processes and wait for all of them.
 
@@ -166,6 +181,7 @@ def _reshard_phase(
             Path(f"{root}/phase-{phase}.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
+    _end_child()
 
 
 def _run_phase(world: int, strategy: str, phase: int, root: str, generation: int | None = None) -> dict[str, Any]:
@@ -245,6 +261,7 @@ def _two_node_phase(rank: int, world: int, port: int, phase: int, root: str) -> 
         Path(f"{root}/phase-{phase}-rank-{rank}.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
+    _end_child()
 
 
 @pytest.mark.slow

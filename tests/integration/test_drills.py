@@ -133,6 +133,7 @@ def test_kill_node_with_a_standby_node_keeps_the_world_size_and_loses_no_step(tm
     assert report.recovery_path == "inplace" and report.lost_steps == 0
     assert report.world_sizes == [4]
     assert report.final_params_match_reference is True
+    assert (report.fault_node, report.fault_rank) == (1, None)  # a node was killed, not one rank
     logs = (Path(report.run_dir) / "logs" / "node2.log").read_text()
     assert "torchrig: standby: node 1 stopped beating; this standby takes its ranks 2-3 in place" in logs
 

@@ -131,14 +131,18 @@ def test_elastic_trainjob_without_fixed_size_fails_like_the_compiler(tmp_path: P
     assert "fixedSize" in proc.stderr
 
 
-@pytest.mark.parametrize(("target", "limit"), [("pytorchjob", 54), ("trainjob", 48)])
-def test_names_too_long_for_the_target_fail_like_the_compiler(target: str, limit: int, tmp_path: Path) -> None:
-    nodes = {"min": 3, "max": 3}
-    at = write_job(
-        tmp_path,
-        DIGITS,
-        {"metadata": {"name": "a" * limit}, "spec": {"nodes": nodes, "kubernetes": {"target": target}}},
-    )
+@pytest.mark.parametrize(
+    ("target", "limit", "spare_nodes"), [("pytorchjob", 54, 0), ("pytorchjob", 53, 9), ("trainjob", 48, 0)]
+)
+def test_names_too_long_for_the_target_fail_like_the_compiler(
+    target: str, limit: int, spare_nodes: int, tmp_path: Path
+) -> None:
+    spec = {
+        "nodes": {"min": 3, "max": 3},
+        "kubernetes": {"target": target},
+        "restarts": {"spares": 1, "spareNodes": spare_nodes},
+    }
+    at = write_job(tmp_path, DIGITS, {"metadata": {"name": "a" * limit}, "spec": spec})
     assert_same_objects(helm_template("-f", str(at)), compiled(at, target))
     over = write_job(tmp_path, at, {"metadata": {"name": "a" * (limit + 1)}}, name="over.yaml")
     with pytest.raises(UnsupportedFeature) as info:
@@ -146,6 +150,7 @@ def test_names_too_long_for_the_target_fail_like_the_compiler(target: str, limit
     proc = run_helm("template", "t", str(CHART), "-f", str(over), check=False)
     assert proc.returncode != 0
     assert str(info.value) in proc.stderr
+    assert ("spec.restarts.spareNodes=9" in proc.stderr) == bool(spare_nodes)
 
 
 def test_fixed_size_pytorchjob_has_master_and_workers() -> None:

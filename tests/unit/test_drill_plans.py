@@ -200,7 +200,8 @@ def test_kill_node_shrink_and_rejoin_are_recorded(tmp_path: Path) -> None:
     kinds = [e.kind for e in runner.outcome.timeline]
     assert kinds == [DrillEventKind.FAULT_INJECTED, DrillEventKind.SHRUNK, DrillEventKind.NODE_ADDED]
     assert runner.outcome.timeline[0].data == {"kind": "kill-node", "node": 1, "step": 30}
-    assert (runner.outcome.fault_step, runner.outcome.fault_rank) == (30, 1)
+    # A node fault names the node, not a rank: the report reads "step 30, node 1".
+    assert (runner.outcome.fault_step, runner.outcome.fault_rank, runner.outcome.fault_node) == (30, None, 1)
 
 
 def test_a_required_commit_that_never_comes_stops_the_plan(tmp_path: Path) -> None:

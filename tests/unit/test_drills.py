@@ -548,3 +548,17 @@ def test_torchrig_drill_exits_6_when_inconclusive(examples_dir: Path, monkeypatc
     as_json = CliRunner().invoke(cli, ["drill", "kill-node", job, "--no-reference", "--output", "json"])
     assert as_json.exit_code == 6 and json.loads(as_json.stdout)["verdict"] == "inconclusive"
     assert "6 inconclusive" in CliRunner().invoke(cli, ["drill", "--help"]).output
+
+
+def test_a_node_fault_is_reported_as_a_node_and_a_rank_fault_as_a_rank() -> None:
+    from rich.console import Console
+
+    from orchestrator.drills.report import fault_text, render_table
+
+    node = DrillReport("kill-node", "local", 0, fault_step=30, fault_node=1)
+    rank = DrillReport("kill-worker", "local", 0, fault_step=23, fault_rank=1)
+    assert fault_text(node.to_dict()) == "step 30, node 1"
+    assert fault_text(rank.to_dict()) == "step 23, rank 1"
+    console = Console(record=True, width=200)
+    console.print(render_table(node))
+    assert "step 30, node 1" in console.export_text()

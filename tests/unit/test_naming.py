@@ -154,6 +154,14 @@ def test_messages_name_the_field_the_target_the_limit_and_why() -> None:
         "with spec.nodes.max=3 (JobSet rejects pod names over 63 characters and names the pods up to "
         "'<name>-node-0-2-xxxxx')"
     )
+    # Standby Worker replicas lengthen the longest Service name; the message names the field that did it.
+    with pytest.raises(UnsupportedFeature) as info:
+        compile(job("s" * 54, 3, 3, "spec.restarts.spareNodes=9", "spec.restarts.spares=1"), "pytorchjob")
+    assert str(info.value) == (
+        f"metadata.name: '{'s' * 54}' is 54 characters; PyTorchJob names (target pytorchjob) are limited to 53 "
+        "with spec.nodes.max=3 and spec.restarts.spareNodes=9 (the training operator names a Service per "
+        "replica, up to '<name>-worker-10', and a Service name is a DNS-1035 label of at most 63 characters)"
+    )
 
 
 def test_limits() -> None:
