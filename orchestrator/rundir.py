@@ -11,6 +11,7 @@ import os
 import re
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,9 @@ from training.contract import (
 )
 
 __all__ = [
+    "EarlierCheckpoints",
     "build_summary",
+    "earlier_checkpoints",
     "error_line",
     "find_run_dirs",
     "iter_rank_lines",
@@ -64,6 +67,53 @@ def new_run_dir(name: str, root: Path | None = None) -> Path:
         candidate = base / f"{stamp}-{n}"
         n += 1
     return candidate
+
+
+@dataclass(frozen=True)
+class EarlierCheckpoints:
+    """An earlier, unfinished run directory of the same job whose run-directory store holds checkpoints."""
+
+    run_dir: Path
+    store: str  # the store's name
+    step: int  # its newest step with a manifest
+    state: str  # how that run ended: failed, cancelled, preempted, unknown (no summary)
+
+
+def earlier_checkpoints(spec: Any, new_run_dir: Path, *, look_back: int = 20) -> EarlierCheckpoints | None:
+    """The newest earlier run of this job that did not finish and holds checkpoints that a run in
+    `new_run_dir` would not see.
+
+    Only stores under the run directory (a relative `file://` path) stay behind when a launch takes a
+    new run directory; a job that resumes (`checkpoint.resume` not `never`) then starts over without a
+    word unless it is told. A run that succeeded or still runs is no candidate. Looks at the
+    `look_back` newest sibling run directories; a store it cannot list counts as empty (this is a hint,
+    never a reason to fail a launch).
+    """
+    from training.checkpoint import list_checkpoints, open_storage
+    from training.checkpoint_config import ResumePolicy
+
+    ckpt = spec.spec.checkpoint
+    relative = [s for s in ckpt.stores if s.scheme == "file" and not s.path.startswith("/")]
+    if not relative or ckpt.resume is ResumePolicy.never:
+        return None
+    new_run_dir = new_run_dir.resolve()
+    try:
+        siblings = sorted((d for d in new_run_dir.parent.iterdir() if d.is_dir()), reverse=True)
+    except OSError:
+        return None
+    for run_dir in [d for d in siblings if d.resolve() != new_run_dir][:look_back]:
+        state = run_state(run_dir)[0]
+        if state in (RunState.SUCCEEDED, RunState.RUNNING, RunState.PENDING):
+            continue
+        for store in relative:
+            try:
+                listing = list_checkpoints(open_storage(store.resolved_uri(run_dir)))
+            except Exception:  # a hint: an unreadable directory is just not one
+                continue
+            steps = [c.step for c in listing if c.manifest is not None or c.untrusted]
+            if steps:
+                return EarlierCheckpoints(run_dir, store.display_name, max(steps), state.value)
+    return None
 
 
 def _as_event(event: Event | Mapping[str, Any]) -> Event:

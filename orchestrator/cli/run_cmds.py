@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -87,8 +88,10 @@ def _print_dry_run(dryrun: DryRun, output: str) -> None:
         click.echo(str(dryrun), nl=False)
 
 
-def _supervise(run: SupervisedRun, spec: Any, output: str, quiet: bool) -> None:
-    """`torchrig run` of a supervised backend (local, embedded Ray): watch the run, print its summary."""
+def _supervise(run: SupervisedRun, spec: Any, output: str, quiet: bool, *, new_dir: bool = False) -> None:
+    """`torchrig run` of a supervised backend (local, embedded Ray): watch the run, print its summary.
+
+    `new_dir`: the run took a new run directory of its own (no `--run-dir`)."""
     from orchestrator.backends._local_view import LiveProgress, create_view
     from orchestrator.backends.local_run import LocalRun
     from orchestrator.backends.ray_run import RayLocalRun
@@ -105,6 +108,8 @@ def _supervise(run: SupervisedRun, spec: Any, output: str, quiet: bool) -> None:
             click.echo(f"checkpoints: {', '.join(stores)}")
             if isinstance(run, LocalRun):
                 click.echo(f"logs:        torchrig logs {run.run_dir} [--rank R] [--follow]")
+        if new_dir and not quiet:
+            _hint_earlier_checkpoints(spec, Path(run.run_dir))
         since = run.started_at if isinstance(run, LocalRun) else 0.0  # a resubmit: not the earlier attempts' lines
         view = create_view(LiveProgress(run.run_dir, spec.spec.training.steps, since), endpoints, quiet=not talk)
         summary = run.wait(view=view) if isinstance(run, (LocalRun, RayLocalRun)) else run.wait()
@@ -132,6 +137,20 @@ def _supervise(run: SupervisedRun, spec: Any, output: str, quiet: bool) -> None:
             raise JobFailed(summary.reason or f"a worker exited {summary.worker_exit}")
         failure = FinalCheckpointLost if summary.final_checkpoint_lost() else RecoveryFailed
         raise failure(summary.reason or "the job failed")
+
+
+def _hint_earlier_checkpoints(spec: Any, run_dir: Path) -> None:
+    """Say so when a new run directory leaves this job's checkpoints behind in an earlier one."""
+    from orchestrator.rundir import earlier_checkpoints
+
+    earlier = earlier_checkpoints(spec, run_dir)
+    if earlier is not None:
+        click.echo(
+            f"note: this run starts in a new run directory, so store {earlier.store!r} starts empty; "
+            f"{earlier.run_dir} ({earlier.state}) holds this job's checkpoints up to step {earlier.step}: "
+            f"`torchrig run JOB --run-dir {earlier.run_dir}` resumes from them",
+            err=True,
+        )
 
 
 def _watch_remote(backend_name: str, handle_ref: str, output: str, quiet: bool) -> None:
@@ -212,7 +231,7 @@ def run(
         except UnsupportedFeature:
             pass  # this request is supervised elsewhere (a Ray cluster behind the Jobs API): watch it
         else:
-            _supervise(run, spec, output, quiet)
+            _supervise(run, spec, output, quiet, new_dir=run_dir is None)
             return
     handle = backend.schedule(dryrun)
     if output == "text" and not quiet:

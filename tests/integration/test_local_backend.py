@@ -388,8 +388,10 @@ def test_digits_demo_with_the_real_worker(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_first_ctrl_c_saves_and_stops_preempted_and_a_new_run_resumes_from_that_step(tmp_path: Path) -> None:
     """The real worker: a first Ctrl-C of `torchrig run` is a preemption (every rank stops at one step
-    after an emergency checkpoint of it, exit 202); `torchrig run` again in that directory resumes there."""
-    run_dir = tmp_path / "run"
+    after an emergency checkpoint of it, exit 202); `torchrig run` again in that directory resumes there.
+    A launch without `--run-dir` takes a new directory and says where the stopped run's checkpoints are."""
+    runs = tmp_path / "runs"
+    run_dir = runs / "digits-ddp" / "20261127-000000"
     pace = json.dumps([{"kind": "slow", "rank": -1, "step": 1, "generation": -1, "seconds": 0.05}])
     args = [
         "run",
@@ -436,6 +438,15 @@ def test_first_ctrl_c_saves_and_stops_preempted_and_a_new_run_resumes_from_that_
     assert "resumes it" in err
     assert torchrig("status", str(run_dir)).returncode == 13
     assert_no_processes_left(run_dir)
+
+    elsewhere = [a for a in args if a not in ("--run-dir", str(run_dir))]
+    fresh = torchrig(*elsewhere, "--set", "spec.training.steps=1", env={Env.RUNS_DIR: str(runs)}, timeout=180)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert (
+        f"{run_dir} (preempted) holds this job's checkpoints up to step {stop}: "
+        f"`torchrig run JOB --run-dir {run_dir}` resumes from them"
+    ) in fresh.stderr
+    assert_no_processes_left(Path(json.loads(fresh.stdout)["run_dir"]))
 
     again = torchrig(*args, timeout=280)
     assert again.returncode == 0, again.stderr[-3000:]

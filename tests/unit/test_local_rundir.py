@@ -203,3 +203,49 @@ def test_a_resubmits_summary_ignores_the_earlier_attempts_result_and_metrics(tmp
     assert summary.steps is None and summary.final_loss is None and summary.params_sha256 is None
     # Without `since` (a first attempt) the same files are this run's.
     assert build_summary(tmp_path, status="failed", wall_s=1.0, stores=[], total_steps=20).steps == 20
+
+
+def test_a_new_run_directory_points_at_the_earlier_unfinished_run_holding_this_jobs_checkpoints(
+    tmp_path: Path,
+) -> None:
+    """A store under the run directory (`file://./ckpt`) stays behind when a launch takes a new run
+    directory: the hint names the newest earlier run that did not finish and holds checkpoints of it, never
+    a succeeded run, and says nothing for absolute stores or `resume: never`."""
+    from orchestrator.loader import load_spec
+    from orchestrator.rundir import earlier_checkpoints
+    from tests.fixtures.checkpoint import config as ckpt_config
+    from tests.fixtures.checkpoint import make_state
+    from training.checkpoint import CheckpointManager
+    from training.contract import RunFiles, WorkerIdentity
+
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "apiVersion: torchrig/v1\nkind: TrainingJob\nmetadata: {name: j}\nspec:\n"
+        "  task: {entrypoint: training.examples.digits:task}\n"
+        "  training: {steps: 100}\n"
+        "  checkpoint: {stores: [{uri: 'file://./ckpt', name: mine}]}\n"
+    )
+    spec = load_spec(job, [])
+    runs = tmp_path / "runs" / "j"
+
+    def earlier_run(stamp: str, step: int | None, status: str | None) -> Path:
+        run_dir = runs / stamp
+        RunFiles(run_dir).logs.mkdir(parents=True)
+        if step is not None:
+            mgr = CheckpointManager(ckpt_config(str(run_dir / "ckpt"), **{"async": False}), WorkerIdentity(job="j"))
+            mgr.save(step, make_state(step))
+            mgr.close()
+        if status is not None:
+            write_json(RunFiles(run_dir).summary, {"status": status})
+        return run_dir
+
+    assert earlier_checkpoints(spec, runs / "20261127-100000") is None, "no earlier run"
+    cancelled = earlier_run("20261127-090000", 40, "cancelled")
+    earlier_run("20261127-091000", None, "failed")  # no checkpoint of its own
+    earlier_run("20261127-092000", 60, "succeeded")  # finished: starting over is what the user wants
+    found = earlier_checkpoints(spec, runs / "20261127-100000")
+    assert found is not None
+    assert (found.run_dir, found.store, found.step, found.state) == (cancelled, "mine", 40, "cancelled")
+    assert earlier_checkpoints(load_spec(job, ["spec.checkpoint.resume=never"]), runs / "20261127-100000") is None
+    absolute = ["spec.checkpoint.stores[0].uri=" + str(tmp_path / "abs")]
+    assert earlier_checkpoints(load_spec(job, absolute), runs / "20261127-100000") is None, "nothing stays behind"

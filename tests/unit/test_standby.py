@@ -5,6 +5,8 @@ killed, its ranks taken in place, bit-identical) runs in tests/pods/test_pods.py
 from __future__ import annotations
 
 import json
+import socket
+import time
 from typing import Any
 
 import pytest
@@ -83,6 +85,7 @@ def test_who_stands_by_and_what_it_reads_from_torchruns_arguments() -> None:
     assert launch is not None
     assert (launch.endpoint, launch.run_id, launch.nproc) == ("digits-ddp-master-0:23456", "digits-ddp", 2)
     assert launch.program[1:] == ["-u", "-m", "training", "--spec", "/etc/torchrig/job.yaml"]
+    assert launch.join_timeout_s == 600, "torchrun's default join timeout: how long a standby waits for a store"
     # A member's pod stands by only while its job's round runs; with no store reachable it joins.
     assert (
         standby_wanted(
@@ -174,3 +177,36 @@ def test_a_local_run_ends_when_only_standbys_that_took_no_node_are_left(tmp_path
     finally:
         standby.kill()
         standby.wait()
+
+
+def test_a_standby_whose_store_vanished_or_never_answered_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A standby that reached its job's store before any round ran (the launcher died early: a local
+    `torchrig run` killed at start) ends 0 once the store has been gone `STORE_GONE_S`, instead of
+    retrying forever; one whose store never answers fails after the rendezvous' join timeout, as a
+    torchrun agent would."""
+    import torch.distributed as dist
+
+    from training.inplace import standby
+
+    monkeypatch.setattr(standby, "STORE_GONE_S", 0.5)
+    monkeypatch.setattr(standby, "STORE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(standby, "RECONNECT_TIMEOUT_S", 0.5)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+    launch = Launch(f"127.0.0.1:{server.port}", "job", 1, 0, ["python", "-m", "training"], join_timeout_s=60)
+    calls: list[float] = []
+
+    def stop() -> bool:  # the store goes away after the standby's first look (no round ran)
+        calls.append(time.monotonic())
+        if len(calls) == 2:
+            nonlocal server
+            server = None
+        return False
+
+    assert standby._wait_for_round(launch, "spare", stop, seen=False) == 0
+    assert calls[-1] - calls[1] < 10, "ended within a few seconds of the store's loss"
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    never = Launch(f"127.0.0.1:{port}", "job", 1, 0, ["python", "-m", "training"], join_timeout_s=1.0)
+    assert standby._wait_for_round(never, "spare", lambda: False, seen=False) == 1

@@ -54,7 +54,8 @@ log = logging.getLogger(__name__)
 
 JOIN = -1  # `run_standby`'s answer when this pod should join the rendezvous (run torchrun) after all
 POLL_S = 0.05
-STORE_TIMEOUT_S = 30.0
+STORE_TIMEOUT_S = 30.0  # the first connection (a pod may start before the master's store)
+RECONNECT_TIMEOUT_S = 5.0  # a connection to a store reached before
 STORE_GONE_S = 10.0  # the store unreachable this long: the job ended (or its master was lost)
 TERMINAL_STATE_SYNC_ID = "torchelastic/agent/terminal_state"  # torch.distributed.elastic.agent.server.api
 LAST_MEMBER = "/last_member"  # set by the barrier's last arrival (torch.distributed.elastic.utils.store)
@@ -86,6 +87,7 @@ class Launch:
     nproc: int
     max_restarts: int
     program: list[str]  # `python -u -m training --spec ...`: the workers' command, as torchrun runs it
+    join_timeout_s: float = 600.0  # the rendezvous' `join_timeout`: how long an agent waits for a round
 
     @classmethod
     def parse(cls, argv: list[str]) -> Launch | None:
@@ -106,7 +108,10 @@ class Launch:
             return None  # `--run-path`: no program to start
         host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
         program = [cmd, *cmd_args]
-        return cls(f"{host}:{port}", config.run_id, int(config.nproc_per_node), config.max_restarts, program)
+        join_timeout_s = float(config.rdzv_configs.get("join_timeout", 600))
+        return cls(
+            f"{host}:{port}", config.run_id, int(config.nproc_per_node), config.max_restarts, program, join_timeout_s
+        )
 
 
 def _replica_role(env: Mapping[str, str]) -> str | None:
@@ -308,13 +313,19 @@ class Standby:
 
 
 def _wait_for_round(launch: Launch, role: str, stop: Any, *, seen: bool) -> tuple[Any, Round] | int | None:
-    """Connect and wait until the job's round runs (its nodes beating). None when `stop()` or, for a
-    member's node, when no round runs (it joins the rendezvous); 0 when this standby saw the job run
-    (`seen`) and its store has been gone `STORE_GONE_S` since (the job ended)."""
-    reached = time.monotonic()
+    """Connect and wait until the job's round runs (its nodes beating).
+
+    None when `stop()` or, for a member's node, when no round runs (it joins the rendezvous). 0 once the
+    store, reached before (or this standby saw the job run: `seen`), has been gone `STORE_GONE_S`: the
+    job ended, or its launcher died. 1 when the store was never reached within the rendezvous' join
+    timeout, as torchrun's agent fails then (`RendezvousTimeoutError`).
+    """
+    started = time.monotonic()
+    reached = started if seen else None  # when the store last answered
     while not stop():
         try:
-            raw = store_client(launch.endpoint, timeout_s=5.0 if seen else STORE_TIMEOUT_S)
+            timeout_s = RECONNECT_TIMEOUT_S if reached is not None else STORE_TIMEOUT_S
+            raw = store_client(launch.endpoint, timeout_s=timeout_s)
             reached = time.monotonic()
             found = _round_running(raw, launch.run_id)
         except Exception:
@@ -323,9 +334,18 @@ def _wait_for_round(launch: Launch, role: str, stop: Any, *, seen: bool) -> tupl
             return raw, found
         if role == "member":
             return None  # a member's pod joins the rendezvous when no round runs
-        if seen and time.monotonic() - reached > STORE_GONE_S:
+        now = time.monotonic()
+        if reached is not None and now - reached > STORE_GONE_S:
             log.info("standby: the rendezvous store is gone; the job ended")
             return 0
+        if reached is None and now - started > launch.join_timeout_s:
+            print(
+                f"torchrig: standby: the rendezvous store {launch.endpoint} did not answer within the join "
+                f"timeout ({launch.join_timeout_s:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
         time.sleep(1.0)
     return None
 
