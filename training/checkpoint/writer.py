@@ -25,6 +25,7 @@ become the manifest's entries: no file is read back to be hashed.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import errno
 import io
@@ -75,10 +76,45 @@ class Target:
     error: str | None = None
 
 
-def _write_all(fd: int, data: memoryview) -> None:
+def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """Linux's `sync_file_range(2)` through ctypes (os has no binding), or None where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return cast(Callable[[int, int, int, int], int], fn)
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait for it
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Have the kernel start writing `nbytes` at `offset` to the disk now, without waiting for it.
+
+    The fsync on close then finds most of the file already written instead of starting the whole
+    write-out itself: the disk works while later chunks are still being copied into the page cache
+    (PostgreSQL's `checkpoint_flush_after` and RocksDB's `bytes_per_sync` do the same). Measured on this
+    machine's disk, two fsynced 50 MB copies: 0.14 s -> 0.10 s a save (`dd` of the same 100 MB: 0.09 s);
+    500 MB: the close's fsync 0.63-0.74 s -> 0.01-0.02 s (docs/performance.md). A hint only: durability
+    still comes from the fsync; where the call is missing or refused (not Linux, a filesystem without it)
+    nothing changes. ctypes releases the GIL for the call.
+    """
+    if _SYNC_FILE_RANGE is not None and nbytes > 0:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+def _write_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write `data`, which lands at `offset` of the file, then start its writeback (`start_writeback`)."""
+    nbytes = data.nbytes
     while data:
         written = os.write(fd, data)
         data = data[written:]
+    start_writeback(fd, offset, nbytes)
 
 
 class _TeeStream(io.RawIOBase):
@@ -89,7 +125,8 @@ class _TeeStream(io.RawIOBase):
         self._fs = fs
         self._rel = rel
         self._digest = PartDigest(fs.part_bytes, fs.algorithm)
-        self._size = 0
+        self._size = 0  # bytes handed to `write`
+        self._sent = 0  # bytes handed to the targets (the buffer holds the rest)
         self._buffer = bytearray()
         self._fds: dict[int, int] = {}  # target index -> fd
         for i, target in fs.live_targets():
@@ -117,11 +154,13 @@ class _TeeStream(io.RawIOBase):
         # here. Every copy is awaited before the caller may reuse its buffer, so each descriptor still
         # gets its chunks in order.
         threaded = len(fds) > 1 and data.nbytes >= _SMALL
-        pending = {i: self._fs.writers.submit(_write_all, fd, data) for i, fd in fds[1:]} if threaded else {}
+        offset = self._sent
+        self._sent += data.nbytes
+        pending = {i: self._fs.writers.submit(_write_all, fd, data, offset) for i, fd in fds[1:]} if threaded else {}
         errors: dict[int, str] = {}
         for i, fd in fds:
             try:
-                pending[i].result() if i in pending else _write_all(fd, data)
+                pending[i].result() if i in pending else _write_all(fd, data, offset)
             except OSError as exc:
                 errors[i] = str(exc)
         for i, why in errors.items():
