@@ -232,6 +232,8 @@ def test_a_standby_pod_takes_a_lost_nodes_ranks_in_place_and_its_recreated_pod_s
     recoveries = [e for e in _events(cluster) if e.kind is EventKind.RECOVERY and e.time >= killed_at[0]]
     assert {e.get("path") for e in recoveries} == {"inplace"}, _why(outcome, cluster)
     assert sorted(e.get("role") for e in recoveries) == ["spare", "spare", "survivor", "survivor"]
+    # For the record (`pytest -s`; figures belong in docs/performance.md, not in assertions).
+    print("recovery seconds by role:", sorted((e.get("role"), e.get("seconds")) for e in recoveries))
     assert len({e.step for e in recoveries}) == 1, "every rank resumed from the same step: none lost"
     assert not [e for e in _events(cluster) if e.kind is EventKind.RESTORE and e.time >= killed_at[0]]
     result = _result(cluster)

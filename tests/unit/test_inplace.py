@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -402,6 +403,39 @@ def test_a_node_that_stops_beating_is_counted_lost_and_a_stalled_watcher_blames_
     # A watcher that was itself held up for over a second starts its clocks over: nobody is lost yet.
     time.sleep(1.1)
     assert watch.lost() == []
+
+
+def test_a_silent_node_whose_ranks_never_joined_the_new_generation_is_lost_sooner(store: Any) -> None:
+    """Two nodes of two ranks; the others joined generation 3 (their group broke). Node 1 stops beating:
+    while one of its ranks is still in generation 3 it is lost only after HOST_LOST_S; once every one of
+    its ranks is behind it is lost after BEHIND_LOST_S. A node beating on is never lost, behind or not."""
+    from training.inplace import BEHIND_LOST_S
+    from training.inplace.group import NodeWatch, nodes_behind
+    from training.inplace.host import _Beat
+
+    settings = InPlace(store_addr="", run_id="r", restart_count=0, node_rank=0, spares=1, timeout_s=5)
+    beats = [_Beat(replace(settings, node_rank=node), store) for node in range(2)]
+    assert nodes_behind(store, settings, 4, 2) == set(), "no rank has joined anything yet"
+    for rank, generation in enumerate((3, 3, 2, 3)):
+        store.set(settings.rank_gen_key(rank), str(generation))
+    assert nodes_behind(store, settings, 4, 2) == set(), "rank 3 of node 1 joined generation 3"
+    assert nodes_behind(store, settings, 4, 2, generation=4) == {0, 1}
+    watch = NodeWatch(store, settings, 2, lost_after_s=30.0, behind=lambda: nodes_behind(store, settings, 4, 2))
+
+    def silent_node_1_lost_after(limit_s: float) -> float | None:
+        start = time.monotonic()
+        while time.monotonic() - start < limit_s:
+            beats[0].tick()
+            if watch.lost() == [1]:
+                return time.monotonic() - start
+            time.sleep(0.02)
+        return None
+
+    beats[1].tick()
+    assert silent_node_1_lost_after(BEHIND_LOST_S + 1.0) is None, "one of its ranks is in the newest generation"
+    store.set(settings.rank_gen_key(3), "2")  # now every rank of node 1 is behind
+    assert silent_node_1_lost_after(1.0) is not None, "silent for over BEHIND_LOST_S already"
+    assert nodes_behind(store, settings, 4, 2) == {1}
 
 
 def test_a_member_gives_up_on_a_generation_once_a_watcher_found_a_node_lost(store: Any) -> None:

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BEAT_S",
+    "BEHIND_LOST_S",
     "HOST_LOST_S",
     "IDENTITY_ENV",
     "ROLE_SPARE",
@@ -56,6 +57,10 @@ ROLE_TRAINER = "trainer"
 BEAT_S = 0.25  # how often a host adds to its beat counter (`InPlace.beat_key`)
 # A host whose beat counter stood still this long is gone (its node lost, or cut off from the store).
 HOST_LOST_S = 3.0
+# A node whose beat stood still this long while every one of its ranks is behind the newest generation
+# (the others left a broken group and are forming the next one; its ranks never came) is gone too: the
+# broken group confirms what the beat alone would take HOST_LOST_S to.
+BEHIND_LOST_S = 1.0
 # While standby nodes are ready, the members forming a generation wait this much longer before they give
 # a lost node up: a standby, which watches the beats all along, takes it first.
 STANDBY_GRACE_S = 3.0

@@ -27,7 +27,7 @@ from torch import nn
 from torch._C._distributed_c10d import PrefixStore
 
 from training.contract import WorkerIdentity
-from training.inplace import BEAT_S, HOST_LOST_S, STANDBY_GRACE_S, InPlace, sockets
+from training.inplace import BEAT_S, BEHIND_LOST_S, HOST_LOST_S, STANDBY_GRACE_S, InPlace, sockets
 
 __all__ = ["InPlaceGroup", "NodeWatch", "RecoveryFailed", "StateSync", "freeze_heap", "is_peer_failure"]
 
@@ -72,19 +72,42 @@ class StateSync:
     bucket_order: list[int] | None = None  # the source's DDP bucket layout (`Parallel.bucket_order`)
 
 
+def nodes_behind(store: Any, inplace: InPlace, world: int, nproc: int, generation: int | None = None) -> set[int]:
+    """The nodes every one of whose ranks is behind `generation` (default: the newest any rank joined),
+    from the ranks' `InPlace.rank_gen_key`s in one `multi_get`; ranks are `node * nproc + local_rank`."""
+    keys = [inplace.rank_gen_key(rank) for rank in range(world)]
+    if not store.check(keys):
+        return set()
+    joined = [int(raw) for raw in store.multi_get(keys)]
+    newest = max(joined) if generation is None else generation
+    nodes = range(world // max(nproc, 1))
+    return {n for n in nodes if all(g < newest for g in joined[n * nproc : (n + 1) * nproc])}
+
+
 class NodeWatch:
     """Which nodes are gone, from their beat counters (`InPlace.beat_key`), read every `BEAT_S` in one
     `multi_get`.
 
-    A node is gone when its counter stood still for `HOST_LOST_S` of this watcher's own time. A watcher
-    that was itself held up (its checks more than a second apart: a loaded machine, a pause) starts
-    its clocks over instead of blaming the others for its own stall.
+    A node is gone when its counter stood still for `HOST_LOST_S` of this watcher's own time, or for
+    `BEHIND_LOST_S` while `behind()` names it (its ranks never joined the generation the others are
+    forming: the broken group confirms the silence). A watcher that was itself held up (its checks more
+    than a second apart: a loaded machine, a pause) starts its clocks over instead of blaming the others
+    for its own stall.
     """
 
-    def __init__(self, store: Any, inplace: InPlace, nodes: int, *, lost_after_s: float = HOST_LOST_S) -> None:
+    def __init__(
+        self,
+        store: Any,
+        inplace: InPlace,
+        nodes: int,
+        *,
+        lost_after_s: float = HOST_LOST_S,
+        behind: Callable[[], set[int]] | None = None,
+    ) -> None:
         self.store = store
         self.keys = [inplace.beat_key(node) for node in range(nodes)]
         self.lost_after_s = lost_after_s
+        self.behind = behind
         self.seen: dict[int, tuple[bytes, float]] = {}  # node -> (counter, when it last moved)
         # The first read one beat from now: a generation that forms faster (the common case, ~0.1 s)
         # costs the store nothing extra.
@@ -101,14 +124,24 @@ class NodeWatch:
         self.last_check = now
         if not self.store.check(self.keys):
             return []
-        gone = []
+        gone, quiet = [], []
         for node, count in enumerate(self.store.multi_get(self.keys)):
             before = self.seen.get(node)
             if before is None or before[0] != count:
                 self.seen[node] = (count, now)
             elif now - before[1] >= self.lost_after_s:
                 gone.append(node)
+            elif now - before[1] >= BEHIND_LOST_S:
+                quiet.append(node)
+        if quiet and self.behind is not None:
+            behind = self.behind()
+            gone = sorted([*gone, *(n for n in quiet if n in behind)])
         return gone
+
+    def silent_for(self, node: int) -> float:
+        """How long `node`'s beat has stood still, as of the last check."""
+        before = self.seen.get(node)
+        return 0.0 if before is None else self.last_check - before[1]
 
 
 class InPlaceGroup:
@@ -168,17 +201,30 @@ class InPlaceGroup:
             # O(world x nodes).
             watch = None
             if rank in (0, world - 1):
-                # A ready standby node takes a lost node's ranks once its beat stood still `HOST_LOST_S`
-                # (`training.inplace.standby`): give it that long and a margin before giving up.
+                # A ready standby node takes a lost node's ranks once its beat stood still `BEHIND_LOST_S`
+                # with its ranks behind, or `HOST_LOST_S` (`training.inplace.standby`): give it the longer
+                # and a margin before giving up.
                 standby = int(self.store.add(self.inplace.standbys_key(), 0)) > 0
                 after = HOST_LOST_S + (STANDBY_GRACE_S if standby else 0.0)
-                watch = NodeWatch(self.store, self.inplace, self.identity.num_nodes, lost_after_s=after)
+                ident = self.identity
+                watch = NodeWatch(
+                    self.store,
+                    self.inplace,
+                    ident.num_nodes,
+                    lost_after_s=after,
+                    # Without a standby, a node whose ranks never came is given up after BEHIND_LOST_S (the
+                    # group restart comes sooner); with one, the standby takes it on the same evidence first.
+                    behind=None
+                    if standby
+                    else lambda: nodes_behind(self.store, self.inplace, world, ident.local_world_size, generation),
+                )
             next_look = time.monotonic() + BEAT_S  # a generation formed within a beat reads no extra key
             while int(self.store.add(key, 0)) < world:
                 if cancelled is not None and cancelled():
                     raise RecoveryFailed(f"generation {generation}: a shutdown signal arrived while forming")
                 if watch is not None and (gone := watch.lost()):
-                    found = f"node(s) {gone} stopped beating for {watch.lost_after_s:g} s (lost or cut off)"
+                    silent = min(watch.silent_for(n) for n in gone)
+                    found = f"node(s) {gone} stopped beating for {silent:.1f} s (lost or cut off)"
                     self.store.compare_set(lost_key, "", found)
                 now = time.monotonic()
                 if now >= next_look:

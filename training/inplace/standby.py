@@ -16,7 +16,9 @@ c10d rendezvous makes every healthy agent restart its workers (torchrun's member
   members', whose children are spares (torch imported, model built, a step rehearsed), and counts
   itself ready (`InPlace.standbys_key`).
 - **Take a lost node**: it watches every node's beat (`InPlace.beat_key`). A node that stopped
-  beating for `HOST_LOST_S` without ending (`InPlace.ended_key`) is taken with one compare-and-set
+  beating for `HOST_LOST_S` without ending (`InPlace.ended_key`), or for `BEHIND_LOST_S` while every
+  one of its ranks is behind the generation the others joined (their group broke and its ranks never
+  came: `group.nodes_behind`), is taken with one compare-and-set
   (`InPlace.taker_key`, keyed by where its beat stopped): the node's old spares are marked taken
   (they died with it), each spare is assigned the node's rank of its local rank and the next
   generation (what the dead rank's host would have assigned), and each host is told it now is that
@@ -382,7 +384,7 @@ def run_standby(launch: Launch, env: MutableMapping[str, str] | None = None) -> 
 def _stand_by(launch: Launch, raw: Any, found: Round, env: MutableMapping[str, str], stopping: list[int]) -> int | None:
     """One round: warm hosts, watch the beats, take a lost node. The exit code, or None when the round
     ended without needing this standby's end (a group restart: stand by for the next one)."""
-    from training.inplace.group import NodeWatch
+    from training.inplace.group import NodeWatch, nodes_behind
 
     slot = int(raw.add(InPlace.standby_slots_key(launch.run_id), 1)) - 1
     standby = Standby(launch, raw, found, slot, env)
@@ -394,7 +396,12 @@ def _stand_by(launch: Launch, raw: Any, found: Round, env: MutableMapping[str, s
     )
     standby.start_hosts()
     store, inplace = standby.store, standby.inplace
-    watch = NodeWatch(store, inplace, found.nodes, lost_after_s=HOST_LOST_S)
+    world, nproc = found.nodes * launch.nproc, launch.nproc
+    # A node silent for BEHIND_LOST_S whose ranks never joined the generation the others are forming is
+    # taken then, not after HOST_LOST_S: the broken group confirms what the beat says.
+    watch = NodeWatch(
+        store, inplace, found.nodes, lost_after_s=HOST_LOST_S, behind=lambda: nodes_behind(store, inplace, world, nproc)
+    )
     last_reached = time.monotonic()
     try:
         while not stopping:
