@@ -78,11 +78,17 @@ class LiveProgress:
         age = time.time() - (self.last_checkpoint_time or time.time())
         return f"step {self.last_checkpoint_step} ({age:.0f} s ago)"
 
+    @property
+    def loss_label(self) -> str:
+        """The metrics lines are rank 0's: with several ranks the live loss is rank 0's own, while the
+        run's summary reports the mean over the ranks of the last step; the label says which."""
+        return "train loss (rank 0)" if (self.world_size or 1) > 1 else "train loss"
+
     def line(self) -> str:
         """One plain progress line."""
         parts = [f"step {self.step}/{self.total_steps}"]
         if self.loss is not None:
-            parts.append(f"train loss {format_value(self.loss)}")
+            parts.append(f"{self.loss_label} {format_value(self.loss)}")
         parts += format_metrics(self.eval, "eval")
         if self.samples_per_s is not None:
             parts.append(f"{self.samples_per_s:.0f} samples/s")
@@ -175,7 +181,7 @@ class RichView(RunView):
         table = Table.grid(padding=(0, 2))
         table.add_column(style="dim")
         table.add_column()
-        table.add_row("train loss", format_value(p.loss))
+        table.add_row(p.loss_label, format_value(p.loss))
         for item in format_metrics(p.eval, "eval"):
             name, _, value = item.rpartition(" ")
             table.add_row(name, value)

@@ -308,7 +308,8 @@ def test_live_progress_labels_train_and_eval(tmp_path: Path) -> None:
     (tmp_path / "events.jsonl").write_text(json.dumps(eval_line) + "\n")
     progress = LiveProgress(tmp_path, 10)
     progress.poll()
-    assert progress.line().startswith("step 5/10  train loss 0.5000  eval count 360  world 2")
+    # The live loss is rank 0's (the metrics lines are); the summary's is the mean over the ranks.
+    assert progress.line().startswith("step 5/10  train loss (rank 0) 0.5000  eval count 360  world 2")
 
 
 def test_live_progress_of_a_resubmit_skips_the_earlier_attempts_lines(tmp_path: Path) -> None:
@@ -322,4 +323,4 @@ def test_live_progress_of_a_resubmit_skips_the_earlier_attempts_lines(tmp_path: 
     assert progress.line() == "step 0/100  restarts 0  checkpoint none yet"
     with (tmp_path / "metrics.jsonl").open("a") as fh:
         fh.write(json.dumps(new) + "\n")
-    assert progress.poll() and progress.line().startswith("step 3/100  train loss 2.0000")
+    assert progress.poll() and progress.line().startswith("step 3/100  train loss (rank 0) 2.0000")
