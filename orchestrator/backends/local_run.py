@@ -60,6 +60,8 @@ class LocalRun:
     run_dir: Path = field(init=False)
     token: str = field(default_factory=lambda: uuid.uuid4().hex)
     endpoints: list[str] = field(default_factory=list)
+    # A standby node's exporters serve only once it has taken a lost node's ranks.
+    standby_endpoints: list[str] = field(default_factory=list)
     summary: Summary | None = None
     _agents: list[_Agent] = field(default_factory=list)
     _store: subprocess.Popen[bytes] | None = None
@@ -147,7 +149,9 @@ class LocalRun:
             taken = {p + r for p in self._metrics_ports.values() for r in range(procs)}
             port = pick_port_block(metrics.port + node * procs, procs, taken)
             self._metrics_ports[node] = port
-            self.endpoints.extend(f"http://127.0.0.1:{port + r}/metrics" for r in range(procs))
+            standby = self.plan.nodes <= node < self.plan.nodes + self.plan.standby_nodes
+            listed = self.standby_endpoints if standby else self.endpoints
+            listed.extend(f"http://127.0.0.1:{port + r}/metrics" for r in range(procs))
             if node == 0 and port == metrics.port:
                 return self.files.job
             spec = spec.model_copy(deep=True)
@@ -195,6 +199,7 @@ class LocalRun:
                 "store": {"pid": self._store.pid if self._store else None, "port": self._store_port},
                 "agents": [{"node": a.node, "pid": a.proc.pid, "killed": a.killed} for a in self._agents],
                 "metrics_endpoints": self.endpoints,
+                "standby_metrics_endpoints": self.standby_endpoints,
             },
         )
 

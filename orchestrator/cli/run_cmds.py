@@ -104,6 +104,9 @@ def _supervise(run: SupervisedRun, spec: Any, output: str, quiet: bool, *, new_d
             click.echo(f"run dir:     {run.run_dir}")
             if isinstance(run, LocalRun):
                 click.echo(f"metrics:     {', '.join(endpoints) or 'disabled (spec.metrics.enabled)'}")
+                if run.standby_endpoints:
+                    standby = ", ".join(run.standby_endpoints)
+                    click.echo(f"             standby nodes, once one takes a lost node's ranks: {standby}")
             stores = [s.resolved_uri(run.run_dir) for s in spec.spec.checkpoint.stores]
             click.echo(f"checkpoints: {', '.join(stores)}")
             if isinstance(run, LocalRun):
