@@ -167,7 +167,8 @@ def test_a_local_runs_standby_exporters_are_listed_apart(tmp_path: Any) -> None:
         run._node_spec_file(node)
     run._node_spec_file(3)  # a replacement node added later is a member again
     procs = run.plan.procs_per_node
-    assert run.endpoints == [f"http://127.0.0.1:{19400 + i}/metrics" for i in [*range(2 * procs), *range(3 * procs, 4 * procs)]]
+    members = [*range(2 * procs), *range(3 * procs, 4 * procs)]
+    assert run.endpoints == [f"http://127.0.0.1:{19400 + i}/metrics" for i in members]
     assert run.standby_endpoints == [f"http://127.0.0.1:{19400 + i}/metrics" for i in range(2 * procs, 3 * procs)]
 
 
