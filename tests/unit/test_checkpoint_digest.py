@@ -12,6 +12,7 @@ import hashlib
 import io
 import itertools
 import json
+import time
 import uuid
 import warnings
 import zipfile
@@ -279,6 +280,11 @@ def test_the_shards_a_rank_wrote_are_read_while_dcp_plans_and_an_unneeded_bad_on
     )
     try:
         reader.read_metadata()
+        # Queued with the metadata: their reads start on the pool's threads without DCP asking (on a
+        # loaded machine a moment after the metadata's own parts, hence the wait; CI saw it once).
+        deadline = time.monotonic() + 10
+        while not (shard.path in reads and stray in reads) and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert shard.path in reads and stray in reads, "the prefetch did not start with the metadata"
         target = _big_state(7)
         with warnings.catch_warnings():
