@@ -120,6 +120,21 @@ def test_a_claimed_spare_gets_the_rank_and_the_next_generation(store: Any, monke
     assert claim_spare(quick, client, 1, None) is None
 
 
+def test_the_beat_keeper_beats_on_while_it_waits_for_a_spare(store: Any) -> None:
+    """Local rank 0's host keeps the node's beat; waiting for a spare still starting (a loaded machine:
+    seen 40 s) must not read as the whole node lost to the members forming the next generation."""
+    from training.inplace import BEAT_S
+    from training.inplace.host import _Beat
+
+    settings = InPlace(
+        store_addr=f"127.0.0.1:{store.port}", run_id="r", restart_count=0, node_rank=0, spares=1, timeout_s=1.5
+    )
+    client = settings.connect()
+    beat = _Beat(settings, client)
+    assert claim_spare(settings, client, 0, None, beat) is None  # no spare got ready within 1.5 s
+    assert int(client.add(settings.beat_key(0), 0)) >= int(1.5 / BEAT_S) - 1
+
+
 def test_when_every_rank_lost_its_trainer_nobody_waits_for_a_spare(store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     settings = InPlace(
         store_addr=f"127.0.0.1:{store.port}", run_id="r", restart_count=0, node_rank=0, spares=1, timeout_s=60.0

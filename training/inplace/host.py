@@ -277,15 +277,24 @@ def every_rank_lost(inplace: InPlace, store: Any) -> bool:
     return world_size > 0 and int(store.add(inplace.lost_key, 0)) >= world_size
 
 
-def claim_spare(inplace: InPlace, store: Any, rank: int, pool: SparePool | None) -> int | None:
+def claim_spare(
+    inplace: InPlace, store: Any, rank: int, pool: SparePool | None, beat: _Beat | None = None
+) -> int | None:
     """Claim a ready spare of this node and assign it `rank`; its pid, or None when none got ready in
-    time or every rank lost its trainer (nothing left to recover from in memory)."""
+    time or every rank lost its trainer (nothing left to recover from in memory).
+
+    `beat`: this node's heartbeat when this host keeps it (local rank 0). It beats on while it waits:
+    a wait of over `HOST_LOST_S` for a spare still starting (a loaded machine) made the members count
+    the whole node lost and restart the group (seen in the 100-recovery soak run beside other tests).
+    """
     deadline = time.monotonic() + inplace.timeout_s
     store.add(inplace.waiting_key, 1)
     try:
         while (taken := _take_ready_spare(inplace, store, rank)) is None:
             if time.monotonic() > deadline or every_rank_lost(inplace, store):
                 return None
+            if beat is not None:
+                beat.tick()
             if pool is not None:
                 pool.tick()  # this host starts the spares: the one to claim may not exist yet
             time.sleep(POLL_S)
@@ -432,7 +441,7 @@ def run_host(inplace: InPlace, argv: list[str]) -> int:
                 if not lost:
                     store.add(inplace.lost_key, 1)
                     lost = True
-                pid = claim_spare(inplace, store, rank, pool)
+                pid = claim_spare(inplace, store, rank, pool, beat)
             except Exception as exc:  # the store is gone: nothing to recover in place with
                 log.warning("in-place: claiming a spare failed: %s", exc)
                 pid = None
