@@ -99,8 +99,14 @@ def _checkpoint_io(results: Results) -> list[str]:
             "|---|---|---|---|",
             f"| {commit['state_MB']} MB state | {commit['idle_s']:.3f} s | {commit['busy_s']:.3f} s | "
             f"{commit['busy_over_idle']:.2f} |",
-            "",
         ]
+        cpu = commit.get("cpu_only")
+        if cpu:  # control: the same CPU load from a sibling process, no GIL shared with the commit
+            lines.append(
+                f"| control: the load in a sibling process (no shared GIL) | {cpu['idle_s']:.3f} s | "
+                f"{cpu['busy_s']:.3f} s | {cpu['busy_over_idle']:.2f} |"
+            )
+        lines.append("")
     return lines
 
 
