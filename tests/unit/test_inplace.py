@@ -471,6 +471,127 @@ def test_a_member_gives_up_on_a_generation_once_a_watcher_found_a_node_lost(stor
     assert time.monotonic() - started < 5
 
 
+class _CountingStore(dist.Store):
+    """A c10d store (usable under a PrefixStore) that forwards to `inner` and counts the requests."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__()
+        self.inner = inner
+        self.calls = 0
+
+    def _count(self, name: str, *args: Any) -> Any:
+        self.calls += 1
+        return getattr(self.inner, name)(*args)
+
+    def set(self, key: str, value: Any) -> None:
+        self._count("set", key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._count("get", key)
+
+    def add(self, key: str, value: int) -> int:
+        return self._count("add", key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._count("check", keys)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return self._count("compare_set", key, expected, desired)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._count("multi_get", keys)
+
+    def wait(self, keys: list[str], *timeout: Any) -> None:
+        self._count("wait", keys, *timeout)
+
+
+def test_members_wait_for_their_generation_to_form_without_polling_the_store(
+    store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At 8,000 ranks a member that read the join counter every 5 ms while a generation formed sent the
+    store 1.6M requests a second. A waiting member now sends a few a second (its beat-rate checks), and
+    still starts the moment the last member joins."""
+    import threading
+
+    from training.contract import WorkerIdentity
+    from training.inplace.group import InPlaceGroup
+
+    created: list[int] = []
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: created.append(kw["rank"]))
+    settings = InPlace(
+        store_addr=f"127.0.0.1:{store.port}", run_id="r", restart_count=0, node_rank=0, spares=1, timeout_s=60.0
+    )
+
+    def member(rank: int) -> InPlaceGroup:
+        ident = WorkerIdentity(rank=rank, world_size=3, local_rank=rank, local_world_size=3, node_rank=0, num_nodes=1)
+        return InPlaceGroup(settings, ident, "gloo")
+
+    waiting, first, last = member(1), member(0), member(2)  # rank 1 watches no beats: its requests are its own
+    counting = _CountingStore(waiting.store)
+    waiting.store = counting
+    formed_at: dict[int, float] = {}
+
+    def form(group: InPlaceGroup) -> None:
+        group.form(2)
+        formed_at[group.identity.rank] = time.monotonic()
+
+    threads = [threading.Thread(target=form, args=(g,), daemon=True) for g in (waiting, first)]
+    threads[0].start()
+    time.sleep(1.0)
+    assert threads[0].is_alive() and not created, "one of three joined: generation 2 has not formed"
+    assert counting.calls <= 12, f"{counting.calls} requests in 1 s of waiting (polling sends ~200)"
+    threads[1].start()
+    time.sleep(0.2)
+    assert not created, "two of three joined"
+    joined_last = time.monotonic()
+    form(last)
+    for t in threads:
+        t.join(5)
+    assert sorted(created) == [0, 1, 2]
+    assert max(formed_at.values()) - joined_last < 0.5, "the waiting members start when the last one joins"
+    assert settings.connect().check([settings.formed_key(2)])
+
+
+@pytest.mark.parametrize("wait_works", [True, False])
+def test_a_generation_whose_last_member_never_said_so_still_forms(
+    store: Any, monkeypatch: pytest.MonkeyPatch, wait_works: bool
+) -> None:
+    """The last member may die between its join and setting the formed key, and the formed key's wait
+    (a connection of its own) may be refused: the member reads the join counter once a beat, or every
+    slice when its wait failed, and forms all the same."""
+    import threading
+
+    from training.contract import WorkerIdentity
+    from training.inplace import BEAT_S
+    from training.inplace.group import InPlaceGroup
+
+    created: list[int] = []
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: created.append(kw["rank"]))
+    settings = InPlace(
+        store_addr=f"127.0.0.1:{store.port}", run_id="r", restart_count=0, node_rank=0, spares=1, timeout_s=60.0
+    )
+    ident = WorkerIdentity(rank=1, world_size=3, local_rank=1, local_world_size=3, node_rank=0, num_nodes=1)
+    group = InPlaceGroup(settings, ident, "gloo")
+    client = settings.connect()
+    if not wait_works:
+
+        def refused(*_: Any) -> Any:
+            raise ConnectionRefusedError("no second connection")
+
+        monkeypatch.setattr(InPlace, "connect", refused)
+    thread = threading.Thread(target=group.form, args=(2,), daemon=True)
+    thread.start()
+    time.sleep(0.3)
+    assert not created
+    joined = time.monotonic()
+    client.add(settings.join_key(2), 2)  # the other two joined; neither sets the formed key
+    thread.join(5)
+    assert created == [1]
+    assert not client.check([settings.formed_key(2)]), "nobody set it: the member read the counter"
+    # (the counter is read once a beat while the wait works, every 5 ms slice once it failed)
+    assert time.monotonic() - joined < (BEAT_S + 0.5 if wait_works else 0.5)
+
+
 def test_a_process_whose_rank_was_given_to_another_stands_down_instead_of_joining(store: Any) -> None:
     """A node cut off from the store long enough for a standby to take it comes back: its trainer must not
     join the next generation beside the spare that holds its rank now (`InPlace.owner_key`)."""

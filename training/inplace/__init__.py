@@ -248,6 +248,12 @@ class InPlace:
         return f"join/{generation}"
 
     @staticmethod
+    def formed_key(generation: int) -> str:
+        """Set by the member whose join completed generation `generation` (`join_key` reached the world
+        size): the others wait on it, server-side, instead of reading the counter."""
+        return f"join/{generation}/formed"
+
+    @staticmethod
     def pg_prefix(generation: int) -> str:
         return f"pg/{generation}/"
 
