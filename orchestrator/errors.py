@@ -12,6 +12,7 @@ Exit codes of the `torchrig` CLI (docs/operations.md has the same table):
 | 5 | the job trained to the end but no store committed its final checkpoint: its last steps are lost |
 | 6 | a drill was inconclusive: its fault struck after the job had finished, so it proved nothing |
 | 130 | cancelled (Ctrl-C, `torchrig cancel`) |
+| 141 | `torchrig run`: the reader of its stdout exited (`| head`); the run was stopped as on Ctrl-C |
 | 202 | preempted (a first Ctrl-C, SIGTERM): stopped after an emergency checkpoint; run it again to resume |
 
 `torchrig status` reports the run's state instead: 0 succeeded, 1 failed, 10 pending or running,

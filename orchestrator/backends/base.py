@@ -106,9 +106,9 @@ class SupervisedRun(Protocol):
         """Stop the run: SIGTERM, then SIGKILL what is left after `grace_s`."""
         ...
 
-    def request_cancel(self) -> None:
+    def request_cancel(self, reason: str = "cancelled by the user") -> None:
         """Ask a running `wait` to cancel the run (signal-safe: returns at once; a second call skips
-        the grace period). What a Ctrl-C or SIGTERM handler calls."""
+        the grace period). What a Ctrl-C or SIGTERM handler calls; `reason` goes into the summary."""
         ...
 
 

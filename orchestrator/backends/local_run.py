@@ -70,6 +70,7 @@ class LocalRun:
     _started: float = 0.0
     _started_at: float = 0.0  # wall clock of `start`: a result.json older than that is an earlier attempt's
     _cancel_requested: bool = False
+    _cancel_reason: str = "cancelled by the user"
     _force: bool = False
     _preempt_deadline: float | None = None  # set by the first Ctrl-C when preemption is on
 
@@ -275,10 +276,12 @@ class LocalRun:
         return node
 
     # -- supervision ------------------------------------------------------------------------------
-    def request_cancel(self) -> None:
+    def request_cancel(self, reason: str = "cancelled by the user") -> None:
         """Signal-safe: ask `wait` to stop the run (a second call skips the grace period)."""
         if self._cancel_requested:
             self._force = True
+        else:
+            self._cancel_reason = reason
         self._cancel_requested = True
 
     def poll(self) -> RunState:
@@ -392,7 +395,7 @@ class LocalRun:
         reason = None
         if state is RunState.CANCELLED:
             self._terminate(grace_s if grace_s is not None else 0.0 if self._force else DEFAULT_GRACE_S)
-            reason = "cancelled by the user"
+            reason = self._cancel_reason
         else:
             self._kill_everything()
         if state in (RunState.CANCELLED, RunState.FAILED) and self._workers_finished():

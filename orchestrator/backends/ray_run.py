@@ -82,6 +82,7 @@ def ray_train_summary(
     fixed_size: bool = False,
     storage_path: str | None = None,
     cancelled: Callable[[], bool] = lambda: False,
+    cancel_reason: Callable[[], str] = lambda: "cancelled by the user",
 ) -> Summary:
     """Run the job with Ray Train on the Ray this process is connected to; write and return its summary.
 
@@ -142,7 +143,7 @@ def ray_train_summary(
         reason = f"ray: the run failed after at most {spec.spec.restarts.max} restarts ({type(exc).__name__}: {first})"
     finally:
         if cancelled():
-            state, reason = RunState.CANCELLED, "cancelled by the user"
+            state, reason = RunState.CANCELLED, cancel_reason()
         _write_worker_report(ledger, root)
         address = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
         summary = write_ray_summary(
@@ -252,6 +253,7 @@ class RayLocalRun:
         self._options = options
         self._num_cpus = num_cpus
         self._cancel_requested = False
+        self._cancel_reason = "cancelled by the user"
         self._force = False
         self._owns_ray: bool | None = None  # decided by the driver thread: did it start this process's Ray?
         self._started = (time.monotonic(), time.time())
@@ -292,6 +294,7 @@ class RayLocalRun:
                     env=env,
                     fixed_size=self._options.fixed_size,
                     cancelled=lambda: self._cancel_requested,
+                    cancel_reason=lambda: self._cancel_reason,
                 )
         except BaseException as exc:  # reported through wait(); the thread must not die silently
             self.error = exc
@@ -338,10 +341,12 @@ class RayLocalRun:
         self.summary = summary
         return summary
 
-    def request_cancel(self) -> None:
+    def request_cancel(self, reason: str = "cancelled by the user") -> None:
         """Signal-safe: ask `wait` to stop the run (a second call skips the grace period)."""
         if self._cancel_requested:
             self._force = True
+        else:
+            self._cancel_reason = reason
         self._cancel_requested = True
 
     def stop(self, grace_s: float = DEFAULT_GRACE_S) -> None:
@@ -374,7 +379,7 @@ class RayLocalRun:
                 self.spec,
                 self._run_dir.resolve(),
                 state=RunState.CANCELLED,
-                reason="cancelled by the user",
+                reason=self._cancel_reason,
                 wall_s=time.monotonic() - self._started[0],
                 since=self._started[1],
                 address=None,

@@ -10,6 +10,7 @@ A RUN reference is `backend://id` (`local://runs/x/20261122-230000`, `ray://...`
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -44,6 +45,8 @@ from orchestrator.summary_text import final_line
 __all__ = ["cancel", "list_runs", "logs", "run", "status", "submit"]
 
 EXIT_CANCELLED = 130  # like a shell after Ctrl-C
+EXIT_READER_GONE = 141  # 128 + SIGPIPE: what a pipeline reports for a writer whose reader exited
+READER_GONE = "cancelled: the reader of torchrig's stdout exited (a pipe closed)"
 
 backend_option = click.option(
     "--backend",
@@ -79,6 +82,47 @@ def _install_cancel(handler: Callable[[], None]) -> dict[int, Any]:
     return previous
 
 
+class _ReaderGuard:
+    """`sys.stdout` while `torchrig run` supervises: when the reader of a piped stdout exits (`torchrig
+    run JOB | head`), the run stops as on Ctrl-C (the ranks' grace period, checkpoints kept, the summary
+    written) instead of the supervisor dying with its workers unwatched. Output from then on goes to
+    /dev/null, so nothing fails on the closed pipe again, not even the interpreter's flush at exit."""
+
+    def __init__(self, stream: Any, on_gone: Callable[[], None]) -> None:
+        self._stream = stream
+        self._on_gone = on_gone
+        self.gone = False
+
+    def write(self, text: str) -> int:
+        if not self.gone:
+            try:
+                return int(self._stream.write(text))
+            except BrokenPipeError:
+                self._reader_gone()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.gone:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._reader_gone()
+
+    def _reader_gone(self) -> None:
+        self.gone = True
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass  # no file descriptor (a test's stream): the `gone` flag alone keeps writes away
+        click.echo("torchrig: stdout's reader exited; stopping the run (checkpoints are kept)", err=True)
+        self._on_gone()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def _print_dry_run(dryrun: DryRun, output: str) -> None:
     from orchestrator.backends.local_plan import LocalPlan
 
@@ -92,6 +136,15 @@ def _supervise(run: SupervisedRun, spec: Any, output: str, quiet: bool, *, new_d
     """`torchrig run` of a supervised backend (local, embedded Ray): watch the run, print its summary.
 
     `new_dir`: the run took a new run directory of its own (no `--run-dir`)."""
+    stdout, guard = sys.stdout, _ReaderGuard(sys.stdout, lambda: run.request_cancel(READER_GONE))
+    sys.stdout = guard
+    try:
+        _watch(run, spec, output, quiet, new_dir=new_dir, guard=guard)
+    finally:
+        sys.stdout = stdout
+
+
+def _watch(run: SupervisedRun, spec: Any, output: str, quiet: bool, *, new_dir: bool, guard: _ReaderGuard) -> None:
     from orchestrator.backends._local_view import LiveProgress, create_view
     from orchestrator.backends.local_run import LocalRun
     from orchestrator.backends.ray_run import RayLocalRun
@@ -119,6 +172,8 @@ def _supervise(run: SupervisedRun, spec: Any, output: str, quiet: bool, *, new_d
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if guard.gone and summary.status == RunState.CANCELLED.value:
+        sys.exit(EXIT_READER_GONE)  # stopped because the reader went: the status a pipeline gives for that
     if output == "json":
         emit_json(summary.to_dict())
     else:

@@ -182,6 +182,40 @@ def test_sigint_cancels_cleanly(tmp_path: Path) -> None:
     assert torchrig("status", str(run_dir)).returncode == 11
 
 
+def test_a_closed_stdout_stops_the_run_like_ctrl_c(tmp_path: Path) -> None:
+    """`torchrig run JOB | head -3`: when the reader of stdout exits, the run stops as on Ctrl-C (workers
+    ended, checkpoints kept, a summary saying why) and exits 141 like any writer in a broken pipeline,
+    instead of dying at its next line with the workers left unwatched."""
+    job = standin_job(tmp_path, steps=2000, every=10)
+    run_dir = tmp_path / "run"
+    cli = [sys.executable, "-c", "from orchestrator.cli import main; main()"]
+    proc = subprocess.Popen(
+        [*cli, "run", str(job), "--run-dir", str(run_dir), "--worker", STANDIN],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "STANDIN_STEP_S": "0.05"},
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().startswith("run dir:")
+        _wait_for_commit(run_dir)
+        token = run_token(run_dir)
+        assert find_marked(token), "agents and workers should be running"
+        proc.stdout.close()  # the reader goes; the run's next line of progress meets a closed pipe
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 141, err
+    assert "stdout's reader exited; stopping the run" in err and "Traceback" not in err, err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "cancelled" and "stdout exited" in summary["reason"]
+    assert summary["checkpoints"][0]["last_committed_step"] >= 10
+    assert find_marked(token) == []
+
+
 def _wait_for_commit(run_dir: Path, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
