@@ -145,24 +145,7 @@ def test_restarts_exhausted_fails_with_exit_4_and_log_path(tmp_path: Path) -> No
 def test_sigint_cancels_cleanly(tmp_path: Path) -> None:
     job = standin_job(tmp_path, steps=2000, every=10)
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "from orchestrator.cli import main; main()",
-            "run",
-            str(job),
-            "--run-dir",
-            str(run_dir),
-            "--worker",
-            STANDIN,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "STANDIN_STEP_S": "0.05"},
-    )
+    proc = _cli(["run", str(job), "--run-dir", str(run_dir), "--worker", STANDIN], {"STANDIN_STEP_S": "0.05"})
     try:
         _wait_for_commit(run_dir)
         token = run_token(run_dir)
@@ -188,15 +171,7 @@ def test_a_closed_stdout_stops_the_run_like_ctrl_c(tmp_path: Path) -> None:
     instead of dying at its next line with the workers left unwatched."""
     job = standin_job(tmp_path, steps=2000, every=10)
     run_dir = tmp_path / "run"
-    cli = [sys.executable, "-c", "from orchestrator.cli import main; main()"]
-    proc = subprocess.Popen(
-        [*cli, "run", str(job), "--run-dir", str(run_dir), "--worker", STANDIN],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "STANDIN_STEP_S": "0.05"},
-    )
+    proc = _cli(["run", str(job), "--run-dir", str(run_dir), "--worker", STANDIN], {"STANDIN_STEP_S": "0.05"})
     try:
         assert proc.stdout is not None and proc.stdout.readline().startswith("run dir:")
         _wait_for_commit(run_dir)
@@ -214,6 +189,18 @@ def test_a_closed_stdout_stops_the_run_like_ctrl_c(tmp_path: Path) -> None:
     assert summary["status"] == "cancelled" and "stdout exited" in summary["reason"]
     assert summary["checkpoints"][0]["last_committed_step"] >= 10
     assert find_marked(token) == []
+
+
+def _cli(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    """`torchrig ARGS` in the background, stdout and stderr piped, `env` on top of this one's."""
+    return subprocess.Popen(
+        [sys.executable, "-c", "from orchestrator.cli import main; main()", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, **env},
+    )
 
 
 def _wait_for_commit(run_dir: Path, timeout_s: float = 60) -> None:
@@ -447,14 +434,7 @@ def test_first_ctrl_c_saves_and_stops_preempted_and_a_new_run_resumes_from_that_
         "--set",
         f"spec.metrics.port={free_port()}",
     ]
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "from orchestrator.cli import main; main()", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, Env.FAULTS: pace},
-    )
+    proc = _cli(args, {Env.FAULTS: pace})
     try:
         _wait_for_commit(run_dir, timeout_s=200)
         proc.send_signal(signal.SIGINT)
