@@ -552,6 +552,44 @@ def test_members_wait_for_their_generation_to_form_without_polling_the_store(
     assert settings.connect().check([settings.formed_key(2)])
 
 
+def test_a_standby_host_waits_for_its_orders_without_polling_the_store(
+    store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A standby node's host stands by for the whole job: it waits for its orders (`promote_key`) in one
+    blocking wait instead of reading the key 50 times a second, and takes them within a poll interval."""
+    from training.inplace.host import POLL_S, _await_promotion
+
+    settings = InPlace(
+        store_addr=f"127.0.0.1:{store.port}", run_id="r", restart_count=0, node_rank=2, spares=1, timeout_s=10.0
+    )
+    counting = _CountingStore(settings.connect())
+
+    class Spare:  # the host's warm child: alive throughout
+        def poll(self) -> int | None:
+            return None
+
+        def sleep(self, timeout_s: float) -> None:
+            time.sleep(timeout_s)
+
+    monkeypatch.setenv("TORCHRIG_TEST_ORDERS", "unset")
+    orders = {"env": {"TORCHRIG_TEST_ORDERS": "node 1, rank 3"}, "node": 1, "next_spare": 4}
+    ordered_at: list[float] = []
+
+    def order() -> None:
+        time.sleep(1.0)
+        ordered_at.append(time.monotonic())
+        settings.connect().set(settings.promote_key(1), json.dumps(orders))
+
+    import threading
+
+    threading.Thread(target=order, daemon=True).start()
+    promoted = _await_promotion(settings, counting, 1, Spare(), lambda: False)  # type: ignore[arg-type]
+    assert promoted is not None and promoted[0].node_rank == 1 and promoted[1] == 4
+    assert time.monotonic() - ordered_at[0] < POLL_S + 0.3
+    assert os.environ["TORCHRIG_TEST_ORDERS"] == "node 1, rank 3"
+    assert counting.calls <= 2, f"{counting.calls} requests over 1 s of standing by (polling sends ~50)"
+
+
 @pytest.mark.parametrize("wait_works", [True, False])
 def test_a_generation_whose_last_member_never_said_so_still_forms(
     store: Any, monkeypatch: pytest.MonkeyPatch, wait_works: bool

@@ -6,7 +6,7 @@ After a failure every member (the survivors and the spares that took the dead ra
 g+1: a counter in the store (`join/g+1`) must reach the world size within
 `restarts.inPlaceTimeoutSeconds`, else `RecoveryFailed` (the trainer exits `RECOVERY_FAILED` and
 torchrun restarts the group). The member whose join completes the count sets `join/g+1/formed`; the
-others wait for that key in one blocking store wait each (`FormedWait`), so a forming generation costs
+others wait for that key in one blocking store wait each (`KeyWait`), so a forming generation costs
 the store O(world) requests, not O(world) every few milliseconds. Then every rank all-gathers its
 completed step (-1: a spare), and the lowest rank among the most advanced broadcasts model, optimizer
 and progress (`torch.save` of the state dicts inside `broadcast_object_list`: exact bytes); ranks behind it load them.
@@ -17,7 +17,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,10 +29,9 @@ from torch import nn
 from torch._C._distributed_c10d import PrefixStore
 
 from training.contract import WorkerIdentity
-from training.inplace import BEAT_S, BEHIND_LOST_S, HOST_LOST_S, STANDBY_GRACE_S, InPlace, sockets
+from training.inplace import BEAT_S, BEHIND_LOST_S, HOST_LOST_S, STANDBY_GRACE_S, InPlace, KeyWait, sockets
 
 __all__ = [
-    "FormedWait",
     "InPlaceGroup",
     "NodeWatch",
     "RecoveryFailed",
@@ -155,44 +153,6 @@ class NodeWatch:
         return 0.0 if before is None else self.last_check - before[1]
 
 
-class FormedWait:
-    """Waits for a generation to form (`InPlace.formed_key`) in one blocking `TCPStore.wait`, on a
-    connection and a thread of its own: the member's own connection stays free for its checks, and the
-    store answers the moment the last member joins.
-
-    Polling the join counter instead, every member sends a request every few milliseconds while the
-    generation forms: 1.6 million a second at 8,000 ranks on one store (docs/performance.md).
-
-    Args:
-        connect: a new client of the store (under the launch's prefix).
-        key: the formed key to wait for.
-        limit_s: the longest wait.
-    """
-
-    def __init__(self, connect: Callable[[], Any], key: str, limit_s: float) -> None:
-        self.done = threading.Event()
-        self.failed: str | None = None  # why the wait itself failed (then the member reads the counter)
-        self._thread = threading.Thread(
-            target=self._run, args=(connect, key, limit_s), name="torchrig-formed", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, connect: Callable[[], Any], key: str, limit_s: float) -> None:
-        try:
-            connect().wait([key], timedelta(seconds=limit_s))
-        except Exception as exc:  # timed out, or the store went: the caller decides what that means
-            self.failed = f"{type(exc).__name__}: {exc}"
-            return
-        self.done.set()
-
-    def formed(self, slice_s: float) -> bool:
-        """Whether the generation formed, waiting up to `slice_s` for it (returns at once when it does)."""
-        if self.failed is None:
-            return self.done.wait(slice_s)
-        time.sleep(slice_s)  # the wait failed: the caller falls back to reading the counter
-        return False
-
-
 class InPlaceGroup:
     """This rank's membership in the generations of the default process group.
 
@@ -270,10 +230,10 @@ class InPlaceGroup:
                     else lambda: nodes_behind(self.store, self.inplace, world, ident.local_world_size, generation),
                 )
             next_look = time.monotonic() + BEAT_S  # a generation formed within a beat reads no extra key
-            formed = FormedWait(self.inplace.connect, self.inplace.formed_key(generation), 2 * limit + 1)
+            formed = KeyWait(self.inplace.connect, self.inplace.formed_key(generation), 2 * limit + 1)
             # 5 ms slices: the shutdown signal and the node watch are local or rate-limited reads. The
             # counter is read once a beat, and every slice only if the wait itself failed.
-            while not formed.formed(0.005):
+            while not formed.done_within(0.005):
                 if cancelled is not None and cancelled():
                     raise RecoveryFailed(f"generation {generation}: a shutdown signal arrived while forming")
                 if watch is not None and (gone := watch.lost()):

@@ -41,13 +41,14 @@ from types import FrameType
 from typing import Any
 
 from training.contract import PERMANENT, Env, ExitCode
-from training.inplace import BEAT_S, IDENTITY_ENV, ROLE_SPARE, ROLE_TRAINER, InPlace, forked
+from training.inplace import BEAT_S, IDENTITY_ENV, ROLE_SPARE, ROLE_TRAINER, InPlace, KeyWait, forked
 
 __all__ = ["die_with_parent", "run_host"]
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.02
+PROMOTION_WAIT_S = 24 * 86400.0  # a standby may stand by for the whole job
 SPARE_TERM_GRACE_S = 10.0  # an unclaimed spare still alive this long after its SIGTERM is killed
 EXIT_CODE_WAIT_S = 2.0  # how long a host waits for a dead spare's exit code to be published
 _PASS_THROUGH = {0, *PERMANENT, int(ExitCode.PREEMPTED), int(ExitCode.RECOVERY_FAILED)}
@@ -352,9 +353,14 @@ def _await_promotion(
     spare child, assigned the same rank by the standby, is its trainer. Returns the lost node's
     `InPlace` and the index its next spare takes; None when the spare died or `stopping()` first."""
     key = inplace.promote_key(local_rank)
-    while not store.check([key]):
+    # One blocking wait on a connection of its own (`KeyWait`), not a read of the key every POLL_S; the
+    # loop below only looks at local things: the flag, a shutdown, the spare's exit (through its pidfd).
+    promoted = KeyWait(inplace.connect, key, PROMOTION_WAIT_S)
+    while not promoted.done.is_set():
         if stopping() or child.poll() is not None:
             return None
+        if promoted.failed is not None and store.check([key]):
+            break  # the wait failed (its connection refused): read the key, as before
         child.sleep(POLL_S)
     orders = json.loads(store.get(key).decode())
     os.environ.update(orders["env"])
