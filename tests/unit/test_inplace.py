@@ -539,7 +539,8 @@ def test_members_wait_for_their_generation_to_form_without_polling_the_store(
     threads[0].start()
     time.sleep(1.0)
     assert threads[0].is_alive() and not created, "one of three joined: generation 2 has not formed"
-    assert counting.calls <= 12, f"{counting.calls} requests in 1 s of waiting (polling sends ~200)"
+    # its join (3 requests), then the counter and the lost-node key once a beat: ~11 (polling sends ~200)
+    assert counting.calls <= 24, f"{counting.calls} requests in 1 s of waiting"
     threads[1].start()
     time.sleep(0.2)
     assert not created, "two of three joined"
@@ -588,6 +589,7 @@ def test_a_standby_host_waits_for_its_orders_without_polling_the_store(
     assert time.monotonic() - ordered_at[0] < POLL_S + 0.3
     assert os.environ["TORCHRIG_TEST_ORDERS"] == "node 1, rank 3"
     assert counting.calls <= 2, f"{counting.calls} requests over 1 s of standing by (polling sends ~50)"
+    # (the orders themselves are read once, after the wait)
 
 
 @pytest.mark.parametrize("wait_works", [True, False])
