@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import statistics
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +29,18 @@ from bench.sections.base import Section
 from bench.workloads import kill_worker_drill
 from training.contract import EventKind, RunFiles, read_events, read_jsonl
 
+# A recovery this much slower than the in-place path's ~0.1-0.2 s here is kept for a look: its run
+# directory's events and logs go to `bench/_tmp/outliers/` (one 5.1 s recovery at 4 ranks in session
+# 16 left nothing to read).
+OUTLIER_MTTR_S = 1.0
+OUTLIERS = Path(__file__).resolve().parents[1] / "_tmp" / "outliers"
+
+
+def _keep_outlier(run_dir: Path, w: int, mttr: float) -> None:
+    dest = OUTLIERS / f"scaling-w{w}-{time.strftime('%Y%m%d-%H%M%S')}-mttr{mttr:.2f}"
+    shutil.copytree(run_dir, dest, ignore=shutil.ignore_patterns("checkpoints", "*.distcp"), dirs_exist_ok=True)
+    print(f"scaling: a {mttr:.2f} s recovery at {w} ranks; its run directory is kept in {dest}", flush=True)
+
 
 def _one_drill(w: int, kill_step: int = 35) -> dict[str, Any]:
     """One kill-worker drill at world size `w`: its MTTR, path, save/restore times, CPU, phases and the
@@ -35,6 +49,8 @@ def _one_drill(w: int, kill_step: int = 35) -> dict[str, Any]:
         report = kill_worker_drill(40, kill_step, w, Path(d), extra=("spec.restarts.mode=inplace",))
         events = read_events(RunFiles(report.run_dir).events)
         metrics = read_jsonl(RunFiles(report.run_dir).metrics)
+        if report.mttr_seconds is not None and report.mttr_seconds > OUTLIER_MTTR_S:
+            _keep_outlier(Path(report.run_dir), w, float(report.mttr_seconds))
     # A step's time at this world size, before the kill: the MTTR ends with one completed step, and on
     # this machine's 2 cores a step of 8 ranks takes about 4x one of 2 (8 processes share the cores).
     step_s = [
