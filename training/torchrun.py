@@ -23,7 +23,7 @@ import os
 import signal
 import sys
 import uuid
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 from training.contract import Env
@@ -34,6 +34,7 @@ __all__ = [
     "export_rendezvous_round",
     "host_inplace_store",
     "main",
+    "record_permanent_exit",
     "run_agent",
     "stand_by_first",
     "stop_restarting_on_permanent_exit",
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 # The key, in a c10d rendezvous round's own store (prefixed with the run id and round by torch), whose
 # first writer's token every agent of the round adopts.
 ROUND_KEY = "torchrig/inplace-round"
+STORE_RECORD_TIMEOUT_S = 5.0
 
 
 def host_inplace_store(env: MutableMapping[str, str] | None = None, argv: Sequence[str] = ()) -> Any:
@@ -181,9 +183,13 @@ def stop_restarting_on_permanent_exit() -> None:
 
 def exit_code_of(exc: BaseException) -> int | None:
     """The exit code for the agent's process when torchrun ended with `exc`: 128 + the signal that
-    stopped it, a worker's permanent code, or None (torchrun's own: exit 1 with its traceback)."""
+    stopped it, a worker's permanent code, `STORE_LOST` when the rendezvous store went away, or None
+    (torchrun's own: exit 1 with its traceback)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    from training.contract import ExitCode
 
     if isinstance(exc, SignalException):
         code = 128 + int(exc.sigval)
@@ -194,6 +200,17 @@ def exit_code_of(exc: BaseException) -> int | None:
         if codes:
             print(f"torchrig: a worker exited {codes[0]} (permanent, see its log); not restarted", file=sys.stderr)
             return codes[0]
+    if isinstance(exc, RendezvousConnectionError):
+        # The pod hosting the store died (its node, an eviction): the job restarts as a whole, from the
+        # checkpoint, instead of failing on torchrun's exit 1. Retryable, so the operator recreates the pod.
+        code = int(ExitCode.STORE_LOST)
+        cause = exc.__cause__ or exc.__context__
+        print(
+            f"torchrig: torchrun lost the rendezvous store ({cause or exc}); exiting {code} (retryable: the job "
+            "restarts from its checkpoint)",
+            file=sys.stderr,
+        )
+        return code
     return None
 
 
@@ -237,10 +254,33 @@ def run_agent(torchrun_main: Any, args: list[str]) -> int:
         torchrun_main(args)
     except Exception as exc:
         code = exit_code_of(exc)
+        if code is None or 1 <= code <= 127:
+            record_permanent_exit(args, 1 if code is None else code)
         if code is None:
             raise
         return code
     return 0
+
+
+def record_permanent_exit(args: list[str], code: int, env: Mapping[str, str] | None = None) -> bool:
+    """Tell a store-only rendezvous pod (`Env.STORE_POD`, `training.rendezvous_store`) that this agent ends
+    the job with permanent code `code`, so that pod ends with it instead of serving a failed job's kept
+    pods. Best effort, a few seconds at most; returns whether it was recorded."""
+    env = os.environ if env is None else env
+    if env.get(Env.STORE_POD) != "1":
+        return False
+    endpoint = _rdzv_endpoint(args)
+    if endpoint is None:
+        return False
+    from training.inplace import store_client
+    from training.rendezvous_store import FAILED_KEY
+
+    try:
+        store_client(endpoint, timeout_s=STORE_RECORD_TIMEOUT_S).set(FAILED_KEY, str(code))
+    except Exception as exc:
+        log.warning("could not record this agent's exit %d in the rendezvous store: %s", code, exc)
+        return False
+    return True
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from tests.pods.kubelet import Pod
 from tests.pods.operators import KR_AUTH_HEADER, pytorchjob_pods, rayjob_pods, trainjob_pods
 from tests.pods.runtime import IMAGE_ENV, PodCluster, netns_reason, wait_until
 from tests.pods.scenario import one, render
-from training.contract import EventKind, read_events
+from training.contract import EventKind, ExitCode, read_events
 
 pytestmark = [pytest.mark.pods, pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -92,6 +92,11 @@ def _kill_once(
     return killed_at, tick
 
 
+def _step_20_committed(cluster: PodCluster) -> bool:
+    committed = [e for e in _events(cluster) if e.kind is EventKind.CHECKPOINT_COMMITTED]
+    return any((e.step or 0) >= 20 for e in committed)
+
+
 def test_pytorchjob_fixed_master_and_worker_train_like_torchrig_run(
     pod_cluster: MakeCluster, reference_result: dict[str, Any]
 ) -> None:
@@ -127,11 +132,7 @@ def test_killed_elastic_worker_pod_is_restarted_and_resumes_from_the_pvc(
     objects = render("pytorchjob", f"spec.kubernetes.env.TORCHRIG_FAULTS={slow}")
     victim = "digits-ddp-worker-1"  # not the c10d store host (PET_RDZV_ENDPOINT = worker-0)
 
-    def step_20_committed(cluster: PodCluster) -> bool:
-        committed = [e for e in _events(cluster) if e.kind is EventKind.CHECKPOINT_COMMITTED]
-        return any((e.step or 0) >= 20 for e in committed)
-
-    killed_at, kill = _kill_once(victim, step_20_committed)
+    killed_at, kill = _kill_once(victim, _step_20_committed)
     cluster, outcome = _run_pytorchjob(pod_cluster, objects, on_tick=kill)
     assert killed_at, "the job ended before the step-20 checkpoint was committed"
     assert outcome.status == "Succeeded", _why(outcome, cluster)
@@ -147,6 +148,30 @@ def test_killed_elastic_worker_pod_is_restarted_and_resumes_from_the_pvc(
     # uninterrupted run (it is at 1 node x 2 ranks, tests/integration/test_worker.py): compare the losses.
     assert result["final_loss"] == pytest.approx(reference_result["final_loss"], rel=1e-5)
     assert result["eval"]["loss"] == pytest.approx(reference_result["eval"]["loss"], rel=1e-5)
+
+
+def test_lost_master_pod_restarts_the_job_from_the_pvc(
+    pod_cluster: MakeCluster, reference_result: dict[str, Any]
+) -> None:
+    """A fixed-size PyTorchJob whose Master pod (its agent hosts the c10d rendezvous store) is lost after
+    the step-20 checkpoint: the Worker's agent loses the store and exits 204 (retryable, not torchrun's
+    permanent 1), the operator recreates both pods and the job resumes from the checkpoint."""
+    slow = '\'[{"kind": "slow", "rank": 0, "step": 20, "seconds": 0.4}]\''
+    objects = render("pytorchjob", f"spec.kubernetes.env.TORCHRIG_FAULTS={slow}", fixed_size=True)
+    victim, worker = "digits-ddp-master-0", "digits-ddp-worker-0"
+
+    killed_at, kill = _kill_once(victim, _step_20_committed)
+    cluster, outcome = _run_pytorchjob(pod_cluster, objects, on_tick=kill)
+    assert killed_at, "the job ended before the step-20 checkpoint was committed"
+    assert outcome.status == "Succeeded", _why(outcome, cluster)
+    assert cluster.pods[victim].exit_codes[0] == 137, _why(outcome, cluster)
+    assert cluster.pods[worker].exit_codes[0] == int(ExitCode.STORE_LOST), _why(outcome, cluster)
+    assert "lost the rendezvous store" in cluster.pods[worker].logs(), _why(outcome, cluster)
+    restores = [e for e in _events(cluster) if e.kind is EventKind.RESTORE and e.time >= killed_at[0]]
+    assert restores and min(e.step for e in restores) >= 20, _why(outcome, cluster)
+    result = _result(cluster, [victim])
+    assert (result["steps"], result["world_size"]) == (40, 4)
+    assert result["final_loss"] == pytest.approx(reference_result["final_loss"], rel=1e-5)
 
 
 def _replace_a_rank_in_place(

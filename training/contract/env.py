@@ -60,6 +60,9 @@ class Env:
     STANDBY_FROM = "TORCHRIG_STANDBY_FROM"
     REPLICA_INDEX = "TORCHRIG_REPLICA_INDEX"
     INPLACE_STANDBY = "TORCHRIG_INPLACE_STANDBY"
+    # "1": the rendezvous store is a pod of its own (`training.rendezvous_store`, a PyTorchJob with
+    # standby nodes); an agent that ends the job with a permanent code records it there, so it ends too.
+    STORE_POD = "TORCHRIG_STORE_POD"
     # The CLI: seconds a Kubernetes / Ray Jobs API call may take, "S" or "CONNECT,READ" (default 10,30).
     API_TIMEOUT = "TORCHRIG_API_TIMEOUT"
 

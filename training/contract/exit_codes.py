@@ -17,12 +17,16 @@ for SIGKILL, an OOM kill or a lost node; 143 for SIGTERM, a preemption). torchri
 - `RECOVERY_FAILED` (203): in-place recovery (`training.inplace`) could not re-form the group within
   `restarts.inPlaceTimeoutSeconds` (no spare, a second death, a survivor stuck): the per-rank host exits
   with it so torchrun restarts the whole group from the durable checkpoint.
+- `STORE_LOST` (204): torchrun's agent lost its c10d rendezvous store (the pod that hosts it died: a
+  PyTorchJob's Master, or its store-only Master with standby nodes). torchrun itself raises
+  `RendezvousConnectionError` and exits 1, which a PyTorchJob takes as permanent: the job failed where it
+  should restart from its checkpoint. `training.torchrun` exits 204 instead, and every pod is recreated.
 - `PREEMPTED` (202): the rank was asked to stop (SIGTERM, `restarts.preemptSignal`: an eviction, a spot
   notice, Ctrl-C) and stopped at a step every rank agreed on, after an emergency checkpoint of that step
   (`training.preemption`; the `preempted` event says whether it committed). Retryable: the next start
   resumes from it, losing no step.
 
-200 to 203 lie above 128 + 64 (the highest signal), so they are never mistaken for a signal death.
+200 to 204 lie above 128 + 64 (the highest signal), so they are never mistaken for a signal death.
 `torchrun` itself exits 1 when its worker group failed and it has no restart left: under a PyTorchJob
 (where torchrun owns the restart budget) that is permanent, as it should be; the TrainJob, whose restarts
 belong to its JobSet, fails its Job only on `PERMANENT` codes and restarts on the rest.
@@ -48,6 +52,7 @@ class ExitCode(IntEnum):
     HUNG = 201  # the step watchdog ended a silent rank
     RECOVERY_FAILED = 203  # in-place recovery could not finish: the whole group restarts (the fallback)
     PREEMPTED = 202  # stopped on SIGTERM after an emergency checkpoint (training.preemption)
+    STORE_LOST = 204  # torchrun's agent lost its rendezvous store (its host pod died): restart the job
 
     @property
     def retryable(self) -> bool:

@@ -50,7 +50,7 @@ from typing import Any
 from training.contract import Env, ExitCode
 from training.inplace import BEAT_S, HOST_LOST_S, InPlace, store_client
 
-__all__ = ["JOIN", "Round", "run_standby", "standby_wanted"]
+__all__ = ["JOIN", "Round", "exit_barrier_passed", "round_store", "run_standby", "standby_wanted"]
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +114,18 @@ class Launch:
         return cls(
             f"{host}:{port}", config.run_id, int(config.nproc_per_node), config.max_restarts, program, join_timeout_s
         )
+
+
+def round_store(raw: Any, run_id: str, round_: int) -> Any:
+    """The store torchrun's agents of round `round_` use: the c10d handler's `_wrap_store` prefix."""
+    from torch._C._distributed_c10d import PrefixStore
+
+    return PrefixStore(f"torch.rendezvous.{run_id}.{round_}", raw)
+
+
+def exit_barrier_passed(raw: Any, run_id: str, round_: int) -> bool:
+    """Whether round `round_`'s agents all passed torchrun's exit barrier (the job's end)."""
+    return bool(round_store(raw, run_id, round_).check([f"{TERMINAL_STATE_SYNC_ID}{LAST_MEMBER}"]))
 
 
 def _replica_role(env: Mapping[str, str]) -> str | None:
@@ -305,13 +317,10 @@ class Standby:
 
     def barrier_passed(self) -> bool:
         """Whether the round's agents all passed torchrun's exit barrier (the job's end)."""
-        return bool(self._round_store().check([f"{TERMINAL_STATE_SYNC_ID}{LAST_MEMBER}"]))
+        return exit_barrier_passed(self.raw, self.launch.run_id, self.found.round)
 
     def _round_store(self) -> Any:
-        """The store torchrun's agents of this round use (the c10d handler's `_wrap_store` prefix)."""
-        from torch._C._distributed_c10d import PrefixStore
-
-        return PrefixStore(f"torch.rendezvous.{self.launch.run_id}.{self.found.round}", self.raw)
+        return round_store(self.raw, self.launch.run_id, self.found.round)
 
 
 def _wait_for_round(launch: Launch, role: str, stop: Any, *, seen: bool) -> tuple[Any, Round] | int | None:
