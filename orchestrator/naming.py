@@ -26,8 +26,9 @@ Training Operator v1 (kubeflow/trainer, formerly kubeflow/training-operator, tag
   names every replica's pod (`common/pod.go`) and its headless Service (`common/service.go`
   `CreateNewService`). Service names must be DNS-1035 labels of at most 63 characters (Kubernetes
   `ValidateServiceName`), so the longest Service name, `<job>-master-0` or `<job>-worker-<last index>`,
-  must fit in 63: the Worker indices run to `nodes.max - 1` when elastic (Worker replicas only) and to
-  `nodes.max - 2` with a Master (fixed size). "master" and "worker" have the same length.
+  must fit in 63: the Worker indices run to `nodes.max - 1` when elastic (Worker replicas only), to
+  `nodes.max - 2` with a Master (fixed size), and to `nodes.max - 1 + spareNodes` with standby nodes (the
+  Master is then a store-only pod and every node a Worker). "master" and "worker" have the same length.
 - `pkg/webhooks/pytorch/pytorchjob_webhook.go` `validatePyTorchJob`: `NameIsDNS1035Label(metadata.name)`
   (which includes the 63-character limit); no other name-length rule.
 
@@ -124,8 +125,11 @@ def target_name_rule(target: str, max_nodes: int, *, elastic: bool = False, spar
             f"RayCluster names to {KUBERAY_MAX_RAYCLUSTER_NAME_LEN}",
         )
     if target == "pytorchjob":
-        # Worker indices 0..max-1 when elastic (no Master); Master 0 plus Workers 0..max-2+spares otherwise.
-        last = max_nodes - 1 if elastic else max(max_nodes - 2 + spare_nodes, 0)
+        # Worker indices 0..max-1 when elastic (no Master); Master 0 plus Workers 0..max-2 at a fixed size, or
+        # plus Workers 0..max-1+spares with standby nodes (the Master is the store-only pod).
+        last = max(max_nodes - 2, 0)
+        if elastic or spare_nodes:
+            last = max_nodes - 1 + spare_nodes
         longest = f"-worker-{last}" if elastic or max_nodes > 1 or spare_nodes else "-master-0"
         return NameRule(
             target,

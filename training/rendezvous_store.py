@@ -55,20 +55,13 @@ def failed_code(raw: bytes) -> int | None:
 def job_outcome(store: Any, run_id: str) -> int | None:
     """0 once the recorded round's agents passed torchrun's exit barrier, an agent's permanent exit code,
     or None while the job runs (or has not started)."""
-    from training.inplace import InPlace
-    from training.inplace.standby import Round, exit_barrier_passed
+    from training.inplace.standby import job_finished
 
     if store.check([FAILED_KEY]):
         code = failed_code(store.get(FAILED_KEY))
         if code is not None:
             return code
-    key = InPlace.round_record_key(run_id)
-    if not store.check([key]):
-        return None
-    found = Round.parse(store.get(key))
-    if found is None:
-        return None
-    return 0 if exit_barrier_passed(store, run_id, found.round) else None
+    return 0 if job_finished(store, run_id) else None
 
 
 def serve(port: int, run_id: str, *, grace_s: float = EXIT_GRACE_S, ready: Any = None) -> int:

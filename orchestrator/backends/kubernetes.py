@@ -368,7 +368,8 @@ class KubernetesBackend(Backend):
     def delete_pod(self, run_id: str, index: int, *, grace_period_s: int = 0) -> str:
         """Delete the pod of node `index` (the `kill-worker` drill); returns the pod's name.
 
-        PyTorchJob: index 0 is the master, index i the worker i-1; TrainJob: the JobSet completion index.
+        PyTorchJob: index 0 is the master, index i the worker i-1 (beside a store-only Master, the worker i);
+        TrainJob: the JobSet completion index.
         """
         from kubernetes import client
 

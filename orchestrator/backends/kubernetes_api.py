@@ -16,6 +16,7 @@ from typing import Any
 
 from orchestrator.backends.api_timeout import api_timeout
 from orchestrator.backends.base import RunState
+from orchestrator.compile.pytorchjob import STORE_POD_LABEL
 from orchestrator.errors import BackendError
 
 # The client ships no type information: its API client is typed `ApiClient = Any` here.
@@ -176,12 +177,15 @@ def state_from_conditions(obj: dict[str, Any]) -> tuple[RunState, str]:
 
 
 def pod_index(pod: Any) -> int | None:
-    """Node index of a worker pod: PyTorchJob master-0 is node 0 and worker-i node i+1; TrainJob (JobSet)
-    pods carry their completion index."""
+    """Node index of a worker pod: PyTorchJob master-0 is node 0 and worker-i node i+1, or, beside a
+    store-only Master (standby nodes, `STORE_POD_LABEL`), worker-i is node i and the Master none; TrainJob
+    (JobSet) pods carry their completion index."""
     labels = pod.metadata.labels or {}
     rtype = labels.get("training.kubeflow.org/replica-type")
     index = labels.get("training.kubeflow.org/replica-index")
     if rtype is not None and index is not None:
+        if labels.get(STORE_POD_LABEL[0]) == STORE_POD_LABEL[1]:
+            return None if rtype.lower() == "master" else int(index)
         return int(index) if rtype.lower() == "master" else int(index) + 1
     for key in ("batch.kubernetes.io/job-completion-index", "jobset.sigs.k8s.io/job-index"):
         if key in labels:

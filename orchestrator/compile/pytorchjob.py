@@ -12,10 +12,14 @@ Two shapes, following the operator (release-1.9) and its validating webhook:
   running job (a static rendezvous could not take it back), and in-place recovery shares that store
   across nodes (`Env.INPLACE_STORE_RDZV`).
 
-Standby nodes (`restarts.spareNodes: S`, fixed size only): S more Worker replicas, whose pods from
-replica index `nodes - 1` on stand by outside the rendezvous (`training.inplace.standby`:
-`TORCHRIG_STANDBY_FROM`, and the operator's `replica-index` label through the downward API) and take a
-lost node's ranks in place.
+Standby nodes (`restarts.spareNodes: S`, fixed size only): the Master replica is a store-only pod
+(`training.rendezvous_store`: the c10d store at the rendezvous port, no GPU, a small Guaranteed pod), every
+training node is a Worker (indices 0..nodes-1), and S more Worker replicas, from replica index `nodes` on,
+stand by outside the rendezvous (`training.inplace.standby`: `TORCHRIG_STANDBY_FROM`, and the operator's
+`replica-index` label through the downward API) and take a lost node's ranks in place. With the store in
+a training node's agent, that node's loss would take the rendezvous and the in-place bookkeeping with it:
+the one node no standby could replace. The store pod exits 0 when the agents pass torchrun's exit barrier
+(the job succeeds with its Master), and with an agent's permanent code when one ends the job.
 
 Every replica has `restartPolicy: ExitCode` (the operator runs the pods with `restartPolicy: Never` and
 reads the `pytorch` container's exit code, `pkg/controller.v1/common/pod.go` `ReconcilePods`): 128 and
@@ -35,7 +39,17 @@ from orchestrator.compile import _pod as p
 from orchestrator.spec import JobSpec
 from training.contract import Env
 
-__all__ = ["API_VERSION", "CONTAINER_NAME", "KIND", "RDZV_PORT", "compile_pytorchjob", "spare_nodes", "worker_command"]
+__all__ = [
+    "API_VERSION",
+    "CONTAINER_NAME",
+    "KIND",
+    "RDZV_PORT",
+    "STORE_POD_LABEL",
+    "compile_pytorchjob",
+    "spare_nodes",
+    "store_command",
+    "worker_command",
+]
 
 API_VERSION = "kubeflow.org/v1"
 KIND = "PyTorchJob"
@@ -48,6 +62,13 @@ RDZV_PORT = 23456
 RESTART_POLICY = "ExitCode"
 # The operator labels every pod with its index within its replica type (common/pod.go createNewPod).
 REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
+# On every pod of a job whose Master is the store-only pod: Worker i is then node i, and the Master no node.
+STORE_POD_LABEL = ("torchrig.io/rendezvous", "store-pod")
+STORE_COMPONENT = "rendezvous-store"
+STORE_MODULE = "training.rendezvous_store"
+# The store pod: Guaranteed QoS (requests = limits), so it is among the last pods a node evicts; an idle
+# TCPStore server with torch imported holds ~300 MB.
+STORE_RESOURCES = {"cpu": "1", "memory": "1Gi"}
 
 
 def worker_command(spec: JobSpec, *, elastic: bool) -> list[str]:
@@ -68,6 +89,39 @@ def worker_command(spec: JobSpec, *, elastic: bool) -> list[str]:
             str(s.restarts.max),
         ]
     return cmd + c.worker_program()
+
+
+def store_command(spec: JobSpec) -> list[str]:
+    """The store-only Master's command (`training.rendezvous_store`)."""
+    return ["python", "-m", STORE_MODULE, "--port", str(RDZV_PORT), "--run-id", spec.name]
+
+
+def _store_template(spec: JobSpec) -> dict[str, Any]:
+    """The store-only Master: the rendezvous port the operator reads, /tmp writable, nothing else mounted."""
+    s = spec.spec
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": s.image,
+        "imagePullPolicy": s.kubernetes.image_pull_policy,
+        "command": store_command(spec),
+        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "ports": [{"name": PORT_NAME, "containerPort": RDZV_PORT, "protocol": "TCP"}],
+        "resources": {"requests": dict(STORE_RESOURCES), "limits": dict(STORE_RESOURCES)},
+        "volumeMounts": [{"name": "torchrig-tmp", "mountPath": p.TMP_DIR}],
+        "securityContext": p.container_security_context(),
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": [{"name": "torchrig-tmp", "emptyDir": {}}],
+        "securityContext": p.pod_security_context(),
+        **p.automount(),
+        **c.pod_placement(spec),
+    }
+    if s.kubernetes.gang == "volcano":
+        pod_spec["schedulerName"] = "volcano"
+    labels = {**c.pod_labels(spec, STORE_COMPONENT), STORE_POD_LABEL[0]: STORE_POD_LABEL[1]}
+    annotations = {**spec.metadata.annotations, **s.kubernetes.pod_annotations}
+    return {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}
 
 
 def _pod_template(spec: JobSpec, *, elastic: bool) -> dict[str, Any]:
@@ -132,9 +186,12 @@ def spare_nodes(spec: JobSpec, *, elastic: bool) -> int:
 
 def _standby_template(template: dict[str, Any], members: int) -> dict[str, Any]:
     """The Worker template of a job with standby nodes: Workers from replica index `members` on stand by
-    (`training.inplace.standby`); every Worker learns its index from the operator's label."""
+    (`training.inplace.standby`); every Worker learns its index from the operator's label, and that the
+    rendezvous store is a pod of its own (`Env.STORE_POD`)."""
     out = copy.deepcopy(template)
+    out["metadata"]["labels"][STORE_POD_LABEL[0]] = STORE_POD_LABEL[1]
     env = out["spec"]["containers"][0]["env"]
+    env.append({"name": Env.STORE_POD, "value": "1"})
     env.append({"name": Env.STANDBY_FROM, "value": str(members)})
     env.append(
         {
@@ -158,14 +215,21 @@ def compile_pytorchjob(spec: JobSpec, *, fixed_size: bool = False) -> list[dict[
     replica_specs: dict[str, Any] = {}
     if elastic:
         replica_specs["Worker"] = {"replicas": s.nodes.max, "restartPolicy": RESTART_POLICY, "template": template}
+    elif spare := spare_nodes(spec, elastic=elastic):
+        # The Master only hosts the store; the nodes and their standbys are Workers.
+        replica_specs["Master"] = {"replicas": 1, "restartPolicy": RESTART_POLICY, "template": _store_template(spec)}
+        replica_specs["Worker"] = {
+            "replicas": s.nodes.max + spare,
+            "restartPolicy": RESTART_POLICY,
+            "template": _standby_template(template, s.nodes.max),
+        }
     else:
-        spare = spare_nodes(spec, elastic=elastic)
         replica_specs["Master"] = {"replicas": 1, "restartPolicy": RESTART_POLICY, "template": template}
-        if s.nodes.max > 1 or spare:
+        if s.nodes.max > 1:
             replica_specs["Worker"] = {
-                "replicas": s.nodes.max - 1 + spare,
+                "replicas": s.nodes.max - 1,
                 "restartPolicy": RESTART_POLICY,
-                "template": _standby_template(template, s.nodes.max - 1) if spare else template,
+                "template": template,
             }
     meta = c.object_meta(spec, "training")
     if s.kubernetes.gang == "kueue" and s.kubernetes.queue:
@@ -174,7 +238,10 @@ def compile_pytorchjob(spec: JobSpec, *, fixed_size: bool = False) -> list[dict[
         # Top-level nprocPerNode (a string in the CRD) is what the webhook wants; elasticPolicy.nProcPerNode
         # is deprecated there.
         "nprocPerNode": str(s.procs_per_node),
-        "runPolicy": _run_policy(spec, s.nodes.min if elastic else s.nodes.max),
+        # The gang: the nodes, plus the store pod when there is one (standbys are not needed to start).
+        "runPolicy": _run_policy(
+            spec, s.nodes.min if elastic else s.nodes.max + (1 if spare_nodes(spec, elastic=elastic) else 0)
+        ),
         "pytorchReplicaSpecs": replica_specs,
     }
     if elastic:

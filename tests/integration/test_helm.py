@@ -245,17 +245,21 @@ def test_one_node_job_has_its_agent_host_the_in_place_store_like_the_compiler(
 
 @pytest.mark.parametrize(("nodes", "fixed"), [(1, False), (3, False), (2, True)])
 def test_standby_nodes_render_what_torchrig_renders(nodes: int, fixed: bool, tmp_path: Path) -> None:
-    """`restarts.spareNodes`: extra Worker replicas with the standby env, on one node or several, and
-    through `fixedSize` of an elastic job; the longer Worker names count against the name limit."""
+    """`restarts.spareNodes`: a store-only Master, the nodes and the extra standby Worker replicas with the
+    standby env, on one node or several, and through `fixedSize` of an elastic job; the longer Worker
+    names count against the name limit."""
     lo = 1 if fixed else nodes
     changes = {"spec": {"nodes": {"min": lo, "max": nodes}, "restarts": {"spareNodes": 2}}}
     job = write_job(tmp_path, DIGITS, changes)
     objs = helm_template("-f", str(job), *(["--set", "fixedSize=true"] if fixed else []))
     assert_same_objects(objs, compiled(job, "pytorchjob", fixed_size=fixed))
-    workers = by_key(objs)[("PyTorchJob", "digits-ddp")]["spec"]["pytorchReplicaSpecs"]["Worker"]
-    assert workers["replicas"] == nodes - 1 + 2
+    replicas = by_key(objs)[("PyTorchJob", "digits-ddp")]["spec"]["pytorchReplicaSpecs"]
+    workers = replicas["Worker"]
+    assert workers["replicas"] == nodes + 2, "every node is a Worker beside the store-only Master"
     env = {e["name"]: e.get("value") for c in _containers_of(workers) for e in c.get("env", [])}
-    assert env["TORCHRIG_STANDBY_FROM"] == str(nodes - 1) and env["TORCHRIG_INPLACE_STORE"] == "rdzv"
+    assert env["TORCHRIG_STANDBY_FROM"] == str(nodes) and env["TORCHRIG_INPLACE_STORE"] == "rdzv"
+    (master,) = _containers_of(replicas["Master"])
+    assert master["command"][:3] == ["python", "-m", "training.rendezvous_store"]
 
 
 def _containers_of(obj: Any) -> list[dict[str, Any]]:

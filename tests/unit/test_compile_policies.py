@@ -42,7 +42,13 @@ def run(*args: str) -> tuple[int, str, str]:
 
 
 def test_exit_code_convention() -> None:
-    retryable = {ExitCode.TRAINING_FAILED, ExitCode.HUNG, ExitCode.PREEMPTED, ExitCode.RECOVERY_FAILED}
+    retryable = {
+        ExitCode.TRAINING_FAILED,
+        ExitCode.HUNG,
+        ExitCode.PREEMPTED,
+        ExitCode.RECOVERY_FAILED,
+        ExitCode.STORE_LOST,
+    }
     assert {c for c in ExitCode if c.retryable} == retryable
     assert all(not is_retryable(code) for code in (*PERMANENT, 1))
     assert is_retryable(137) and is_retryable(143) and is_retryable(-9) and not is_retryable(0)

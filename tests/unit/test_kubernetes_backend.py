@@ -302,3 +302,21 @@ def test_a_leftover_runtime_is_replaced_only_when_no_trainjob_uses_it(
     k8s_fake_server.add("trainer.kubeflow.org", "v1alpha1", "trainingruntimes", runtime)
     backend.submit(_trainjob_spec(spec), SubmitOptions(fixed_size=True))
     assert [r.path for r in k8s_fake_server.sent("DELETE")] == [f"{RUNTIMES}/torchrig-digits-tj"]
+
+
+def test_beside_a_store_only_master_worker_i_is_node_i(
+    backend: KubernetesBackend, k8s_fake_server: FakeKubeAPI
+) -> None:
+    """Standby nodes: the Master only hosts the rendezvous store, so `--rank 0` / the drills' node 0 is
+    worker-0, and the store pod is no node (its log comes last in the whole job's)."""
+    from orchestrator.compile.pytorchjob import STORE_POD_LABEL
+
+    base = {JOB_LABEL: "digits-ddp", STORE_POD_LABEL[0]: STORE_POD_LABEL[1]}
+    for rtype, index, line in [("master", 0, "store line"), ("worker", 0, "node 0 line"), ("worker", 1, "node 1 line")]:
+        labels = {"training.kubeflow.org/replica-type": rtype, "training.kubeflow.org/replica-index": str(index)}
+        k8s_fake_server.add_pod("default", f"digits-ddp-{rtype}-{index}", {**base, **labels}, line + "\n")
+    assert list(backend.logs("default/pytorchjob/digits-ddp", rank=0)) == ["node 0 line"]
+    assert list(backend.logs("default/pytorchjob/digits-ddp"))[-1] == "[digits-ddp-master-0] store line"
+    assert backend.delete_pod("default/pytorchjob/digits-ddp", 1) == "digits-ddp-worker-1"
+    with pytest.raises(BackendError, match=r"no pod for node index 2"):
+        backend.delete_pod("default/pytorchjob/digits-ddp", 2)

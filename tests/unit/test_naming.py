@@ -29,7 +29,7 @@ from orchestrator.compile.rayjob import compile_rayjob
 from orchestrator.compile.trainjob import compile_trainjob
 from orchestrator.errors import UnsupportedFeature
 from orchestrator.loader import apply_overrides, dump_spec, validate_document
-from orchestrator.naming import target_name_limit
+from orchestrator.naming import target_name_limit, target_name_rule
 from orchestrator.spec import JobSpec
 from tests import crds
 
@@ -160,7 +160,7 @@ def test_messages_name_the_field_the_target_the_limit_and_why() -> None:
     assert str(info.value) == (
         f"metadata.name: '{'s' * 54}' is 54 characters; PyTorchJob names (target pytorchjob) are limited to 53 "
         "with spec.nodes.max=3 and spec.restarts.spareNodes=9 (the training operator names a Service per "
-        "replica, up to '<name>-worker-10', and a Service name is a DNS-1035 label of at most 63 characters)"
+        "replica, up to '<name>-worker-11', and a Service name is a DNS-1035 label of at most 63 characters)"
     )
 
 
@@ -171,6 +171,9 @@ def test_limits() -> None:
     assert [target_name_limit("pytorchjob", n, elastic=True) for n in (2, 10, 11, 100, 101)] == [54, 54, 53, 53, 52]
     assert [target_name_limit("trainjob", n) for n in (1, 10, 11, 100, 101)] == [48, 48, 47, 47, 46]
     assert target_name_limit("torchrun", 1000) == target_name_limit("raytrain", 1000) == 63
+    # Standby nodes: the Master is the store-only pod, the nodes Workers 0..max-1, the standbys after them.
+    rules = [target_name_rule("pytorchjob", n, spare_nodes=s) for n, s in ((9, 1), (10, 1), (1, 9), (1, 10))]
+    assert [r.limit for r in rules if r is not None] == [54, 53, 54, 53]
 
 
 def test_a_63_character_name_with_three_nodes_validates_and_dry_runs_locally(tmp_path: Path) -> None:

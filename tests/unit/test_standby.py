@@ -5,6 +5,7 @@ killed, its ranks taken in place, bit-identical) runs in tests/pods/test_pods.py
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import time
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 
 from orchestrator.compile import compile as compile_manifests
-from orchestrator.compile.pytorchjob import REPLICA_INDEX_LABEL
+from orchestrator.compile.pytorchjob import REPLICA_INDEX_LABEL, STORE_POD_LABEL
 from orchestrator.loader import load_spec
 from tests.crds import assert_valid
 from tests.fixtures.common import REPO
@@ -44,18 +45,51 @@ def test_spare_nodes_are_extra_worker_replicas_that_learn_their_index_from_the_o
     job = _job("spec.nodes.min=3", "spec.nodes.max=3", "spec.restarts.spareNodes=2")
     assert_valid([job])
     replicas = job["spec"]["pytorchReplicaSpecs"]
-    assert replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] == 2 + 2
-    worker, master = _env(replicas["Worker"]["template"]), _env(replicas["Master"]["template"])
-    assert worker[Env.STANDBY_FROM] == "2", "workers 0 and 1 are members, 2 and 3 stand by"
+    assert replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] == 3 + 2
+    worker = _env(replicas["Worker"]["template"])
+    assert worker[Env.STANDBY_FROM] == "3", "workers 0-2 are the nodes, 3 and 4 stand by"
     assert worker[Env.REPLICA_INDEX] == {"fieldRef": {"fieldPath": f"metadata.labels['{REPLICA_INDEX_LABEL}']"}}
-    assert Env.STANDBY_FROM not in master, "the master hosts the rendezvous store: it never stands by"
-    assert worker[Env.INPLACE_STORE] == master[Env.INPLACE_STORE] == Env.INPLACE_STORE_RDZV
+    assert worker[Env.INPLACE_STORE] == Env.INPLACE_STORE_RDZV and worker[Env.STORE_POD] == "1"
+    assert replicas["Worker"]["template"]["metadata"]["labels"][STORE_POD_LABEL[0]] == STORE_POD_LABEL[1]
+
+
+def test_with_spare_nodes_the_master_is_a_store_only_pod() -> None:
+    """No training node hosts the rendezvous store, so any of them can be lost and taken in place: the
+    Master runs `training.rendezvous_store` at the port the operator gives as MASTER_PORT, with no GPU,
+    no spec, no probe, and Guaranteed resources of its own."""
+    job = _job(
+        "spec.nodes.min=2", "spec.restarts.spareNodes=1", "spec.resources.gpus=2", "spec.kubernetes.gang=volcano"
+    )
+    assert_valid([job])
+    master = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
+    (container,) = master["spec"]["containers"]
+    assert container["command"] == [
+        "python",
+        "-m",
+        "training.rendezvous_store",
+        "--port",
+        "23456",
+        "--run-id",
+        job["metadata"]["name"],
+    ]
+    assert container["ports"] == [{"name": "pytorchjob-port", "containerPort": 23456, "protocol": "TCP"}]
+    assert container["resources"]["requests"] == container["resources"]["limits"]
+    assert not [k for k in container["resources"]["limits"] if "gpu" in k]
+    assert "livenessProbe" not in container and "startupProbe" not in container
+    assert [v["name"] for v in master["spec"]["volumes"]] == ["torchrig-tmp"]
+    assert master["spec"]["automountServiceAccountToken"] is False
+    assert master["spec"]["schedulerName"] == "volcano"
+    assert master["metadata"]["labels"]["app.kubernetes.io/component"] == "rendezvous-store"
+    assert "prometheus.io/scrape" not in master["metadata"]["annotations"], "it exports no metrics"
+    # The gang holds the nodes and the store; the standby is not needed to start.
+    assert job["spec"]["runPolicy"]["schedulingPolicy"]["minAvailable"] == 3
 
 
 def test_a_one_node_job_with_a_spare_node_shares_the_rendezvous_store_not_the_agents() -> None:
     replicas = _job("spec.nodes.min=1", "spec.nodes.max=1", "spec.restarts.spareNodes=1")["spec"]["pytorchReplicaSpecs"]
-    assert replicas["Worker"]["replicas"] == 1
-    assert _env(replicas["Master"]["template"])[Env.INPLACE_STORE] == Env.INPLACE_STORE_RDZV
+    assert replicas["Worker"]["replicas"] == 2
+    worker = _env(replicas["Worker"]["template"])
+    assert worker[Env.INPLACE_STORE] == Env.INPLACE_STORE_RDZV and worker[Env.STANDBY_FROM] == "1"
 
 
 @pytest.mark.parametrize(
@@ -72,6 +106,7 @@ def test_spare_nodes_where_they_cannot_run_add_no_pods_and_say_why(sets: tuple[s
     if spec.spec.kubernetes.target == "pytorchjob":
         replicas = _job(*sets, "spec.restarts.spareNodes=1")["spec"]["pytorchReplicaSpecs"]
         assert all(Env.STANDBY_FROM not in _env(r["template"]) for r in replicas.values())
+        assert all("torchrun" in r["template"]["spec"]["containers"][0]["command"] for r in replicas.values())
         assert sum(r["replicas"] for r in replicas.values()) == spec.spec.nodes.max
 
 
@@ -81,7 +116,7 @@ def test_who_stands_by_and_what_it_reads_from_torchruns_arguments() -> None:
     argv = command[command.index("torchrun") + 1 :]
     argv = [a.replace("$(MASTER_ADDR)", "digits-ddp-master-0").replace("$(MASTER_PORT)", "23456") for a in argv]
     assert standby_wanted(argv, {}) is None, "no spare nodes: torchrun as before"
-    launch = standby_wanted(argv, {Env.STANDBY_FROM: "1", Env.REPLICA_INDEX: "1"})
+    launch = standby_wanted(argv, {Env.STANDBY_FROM: "2", Env.REPLICA_INDEX: "2"})
     assert launch is not None
     assert (launch.endpoint, launch.run_id, launch.nproc) == ("digits-ddp-master-0:23456", "digits-ddp", 2)
     assert launch.program[1:] == ["-u", "-m", "training", "--spec", "/etc/torchrig/job.yaml"]
@@ -91,7 +126,7 @@ def test_who_stands_by_and_what_it_reads_from_torchruns_arguments() -> None:
         standby_wanted(
             [*argv[:-5], "--rdzv-endpoint", "127.0.0.1:9", *argv[-5:]],
             {
-                Env.STANDBY_FROM: "1",
+                Env.STANDBY_FROM: "2",
                 Env.REPLICA_INDEX: "0",
             },
         )
@@ -230,3 +265,38 @@ def test_a_standby_whose_store_vanished_or_never_answered_ends(monkeypatch: pyte
         port = sock.getsockname()[1]
     never = Launch(f"127.0.0.1:{port}", "job", 1, 0, ["python", "-m", "training"], join_timeout_s=1.0)
     assert standby._wait_for_round(never, "spare", lambda: False, seen=False) == 1
+
+
+def test_a_members_pod_recreated_as_the_job_ends_exits_0_instead_of_joining_a_closed_rendezvous(store: Any) -> None:
+    """A lost node's recreated pod that comes up when the job's agents have passed torchrun's exit barrier
+    must not run torchrun: the rendezvous is closed, torchrun would exit 1 and the operator would fail a
+    job that succeeded. `standby_wanted` keeps it (no round runs, but the job is over) and `run_standby`
+    ends it with 0; the store-only Master reads the same state as the job's success."""
+    from torch.distributed.elastic.utils.store import barrier
+
+    from training.inplace.standby import TERMINAL_STATE_SYNC_ID, job_finished, round_store, run_standby
+    from training.rendezvous_store import FAILED_KEY, job_outcome
+
+    argv = [
+        *("--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "c10d"),
+        *("--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-id", "job", "x.py"),
+    ]
+    member = {Env.STANDBY_FROM: "1", Env.REPLICA_INDEX: "0"}
+    assert standby_wanted(argv, member) is None, "no round recorded: the job is starting, join it"
+    assert job_outcome(store, "job") is None
+    store.set(InPlace.round_record_key("job"), json.dumps({"token": "t", "round": 2, "nodes": 1}))
+    assert not job_finished(store, "job") and job_outcome(store, "job") is None
+    barrier(round_store(store, "job", 2), 1, TERMINAL_STATE_SYNC_ID, barrier_timeout=10)
+    assert job_finished(store, "job") and job_outcome(store, "job") == 0
+    launch = standby_wanted(argv, member)
+    assert launch is not None
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        assert run_standby(launch, dict(member)) == 0
+    finally:  # run_standby installs its own
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    store.set(FAILED_KEY, "1")
+    assert job_outcome(store, "job") == 1, "an agent's permanent exit ends the store pod with that code"
+    store.set(FAILED_KEY, "143")
+    assert job_outcome(store, "job") == 0, "only a permanent code is an agent's verdict on the job"

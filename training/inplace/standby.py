@@ -128,6 +128,18 @@ def exit_barrier_passed(raw: Any, run_id: str, round_: int) -> bool:
     return bool(round_store(raw, run_id, round_).check([f"{TERMINAL_STATE_SYNC_ID}{LAST_MEMBER}"]))
 
 
+def recorded_round(store: Any, run_id: str) -> Round | None:
+    """The round the agents recorded last (`InPlace.round_record_key`), or None."""
+    key = InPlace.round_record_key(run_id)
+    return Round.parse(store.get(key)) if store.check([key]) else None
+
+
+def job_finished(store: Any, run_id: str) -> bool:
+    """Whether the agents of the round recorded last passed torchrun's exit barrier: the job is over."""
+    found = recorded_round(store, run_id)
+    return found is not None and exit_barrier_passed(store, run_id, found.round)
+
+
 def _replica_role(env: Mapping[str, str]) -> str | None:
     """ "spare" (a spare replica), "member" (a member's pod, standby only while its round runs) or None
     (no spare nodes here: run torchrun)."""
@@ -144,10 +156,7 @@ def _beats(store: Any, inplace: InPlace, nodes: int) -> list[bytes] | None:
 
 def _round_running(store: Any, run_id: str) -> Round | None:
     """The recorded round when its nodes are beating now (two looks a second apart), else None."""
-    raw_key = InPlace.round_record_key(run_id)
-    if not store.check([raw_key]):
-        return None
-    found = Round.parse(store.get(raw_key))
+    found = recorded_round(store, run_id)
     if found is None:
         return None
     inplace = _inplace("", run_id, found, node=0)
@@ -191,9 +200,10 @@ def standby_wanted(argv: list[str], env: Mapping[str, str] | None = None) -> Lau
         return None
     if role == "spare":
         return launch
-    try:  # a member's pod: stand by only when its job's round runs without it
+    try:  # a member's pod: stand by only when its job's round runs without it (or the job is over: exit 0)
         store = store_client(launch.endpoint, timeout_s=5.0)
-        return launch if _round_running(store, launch.run_id) is not None else None
+        running = _round_running(store, launch.run_id) is not None
+        return launch if running or job_finished(store, launch.run_id) else None
     except Exception:  # no store yet: the job is starting, and this pod is one of its members
         return None
 
@@ -326,10 +336,12 @@ class Standby:
 def _wait_for_round(launch: Launch, role: str, stop: Any, *, seen: bool) -> tuple[Any, Round] | int | None:
     """Connect and wait until the job's round runs (its nodes beating).
 
-    None when `stop()` or, for a member's node, when no round runs (it joins the rendezvous). 0 once the
-    store, reached before (or this standby saw the job run: `seen`), has been gone `STORE_GONE_S`: the
-    job ended, or its launcher died. 1 when the store was never reached within the rendezvous' join
-    timeout, as torchrun's agent fails then (`RendezvousTimeoutError`).
+    None when `stop()` or, for a member's node, when no round runs (it joins the rendezvous). 0 when the
+    job is over (its agents passed torchrun's exit barrier: a member's pod recreated as the job ended
+    must not join a closed rendezvous), or once the store, reached before (or this standby saw the job
+    run: `seen`), has been gone `STORE_GONE_S`: the job ended, or its launcher died. 1 when the store was
+    never reached within the rendezvous' join timeout, as torchrun's agent fails then
+    (`RendezvousTimeoutError`).
     """
     started = time.monotonic()
     reached = started if seen else None  # when the store last answered
@@ -339,10 +351,18 @@ def _wait_for_round(launch: Launch, role: str, stop: Any, *, seen: bool) -> tupl
             raw = store_client(launch.endpoint, timeout_s=timeout_s)
             reached = time.monotonic()
             found = _round_running(raw, launch.run_id)
+            over = found is None and job_finished(raw, launch.run_id)
         except Exception:
-            found, raw = None, None
+            found, raw, over = None, None, False
         if found is not None:
             return raw, found
+        if over:
+            print(
+                "torchrig: standby: the job's agents passed torchrun's exit barrier; the job is over",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 0
         if role == "member":
             return None  # a member's pod joins the rendezvous when no round runs
         now = time.monotonic()
