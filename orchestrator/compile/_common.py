@@ -129,24 +129,27 @@ def resources(spec: JobSpec) -> dict[str, Any]:
     return {"requests": requests, "limits": limits}
 
 
-def inplace_store_env(spec: JobSpec, *, c10d: bool = True, standby: bool = False) -> dict[str, str]:
+def inplace_store_env(spec: JobSpec, *, standby: bool = False) -> dict[str, str]:
     """Where a torchrun launch that may recover in place finds its long-lived store: on one node its agent
-    hosts one (`Env.INPLACE_STORE_AGENT`, `training.torchrun.host_inplace_store`); on several nodes
-    launched over the c10d rendezvous (`c10d`) every node shares the rendezvous store
-    (`Env.INPLACE_STORE_RDZV`); several nodes under a static rendezvous (TrainJob) get nothing and restart
-    the group (docs/operations.md); with standby nodes (`standby`, PyTorchJob) one node shares it too, as
-    the standby pods must reach it. The worker still decides (`training.inplace.InPlace`)."""
+    hosts one (`Env.INPLACE_STORE_AGENT`, `training.torchrun.host_inplace_store`); on several nodes every
+    node shares the c10d rendezvous store (`Env.INPLACE_STORE_RDZV`: every Kubernetes target launches such
+    a job over c10d, `in_place_c10d`); with standby nodes (`standby`, PyTorchJob) one node shares it too,
+    as the standby pods must reach it. The worker still decides (`training.inplace.InPlace`)."""
     s = spec.spec
     if s.restarts.mode == "restart" or s.restarts.spares < 1:
         return {}
     if s.nodes.max == 1 and not standby:
         return {Env.INPLACE_STORE: Env.INPLACE_STORE_AGENT} if s.procs_per_node >= 2 else {}
-    return {Env.INPLACE_STORE: Env.INPLACE_STORE_RDZV} if c10d else {}
+    return {Env.INPLACE_STORE: Env.INPLACE_STORE_RDZV}
 
 
-def worker_env(
-    spec: JobSpec, *, torchrun: bool = True, c10d: bool = True, standby: bool = False
-) -> list[dict[str, Any]]:
+def in_place_c10d(spec: JobSpec) -> bool:
+    """Whether several nodes share the rendezvous store for in-place recovery (`inplace_store_env` gives
+    `rdzv`): their torchrun must then run the c10d rendezvous, whose rounds the nodes agree on."""
+    return inplace_store_env(spec).get(Env.INPLACE_STORE) == Env.INPLACE_STORE_RDZV
+
+
+def worker_env(spec: JobSpec, *, torchrun: bool = True, standby: bool = False) -> list[dict[str, Any]]:
     """Environment of the worker container (architecture.md: backend -> worker contract); `torchrun`: the
     container runs torchrun (PyTorchJob, TrainJob), not a Ray head; `c10d`: over the c10d rendezvous;
     `standby`: the PyTorchJob runs standby nodes (`compile.pytorchjob.spare_nodes`)."""
@@ -160,7 +163,7 @@ def worker_env(
         # torchrun waits past restarts.preemptGraceSeconds before it SIGKILLs its workers on a SIGTERM, so
         # their emergency checkpoint fits (training.preemption); the pod's grace period covers both.
         **launcher_env(spec.spec.restarts),
-        **(inplace_store_env(spec, c10d=c10d, standby=standby) if torchrun else {}),
+        **(inplace_store_env(spec, standby=standby) if torchrun else {}),
     }
     env.update(spec.spec.kubernetes.env)
     return [{"name": k, "value": v} for k, v in env.items()]

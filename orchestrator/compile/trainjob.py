@@ -14,8 +14,10 @@ elastic specs are refused.
 Failures (Kubeflow's exit-code convention, `training.contract.ExitCode`): the runtime's pods run with
 `restartPolicy: Never` and `backoffLimit: 0`, so a failed pod fails its Job and the JobSet restarts the
 whole group from the last checkpoint (`failurePolicy.maxRestarts` = `restarts.max`; one replaced pod
-could not rejoin the others' static rendezvous). A permanent exit code (the preflight's 2 and 3, 126,
-127) fails the Job through its `podFailurePolicy` (reason `PodFailurePolicy`), and the JobSet's rule
+could not rejoin the others' rendezvous). A rank that dies inside a pod of a job that recovers in place
+is replaced there by a spare and fails no pod: several nodes then rendezvous over c10d at node 0
+(`worker_command`) and share its store, as a PyTorchJob's do. A permanent exit code (the preflight's 2
+and 3, 126, 127) fails the Job through its `podFailurePolicy` (reason `PodFailurePolicy`), and the JobSet's rule
 `FailJobSet` on that reason ends the job without spending a restart. torchrun here runs with no restart
 of its own, so its exit 1 (the group failed) is one failure to restart, not a permanent one.
 """
@@ -47,6 +49,8 @@ CONTAINER_NAME = "node"
 ANCESTOR_LABEL = "trainer.kubeflow.org/trainjob-ancestor-step"
 PATCH_MANAGER = "torchrig.io/torchrig"
 RUNTIME_KIND = "TrainingRuntime"  # of the runtime torchrig emits: namespaced, this job's own
+# What the torch plugin injects as node 0's address and port (torchrun's static rendezvous reads them).
+MASTER_ADDR_ENV, MASTER_PORT_ENV = "PET_MASTER_ADDR", "PET_MASTER_PORT"
 # Batch's Job failure reason when a podFailurePolicy rule with action FailJob matched.
 PERMANENT_FAILURE_REASON = "PodFailurePolicy"
 
@@ -83,8 +87,15 @@ def check_trainjob(spec: JobSpec, *, fixed_size: bool = False) -> None:
 
 
 def worker_command(spec: JobSpec) -> list[str]:
-    # Nodes, node rank and master address come from the PET_* variables the torch plugin injects.
-    return [*p.launcher(), "torchrun", "--nproc-per-node", str(spec.spec.procs_per_node), *c.worker_program()]
+    """Nodes, node rank and master address come from the PET_* variables the torch plugin injects (the
+    static rendezvous). Several nodes that recover in place rendezvous over c10d at the same address
+    instead (`c.in_place_c10d`): node 0's agent hosts the store there, and the round's token lets every
+    node's ranks share it for in-place recovery; the static rendezvous has no round to agree on."""
+    cmd = [*p.launcher(), "torchrun", "--nproc-per-node", str(spec.spec.procs_per_node)]
+    if c.in_place_c10d(spec):
+        endpoint = f"$({MASTER_ADDR_ENV}):$({MASTER_PORT_ENV})"
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", spec.name]
+    return cmd + c.worker_program()
 
 
 def _failure_policies() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -172,7 +183,7 @@ def _runtime_patch(spec: JobSpec) -> dict[str, Any]:
         "containers": [
             {
                 "name": CONTAINER_NAME,
-                "env": c.worker_env(spec, c10d=False),  # the torch plugin's static rendezvous
+                "env": c.worker_env(spec),
                 "volumeMounts": mounts,
                 "securityContext": p.container_security_context(),
             }

@@ -308,6 +308,33 @@ def test_trainjob_with_two_nodes_trains_like_torchrig_run(
     assert result["params_sha256"] == reference_result["params_sha256"]
 
 
+def test_two_node_trainjob_replaces_a_killed_rank_in_place_across_pods_without_failing_a_pod(
+    pod_cluster: MakeCluster, reference_result: dict[str, Any]
+) -> None:
+    """A TrainJob of two nodes that recovers in place rendezvous over c10d at node 0 (the torch plugin's
+    `PET_MASTER_ADDR:PET_MASTER_PORT`, whose static rendezvous has no round to share) and shares its store
+    (`TORCHRIG_INPLACE_STORE=rdzv`). Rank 3 is killed: node 1's warm spare takes its place, no pod fails
+    (a failed pod would fail its Job and restart the whole JobSet), no step is lost, bit-identical."""
+    kill = '\'[{"kind": "kill", "rank": 3, "step": 15}]\''
+    objects = render("trainjob", "spec.nodes.min=2", f"spec.kubernetes.env.TORCHRIG_FAULTS={kill}")
+    pods = trainjob_pods(objects)
+    command = pods[0].container["command"]
+    assert command[command.index("--rdzv-endpoint") + 1] == "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)"
+    env = {e["name"]: e.get("value") for e in pods[0].container["env"]}
+    assert env["TORCHRIG_INPLACE_STORE"] == "rdzv"
+    cluster = pod_cluster(objects, pods)
+    outcome = run_job(cluster, trainjob_succeeded, timeout_s=JOB_TIMEOUT_S)
+    assert outcome.status == "Succeeded", _why(outcome, cluster)
+    assert {n: s.exit_codes for n, s in cluster.pods.items()} == {n: [0] for n in cluster.pods}, "no pod failed"
+    recoveries = [e for e in _events(cluster) if e.kind is EventKind.RECOVERY]
+    assert {e.get("path") for e in recoveries} == {"inplace"}, _why(outcome, cluster)
+    assert sorted(e.get("role") for e in recoveries) == ["spare", "survivor", "survivor", "survivor"]
+    assert {e.step for e in recoveries} == {15}, "no step lost"
+    result = _result(cluster)
+    assert (result["steps"], result["world_size"]) == (40, 4)
+    assert result["params_sha256"] == reference_result["params_sha256"]
+
+
 @dataclass
 class RayJobRun:
     cluster: PodCluster

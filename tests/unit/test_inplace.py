@@ -225,14 +225,25 @@ def test_one_node_torchrun_targets_have_their_agent_host_the_in_place_store() ->
     for target in ("pytorchjob", "trainjob"):
         assert pod_env(one_node, target)[Env.INPLACE_STORE] == Env.INPLACE_STORE_AGENT, target
     assert compile_torchrun(one_node).env[Env.INPLACE_STORE] == Env.INPLACE_STORE_AGENT
-    # Several nodes over the c10d rendezvous (both PyTorchJob shapes, the torchrun target) share the
-    # rendezvous store; a TrainJob's static rendezvous has no round to share: it restarts the group.
+    # Several nodes over the c10d rendezvous (both PyTorchJob shapes, the torchrun target, and a TrainJob
+    # that recovers in place, which leaves the torch plugin's static rendezvous for c10d at node 0) share
+    # the rendezvous store; without in-place recovery the TrainJob keeps the static rendezvous.
     nodes = ("spec.nodes.min=1", "spec.nodes.max=2", "spec.checkpoint.stores=[{uri: 's3://bucket/x'}]")
     several, fixed = spec_of(*nodes), spec_of(*nodes, "spec.nodes.min=2")
     assert pod_env(several, "pytorchjob")[Env.INPLACE_STORE] == Env.INPLACE_STORE_RDZV
     assert pod_env(fixed, "pytorchjob")[Env.INPLACE_STORE] == Env.INPLACE_STORE_RDZV
     assert compile_torchrun(several).env[Env.INPLACE_STORE] == Env.INPLACE_STORE_RDZV
-    assert Env.INPLACE_STORE not in pod_env(fixed, "trainjob")
+    assert pod_env(fixed, "trainjob")[Env.INPLACE_STORE] == Env.INPLACE_STORE_RDZV
+    from orchestrator.compile.trainjob import worker_command
+
+    assert worker_command(fixed)[-9:-4] == [
+        "c10d",
+        "--rdzv-endpoint",
+        "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)",
+        "--rdzv-id",
+        "t",
+    ]
+    assert "--rdzv-backend" not in worker_command(spec_of(*nodes, "spec.nodes.min=2", "spec.restarts.mode=restart"))
     # Ray runs no torchrun; restart mode, no spares or one process on one node recover by a restart.
     assert Env.INPLACE_STORE not in pod_env(one_node, "rayjob")
     for sets in (

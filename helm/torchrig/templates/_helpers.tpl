@@ -181,7 +181,7 @@ key order (Helm's maps are sorted; the compiler keeps the job file's order). Arg
   {{- end -}}
 {{- end -}}
 {{- /* orchestrator.compile._common.inplace_store_env: one node that may recover in place has its torchrun agent host the store;
-       several nodes over the c10d rendezvous (PyTorchJob), or one with standby nodes, share the rendezvous store; a TrainJob's static rendezvous restarts. */ -}}
+       several nodes (launched over the c10d rendezvous by every target), or one with standby nodes, share the rendezvous store. */ -}}
 {{- $r := .spec.restarts -}}
 {{- if and (ne $r.mode "restart") (ge ($r.spares | int) 1) -}}
   {{- $standby := and (eq .spec.kubernetes.target "pytorchjob") (gt (.spec.restarts.spareNodes | int) 0) -}}
@@ -189,7 +189,7 @@ key order (Helm's maps are sorted; the compiler keeps the job file's order). Arg
     {{- if ge (.spec.procsPerNode | int) 2 -}}
       {{- $builtin = append $builtin (list "TORCHRIG_INPLACE_STORE" "agent") -}}
     {{- end -}}
-  {{- else if eq .spec.kubernetes.target "pytorchjob" -}}
+  {{- else -}}
     {{- $builtin = append $builtin (list "TORCHRIG_INPLACE_STORE" "rdzv") -}}
   {{- end -}}
 {{- end -}}
