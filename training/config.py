@@ -227,7 +227,7 @@ class RestartsConfig(Model):
             "falling back to `restart` when that cannot finish within inPlaceTimeoutSeconds. `restart`: torchrun "
             "restarts every rank from the newest checkpoint. `auto` (the default): `inplace` where it applies, "
             "`restart` elsewhere. In-place applies to jobs of 2+ ranks launched by the local backend, a PyTorchJob "
-            "(any number of pods), a one-pod TrainJob or the torchrun target: DDP, and FSDP/HSDP with "
+            "or TrainJob (any number of pods) or the torchrun target: DDP, and FSDP/HSDP with "
             "checkpoint.inMemory.every (it returns to the newest in-memory snapshot of the shards); a rank is "
             "replaced by a spare of its own node, and a whole node lost restarts the group unless a standby pod "
             "takes it (`spareNodes`; docs/operations.md). "
@@ -256,7 +256,8 @@ class RestartsConfig(Model):
             "lost (its pod evicted or killed, its machine gone) one of them takes all of that node's ranks in "
             "place: the other pods keep running and their state, 0 steps are lost, and the lost node's recreated "
             "pod stands by in turn. Without one a lost node restarts the group from the checkpoint. Detection "
-            "takes about 3 s (the node's heartbeat). 0: none."
+            "takes 1-3 s (the node's heartbeat). On Kubernetes the PyTorchJob's Master then only hosts the "
+            "rendezvous store (a small pod without a GPU), so that any training node can be taken. 0: none."
         ),
     )
     in_place_timeout_seconds: float = Field(

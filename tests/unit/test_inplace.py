@@ -755,3 +755,38 @@ def test_a_finished_run_does_not_wait_forever_for_its_last_replica_exchange(capl
     assert time.monotonic() - begun < 5
     assert "did not end within 0.3 s" in caplog.text
     stuck.set()
+
+
+def test_a_spare_stuck_before_ready_is_killed_and_no_longer_counts_as_the_pools_spare() -> None:
+    """A spare that never got ready (seen: deadlocked at the end of its rehearsal) used to count as the
+    pool's warm spare for the rest of the job, so every later recovery waited a third of the in-place
+    timeout for one started beside it. The pool kills it (claimed as "stuck", so no host takes it); a
+    ready spare and a young one are left alone."""
+    import signal as signals
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    from training.inplace.host import SparePool
+
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    settings = InPlace(store_addr="", run_id="r", restart_count=0, node_rank=0, spares=1, timeout_s=5)
+    pool = SparePool(settings, store, [], [], first_trainer=0)
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(3)]
+    try:
+        for index, (proc, age) in enumerate(zip(procs, (30.0, 30.0, 0.0), strict=True)):
+            pool.procs[proc.pid] = (index, proc)
+            pool.started[proc.pid] = time.monotonic() - age
+        store.set(settings.spare_key(1, "ready"), str(procs[1].pid))
+        assert pool._end_stuck(10.0)
+        assert procs[0].wait(timeout=10) == -signals.SIGKILL
+        assert store.get(settings.spare_key(0, "claim")) == b"stuck"
+        assert procs[1].poll() is None and procs[2].poll() is None, "ready or young: kept"
+        assert not pool._end_stuck(10.0), "nothing more to end"
+        pool.tick(spawn=False)
+        assert sorted(index for index, _ in pool.procs.values()) == [1, 2]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 POLL_S = 0.02
 PROMOTION_WAIT_S = 24 * 86400.0  # a standby may stand by for the whole job
 SPARE_TERM_GRACE_S = 10.0  # an unclaimed spare still alive this long after its SIGTERM is killed
+STUCK_SPARE_S = 60.0  # an unclaimed spare not ready this long after its start (or the in-place timeout) is killed
 EXIT_CODE_WAIT_S = 2.0  # how long a host waits for a dead spare's exit code to be published
 _PASS_THROUGH = {0, *PERMANENT, int(ExitCode.PREEMPTED), int(ExitCode.RECOVERY_FAILED)}
 _FORWARD = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2, signal.SIGUSR1)
@@ -181,6 +182,7 @@ class SparePool:
         self.spawned = first_index
         self.last_spawn = 0.0
         self.procs: dict[int, tuple[int, subprocess.Popen[bytes] | forked.Process]] = {}  # pid -> (index, process)
+        self.started: dict[int, float] = {}  # pid -> when it was started
 
     def tick(self, *, spawn: bool = True) -> None:
         """Publish the exit codes of spares that ended; start spares until `spares` unclaimed ones live
@@ -190,6 +192,7 @@ class SparePool:
             if code is not None:
                 self.store.set(self.inplace.exit_key(pid), str(_status(code)))
                 del self.procs[pid]
+                self.started.pop(pid, None)
         if not spawn:
             return
         if self.spawned == self.first_index and not self.store.check([self.inplace.stepped_key(self.first_trainer)]):
@@ -203,10 +206,14 @@ class SparePool:
             return
         if waiting and self._starting_too_long():
             unclaimed = 0  # a host waits and the spares starting seem stuck (seen: one never got ready)
+            self._end_stuck(self.inplace.timeout_s / 3)
+        elif self._end_stuck(max(self.inplace.timeout_s, STUCK_SPARE_S)):
+            unclaimed = sum(1 for index, _ in self.procs.values() if not self._claimed(index))
         while unclaimed < self.inplace.spares:
             env = {Env.INPLACE_ROLE: ROLE_SPARE, Env.INPLACE_SPARE: str(self.spawned)}
             proc = forked.start(self.command, self.argv, env)
             self.procs[proc.pid] = (self.spawned, proc)
+            self.started[proc.pid] = time.monotonic()
             self.spawned += 1
             self.store.add(self.inplace.spawned_key, 1)
             self.last_spawn = time.monotonic()
@@ -219,6 +226,28 @@ class SparePool:
             if not self._claimed(index) and self.store.check([self.inplace.spare_key(index, "ready")]):
                 return False
         return time.monotonic() - self.last_spawn > self.inplace.timeout_s / 3
+
+    def _end_stuck(self, after_s: float) -> bool:
+        """SIGKILL every unclaimed spare that is not ready `after_s` after its start, so that it no longer
+        counts as one of the pool's spares; returns whether one was. Seen once in ~100 recoveries: a spare
+        deadlocked for good at the end of its rehearsal step (gloo's process group destroyed under the GIL
+        while a worker thread waited for it to drop a comm hook's callback), and every later recovery then
+        waited a third of the in-place timeout for a spare started beside it."""
+        now, ended = time.monotonic(), False
+        for pid, (index, proc) in list(self.procs.items()):
+            if now - self.started.get(pid, now) < after_s or proc.poll() is not None:
+                continue
+            if self._claimed(index) or self.store.check([self.inplace.spare_key(index, "ready")]):
+                continue
+            if self.store.compare_set(self.inplace.spare_key(index, "claim"), "", "stuck").decode() != "stuck":
+                continue  # a host claimed it just now
+            log.warning(
+                "in-place: spare %d (pid %d) not ready after %.0f s; killing it", index, pid, now - self.started[pid]
+            )
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGKILL)
+            ended = True
+        return ended
 
     def _claimed(self, index: int) -> bool:
         return bool(self.store.check([self.inplace.spare_key(index, "claim")]))

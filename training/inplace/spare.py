@@ -92,6 +92,9 @@ def _connect(inplace: InPlace) -> Any:
             log.warning("spare: connecting to the in-place store failed (%s); retrying", str(exc).splitlines()[0])
 
 
+_REHEARSAL_GROUPS: list[Any] = []
+
+
 def _rehearse(spec: WorkerSpec, task: Any, model: torch.nn.Module) -> None:
     """Pay every first-use cost of a step now, on a throwaway copy: the lazy imports of the checkpoint
     stack and DDP, the data pipeline, autograd and the optimizer's first step (seconds on a loaded
@@ -114,6 +117,11 @@ def _rehearse(spec: WorkerSpec, task: Any, model: torch.nn.Module) -> None:
         # mesh and its hooks) cost about a second: rehearse them on a one-process group of its own (no
         # port), destroyed before the real generation forms.
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+        # Kept for the process's life: when DDP's reducer dropped the last reference, gloo's destructor
+        # joined its worker threads under the GIL while one waited for the GIL to drop the comm hook's
+        # Python callback, and the spare deadlocked for good (once in ~100 spares). Held here, the group
+        # outlives the reducer and is never destroyed (the process ends through `exit_now`).
+        _REHEARSAL_GROUPS.append(dist.group.WORLD)
         try:
             if cfg.strategy is Strategy.ddp:
                 par = Parallel(
