@@ -289,6 +289,12 @@ class InPlaceGroup:
         """
         cut = self.ledger.cut()
         log.debug("in-place: rank %d cut %d connections of generation %d", self.identity.rank, cut, self.generation)
+        # Held until the end, then dropped last: the group's destructor joins gloo's worker threads, and
+        # torch releases the GIL for that when the group's Python object goes last. Had DDP's reducer held
+        # the last reference (freed by the collector below), it would join them under the GIL while one
+        # of them may wait for the GIL to drop a comm hook's callback: the deadlock one spare's rehearsal
+        # hit (`spare._rehearse`).
+        world = dist.group.WORLD if dist.is_initialized() else None
         if self.backend == "nccl" and dist.is_initialized():
             abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
             if abort is not None:
@@ -301,12 +307,12 @@ class InPlaceGroup:
                 dist.destroy_process_group()
             except Exception:  # a broken group may refuse a clean shutdown; it is abandoned either way
                 log.debug("destroying the broken process group failed", exc_info=True)
-        if self.identity.world_size > 2:
-            # The broken groups sit in reference cycles (tracebacks, DDP's reducer): free them now. Cheap
-            # because `freeze_heap` took everything that existed before the first group out of the
-            # collector's reach (a full collection of a process that imported torch: ~0.2 s of CPU per
-            # member, which 8 members on 2 cores turned into 0.8-1.0 s of the recovery).
-            gc.collect()
+        # The broken groups sit in reference cycles (tracebacks, DDP's reducer): free them now. Cheap
+        # because `freeze_heap` took everything that existed before the first group out of the
+        # collector's reach (a full collection of a process that imported torch: ~0.2 s of CPU per
+        # member, which 8 members on 2 cores turned into 0.8-1.0 s of the recovery).
+        gc.collect()
+        del world
 
     def sync_state(
         self,

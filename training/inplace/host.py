@@ -182,7 +182,7 @@ class SparePool:
         self.spawned = first_index
         self.last_spawn = 0.0
         self.procs: dict[int, tuple[int, subprocess.Popen[bytes] | forked.Process]] = {}  # pid -> (index, process)
-        self.started: dict[int, float] = {}  # pid -> when it was started
+        self.started: dict[int, float] = {}  # pid -> when it was started, until it is known ready or claimed
 
     def tick(self, *, spawn: bool = True) -> None:
         """Publish the exit codes of spares that ended; start spares until `spares` unclaimed ones live
@@ -235,9 +235,10 @@ class SparePool:
         waited a third of the in-place timeout for a spare started beside it."""
         now, ended = time.monotonic(), False
         for pid, (index, proc) in list(self.procs.items()):
-            if now - self.started.get(pid, now) < after_s or proc.poll() is not None:
+            if pid not in self.started or now - self.started[pid] < after_s or proc.poll() is not None:
                 continue
             if self._claimed(index) or self.store.check([self.inplace.spare_key(index, "ready")]):
+                del self.started[pid]  # ready or claimed: never looked at again (no store request per tick)
                 continue
             if self.store.compare_set(self.inplace.spare_key(index, "claim"), "", "stuck").decode() != "stuck":
                 continue  # a host claimed it just now
