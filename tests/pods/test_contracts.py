@@ -135,12 +135,16 @@ def test_trainjob_pods_are_indexed_jobset_pods_with_the_torch_plugin_env() -> No
         ("digits-ddp-node-0-1", "digits-ddp"),
     ]
     trainer = one(objects, "TrainJob")["spec"]["trainer"]
+    # In-place recovery over several nodes: torchrun's c10d endpoint is node 0's name, from the plugin's env.
+    endpoint = "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)"
+    assert endpoint in trainer["command"]
+    command = [a.replace(endpoint, "digits-ddp-node-0-0.digits-ddp:29500") for a in trainer["command"]]
     for index, pod in enumerate(pods):
         env = _env(pod)
         assert env["PET_NODE_RANK"] == env["JOB_COMPLETION_INDEX"] == str(index)
         assert (env["PET_NNODES"], env["PET_NPROC_PER_NODE"]) == ("2", "2")
         assert (env["PET_MASTER_ADDR"], env["PET_MASTER_PORT"]) == ("digits-ddp-node-0-0.digits-ddp", "29500")
-        assert _argv(pod) == trainer["command"]
+        assert _argv(pod) == command
     _assert_runnable(objects, pods)
 
 
