@@ -36,8 +36,6 @@ from typing import Any
 
 __all__ = ["EXIT_GRACE_S", "FAILED_KEY", "failed_code", "job_outcome", "main", "serve"]
 
-log = logging.getLogger(__name__)
-
 POLL_S = 0.5
 EXIT_GRACE_S = 5.0  # after the exit barrier: the agents' rendezvous shutdown still writes to the store
 FAILED_KEY = "torchrig/job/failed"  # an agent's permanent exit code (`training.torchrun.run_agent`)
@@ -64,9 +62,9 @@ def job_outcome(store: Any, run_id: str) -> int | None:
     return 0 if job_finished(store, run_id) else None
 
 
-def serve(port: int, run_id: str, *, grace_s: float = EXIT_GRACE_S, ready: Any = None) -> int:
-    """Host the store on every interface at `port` until the job's outcome (`job_outcome`) or a signal;
-    returns the exit code. `ready(port)` is called once the store listens (tests pass port 0)."""
+def serve(port: int, run_id: str, *, grace_s: float = EXIT_GRACE_S) -> int:
+    """Host the store on every interface at `port` (0: a free one, printed) until the job's outcome
+    (`job_outcome`) or a signal; returns the exit code."""
     from torch._C._distributed_c10d import TCPStore
 
     stopping: list[int] = []
@@ -79,8 +77,6 @@ def serve(port: int, run_id: str, *, grace_s: float = EXIT_GRACE_S, ready: Any =
     timeout = timedelta(seconds=30)
     store = TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False, multi_tenant=True, timeout=timeout)
     print(f"torchrig: rendezvous store of {run_id} listening on port {store.port}", file=sys.stderr, flush=True)
-    if ready is not None:
-        ready(store.port)
     while not stopping:
         code = job_outcome(store, run_id)
         if code is not None:
