@@ -229,8 +229,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def stand_by_first(args: list[str]) -> int | None:
     """A standby node (`restarts.spareNodes`, `training.inplace.standby`) stands by instead of running
-    torchrun's agent: its exit code; None when this process should run torchrun (no standby here, or a
-    member's node whose round ended while it stood by)."""
+    torchrun's agent: its exit code (a permanent one recorded for a store-only Master, as a member's agent
+    records its own: `record_permanent_exit`); None when this process should run torchrun (no standby
+    here, or a member's node whose round ended while it stood by)."""
     from training.inplace.standby import JOIN, run_standby, standby_wanted
 
     launch = standby_wanted(args)
@@ -238,6 +239,8 @@ def stand_by_first(args: list[str]) -> int | None:
         return None
     code = run_standby(launch)
     if code != JOIN:
+        if 1 <= code <= 127:  # a standby that took a node and failed there ends the job like a member
+            record_permanent_exit(args, code)
         return code
     for sig in (signal.SIGTERM, signal.SIGINT):  # torchrun installs its own
         signal.signal(sig, signal.SIG_DFL)

@@ -300,3 +300,28 @@ def test_a_members_pod_recreated_as_the_job_ends_exits_0_instead_of_joining_a_cl
     assert job_outcome(store, "job") == 1, "an agent's permanent exit ends the store pod with that code"
     store.set(FAILED_KEY, "143")
     assert job_outcome(store, "job") == 0, "only a permanent code is an agent's verdict on the job"
+
+
+@pytest.mark.parametrize("code", [0, 3, 143])
+def test_a_standby_that_ends_the_job_with_a_permanent_code_tells_the_store_pod(
+    store: Any, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    """A standby that took a lost node and whose ranks then fail permanently (exit 3: no checkpoint it may
+    load) ends its pod with that code; the store-only Master must end with it, as it does when a member's
+    agent ends the job, instead of serving a failed job's kept pods. A success or a signal is no verdict."""
+    import training.inplace.standby as standby_mod
+    from training.rendezvous_store import FAILED_KEY, job_outcome
+    from training.torchrun import stand_by_first
+
+    argv = [
+        *("--nnodes", "1", "--nproc-per-node", "1", "--rdzv-backend", "c10d"),
+        *("--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-id", "job", "x.py"),
+    ]
+    monkeypatch.setenv(Env.STANDBY_FROM, "1")
+    monkeypatch.setenv(Env.REPLICA_INDEX, "1")
+    monkeypatch.setenv(Env.STORE_POD, "1")
+    store.set(InPlace.round_record_key("job"), json.dumps({"token": "t", "round": 1, "nodes": 1}))
+    monkeypatch.setattr(standby_mod, "run_standby", lambda launch: code)
+    assert stand_by_first(argv) == code
+    assert store.check([FAILED_KEY]) == (code == 3)
+    assert job_outcome(store, "job") == (3 if code == 3 else None)
