@@ -33,7 +33,7 @@ from orchestrator.backends.base import (
     SubmitOptions,
     SupervisedRun,
 )
-from orchestrator.errors import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, BackendError
+from orchestrator.errors import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE, BackendError, SpecError
 from orchestrator.loader import dump_spec
 from orchestrator.rundir import run_state
 from training.contract import RunFiles, Summary, read_json, write_json
@@ -108,6 +108,10 @@ def cancel_detached(run_dir: Path) -> None:
     """Cancel the run supervised in `run_dir` (detached or `torchrig run`): SIGTERM its supervisor,
     which stops the run and writes summary.json; kill what it left; record `cancelled` if it could not."""
     files = RunFiles(run_dir)
+    if not run_dir.is_dir():
+        raise SpecError(f"RUN: no such run directory: {run_dir}")
+    if not files.job.exists() and not files.supervisor.exists():  # never write a summary into any directory
+        raise SpecError(f"RUN: {run_dir} is not a run directory (no job.yaml)")
     state, _, _ = run_state(run_dir)
     if state.terminal:
         return

@@ -135,6 +135,17 @@ def test_cancel_of_a_finished_run_changes_nothing(tmp_path: Path) -> None:
     assert code == 0 and "succeeded" in out
 
 
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_cancel_of_what_is_no_run_says_so_and_writes_nothing(tmp_path: Path, backend: str) -> None:
+    """A typo or a wrong directory: one line naming RUN, exit 2, and no summary.json left in a directory
+    that is not a run's (a cancel there used to write one, or fail with a traceback)."""
+    code, _, err = invoke("cancel", str(tmp_path / "nosuch"), "--backend", backend)
+    assert code == 2 and err.startswith("error: RUN: no such run directory") and "Traceback" not in err
+    code, _, err = invoke("cancel", str(tmp_path), "--backend", backend)
+    assert code == 2 and "is not a run directory (no job.yaml)" in err and len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_ref_backend_mismatch_is_usage_error(tmp_path: Path) -> None:
     code, _, err = invoke("status", "ray://raysubmit_1", "--backend", "local")
     assert code == 2 and "belongs to backend 'ray'" in err
