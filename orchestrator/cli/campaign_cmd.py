@@ -56,8 +56,21 @@ if TYPE_CHECKING:
     help="Directory for the cases and reports (default runs/<job>/campaign-<time>); reuse one to resume.",
 )
 @click.option("--max-failures", type=click.IntRange(min=1), default=None, help="Stop after K failed cases.")
-@click.option("--timeout", "timeout_s", default=900.0, show_default=True, help="Seconds before a run counts as stuck.")
-@click.option("--hang-timeout", type=float, default=10.0, show_default=True, help="hang, partition: watchdog seconds.")
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=900.0,
+    show_default=True,
+    help="Seconds before a run counts as stuck.",
+)
+@click.option(
+    "--hang-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="hang, partition: watchdog seconds.",
+)
 @set_option
 @output_option
 @handle_errors

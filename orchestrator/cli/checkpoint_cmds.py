@@ -271,7 +271,9 @@ def verify_cmd(uris: tuple[str, ...], step: int | None, pairs: tuple[str, ...], 
 @checkpoints.command(name="inspect")
 @click.argument("uri", metavar="STORE_URI")
 @click.option("--step", type=int, default=None, help="Step to inspect (default: the newest committed).")
-@click.option("--max-keys", type=int, default=200, show_default=True, help="Show at most this many state keys.")
+@click.option(
+    "--max-keys", type=click.IntRange(min=0), default=200, show_default=True, help="Show at most this many state keys."
+)
 @_options
 @output_option
 @handle_errors

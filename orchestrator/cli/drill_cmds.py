@@ -64,21 +64,36 @@ class _DrillCommand(click.Command):
 @click.option("--seed", default=0, show_default=True, help="Seeds the choice of rank, step and damage.")
 @click.option("--at-step", type=int, default=None, help="Inject the fault at this step (default: random).")
 @click.option("--rank", type=int, default=None, help="Rank to hit (kubernetes: node index; default: random).")
-@click.option("--nodes", type=int, default=None, help="Emulated nodes (local backend); kill-node needs 2.")
+@click.option(
+    "--nodes", type=click.IntRange(min=1), default=None, help="Emulated nodes (local backend); kill-node needs 2."
+)
 @click.option("--no-reference", is_flag=True, help="Skip the uninterrupted reference run (no params check).")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Write the JSON report here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a PNG of throughput and world size.")
 @click.option("--drill-dir", type=click.Path(file_okay=False), help="Directory for the runs (default under runs/).")
-@click.option("--timeout", "timeout_s", default=900.0, show_default=True, help="Seconds before a run counts as stuck.")
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=900.0,
+    show_default=True,
+    help="Seconds before a run counts as stuck.",
+)
 @click.option(
     "--corruption",
     type=click.Choice([kind.value for kind in CorruptionKind]),
     help="corrupt-checkpoint: which damage (default: random by seed).",
 )
-@click.option("--hang-timeout", type=float, default=10.0, show_default=True, help="hang: watchdog seconds.")
+@click.option(
+    "--hang-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="hang: watchdog seconds.",
+)
 @click.option(
     "--repeat",
-    type=int,
+    type=click.IntRange(min=1),
     default=1,
     show_default=True,
     help="kill-worker: kill N times in a row, once after each checkpoint (kill g drawn from seed + g); "

@@ -562,3 +562,34 @@ def test_a_node_fault_is_reported_as_a_node_and_a_rank_fault_as_a_rank() -> None
     console = Console(record=True, width=200)
     console.print(render_table(node))
     assert "step 30, node 1" in console.export_text()
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (["kill-worker", "--repeat", "0"], "--repeat"),
+        (["kill-worker", "--timeout", "0"], "--timeout"),
+        (["hang", "--hang-timeout", "-1"], "--hang-timeout"),
+        (["kill-node", "--nodes", "0"], "--nodes"),
+        (["campaign", "--timeout", "-5"], "--timeout"),
+        (["campaign", "--hang-timeout", "0"], "--hang-timeout"),
+    ],
+)
+def test_a_drill_option_out_of_range_is_refused_before_anything_runs(
+    examples_dir: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], option: str
+) -> None:
+    """`--repeat 0` used to run the whole drill (and a reference) with no kill at all; a zero timeout
+    would count every run as stuck. Exit 2 and the option's name, and no run is started."""
+    from click.testing import CliRunner
+
+    import orchestrator.drills
+    from orchestrator.cli import cli
+
+    def never(*_: Any, **__: Any) -> Any:
+        raise AssertionError("a drill started")
+
+    monkeypatch.setattr(orchestrator.drills, "run_drill", never)
+    job = str(examples_dir / "digits-ddp.yaml")
+    done = CliRunner().invoke(cli, ["drill", args[0], job, *args[1:]])
+    assert done.exit_code == 2, done.output
+    assert f"Invalid value for '{option}'" in done.output
