@@ -609,7 +609,8 @@ def test_a_generation_whose_last_member_never_said_so_still_forms(
 ) -> None:
     """The last member may die between its join and setting the formed key, and the formed key's wait
     (a connection of its own) may be refused: the member reads the join counter once a beat, or every
-    slice when its wait failed, and forms all the same."""
+    slice when its wait failed, and forms all the same. It then sets the formed key itself, so its own
+    wait ends (no thread and connection left until the wait's limit) and the other members wake."""
     import threading
 
     from training.contract import WorkerIdentity
@@ -638,9 +639,13 @@ def test_a_generation_whose_last_member_never_said_so_still_forms(
     client.add(settings.join_key(2), 2)  # the other two joined; neither sets the formed key
     thread.join(5)
     assert created == [1]
-    assert not client.check([settings.formed_key(2)]), "nobody set it: the member read the counter"
     # (the counter is read once a beat while the wait works, every 5 ms slice once it failed)
     assert time.monotonic() - joined < (BEAT_S + 0.5 if wait_works else 0.5)
+    assert client.check([settings.formed_key(2)]), "the member that read the counter says it formed"
+    deadline = time.monotonic() + 5
+    while any(t.name == "torchrig-keywait" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.name == "torchrig-keywait" for t in threading.enumerate()), "the formed key's wait lingers"
 
 
 def test_a_process_whose_rank_was_given_to_another_stands_down_instead_of_joining(store: Any) -> None:

@@ -244,7 +244,11 @@ class InPlaceGroup:
                 if now >= next_look or formed.failed is not None:
                     next_look = now + BEAT_S
                     if int(self.store.add(key, 0)) >= world:
-                        break  # formed, though its last member did not say so (it died right after joining)
+                        # Formed, though its last member did not say so (it died right after joining): say
+                        # it for it, which ends this member's own wait (its thread and connection) and
+                        # wakes the other members now instead of at their next beat.
+                        self.store.set(self.inplace.formed_key(generation), "1")
+                        break
                     if self.store.check([lost_key]):
                         raise RecoveryFailed(
                             f"generation {generation}: {self.store.get(lost_key).decode()}; nobody can bring "
