@@ -34,13 +34,13 @@ MAX_SPEC_BYTES = 1 << 20
 MAX_YAML_DEPTH = 64  # nesting levels (the model itself is under 10 deep)
 MAX_YAML_NODES = 100_000  # nodes after expanding aliases (a spec has a few hundred)
 
-_PATH_PREFIX_RE = re.compile(r"^([A-Za-z][\w]*(\.[A-Za-z][\w]*)*): ")
+_PATH_PREFIX_RE = re.compile(r"^([A-Za-z]\w*(\[\d+\])*(\.[A-Za-z]\w*(\[\d+\])*)*): ")
 _PLAIN_KEY_RE = re.compile(r"^[\w.\-/]+$")
 _INDEX_RE = re.compile(r"^(?P<key>[^\[\]]+)(\[(?P<idx>\d+)\])?$")
 
 
 class _TooLarge(yaml.YAMLError):
-    """A bound of the loader was crossed (depth or expanded size)."""
+    """A bound or rule of the loader was crossed (depth, expanded size, a duplicate key)."""
 
 
 class _BoundedLoader(yaml.SafeLoader):
@@ -61,6 +61,19 @@ class _BoundedLoader(yaml.SafeLoader):
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        # PyYAML keeps the last of two equal keys without a word: `steps: 300` then `steps: 5` would run 5.
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _TooLarge(f"line {line}: duplicate key {key!r} (first on line {seen[key]})")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
     def construct_document(self, node: Any) -> Any:
         size = _expanded_size(node, {})
@@ -131,7 +144,11 @@ def parse_set(expr: str) -> tuple[list[str | int], Any]:
         if match.group("idx") is not None:
             path.append(int(match.group("idx")))
     try:
-        value = yaml.safe_load(value_text) if value_text.strip() else ""
+        value = yaml.load(value_text, Loader=_BoundedLoader) if value_text.strip() else ""
+    except _TooLarge as exc:  # the same bounds as a file's
+        raise SpecError(f"--set {path_text}: YAML rejected: {exc}") from None
+    except RecursionError:
+        raise SpecError(f"--set {path_text}: YAML rejected: nesting deeper than {MAX_YAML_DEPTH} levels") from None
     except yaml.YAMLError:
         value = value_text
     return path, value

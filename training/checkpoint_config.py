@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 
 from pydantic import Field, field_validator, model_validator
 
-from training.config_base import Model
+from training.config_base import MAX_TIMEOUT_S, Model
 
 __all__ = [
     "SUPPORTED_STORE_SCHEMES",
@@ -29,20 +29,47 @@ __all__ = [
     "ResumePolicy",
     "StoreConfig",
     "check_store_uri",
+    "store_location",
 ]
 
 # Object stores go through fsspec; `file` is a local or shared (NFS, PVC) filesystem.
 SUPPORTED_STORE_SCHEMES = ("file", "s3", "gs", "gcs", "az", "abfs", "memory")
 
 
+_OBJECT_SCHEMES = ("s3", "gs", "gcs", "az", "abfs")
+_SAME_SCHEME = {"gcs": "gs", "abfs": "az"}  # fsspec's aliases of one service
+
+
 def check_store_uri(value: str) -> str:
-    """`value` when it is a store URI of a supported scheme; else ValueError naming the schemes."""
+    """`value` when it is a store URI of a supported scheme; else ValueError naming what to write."""
+    if not value.strip():
+        raise ValueError("must not be empty; e.g. file://./checkpoints or s3://bucket/prefix")
     scheme = urlparse(value).scheme if "://" in value else "file"
     if scheme not in SUPPORTED_STORE_SCHEMES:
         raise ValueError(f"unsupported scheme {scheme!r}; use one of: {', '.join(SUPPORTED_STORE_SCHEMES)}")
     if scheme == "file" and value.startswith("file://") and not value[len("file://") :]:
         raise ValueError("file:// URI needs a path")
+    if "://" not in value and value.startswith("file:"):  # would be a relative folder named `file:`
+        raise ValueError(f"{value!r}: write file:///absolute/path, file://./relative or a bare path")
+    path = value.split("://", 1)[-1]
+    if scheme == "file" and path.startswith("~"):
+        raise ValueError(f"{value!r}: `~` is not expanded; write the absolute path")
+    if scheme in _OBJECT_SCHEMES and not urlparse(value).netloc:
+        raise ValueError(f"{scheme}:// URI needs a bucket, e.g. {scheme}://bucket/prefix")
     return value
+
+
+def store_location(uri: str) -> str:
+    """Where a store's files go, for telling two stores that are one place apart: the scheme (aliases
+    folded), the bucket and the normalised path (`./ckpt`, `ckpt/` and `file://./ckpt` are one)."""
+    if "://" not in uri:
+        uri = "file://" + uri
+    scheme, rest = uri.split("://", 1)
+    scheme = _SAME_SCHEME.get(scheme, scheme)
+    if scheme == "file":
+        return "file://" + os.path.normpath(rest)
+    bucket, _, key = rest.partition("/")
+    return f"{scheme}://{bucket}/{os.path.normpath(key or '.')}"
 
 
 class StoreConfig(Model):
@@ -124,7 +151,9 @@ class CheckpointEvery(Model):
     """When to checkpoint: by steps, by wall time, or both (whichever comes first)."""
 
     steps: int | None = Field(default=None, ge=1, description="Save every this many optimizer steps.")
-    seconds: float | None = Field(default=None, gt=0, description="Save when this long has passed since the last save.")
+    seconds: float | None = Field(
+        default=None, gt=0, le=MAX_TIMEOUT_S, description="Save when this long has passed since the last save."
+    )
 
     @model_validator(mode="after")
     def _one_trigger(self) -> CheckpointEvery:
@@ -245,6 +274,7 @@ class CheckpointConfig(Model):
     io_timeout_seconds: float = Field(
         default=1800.0,
         gt=0,
+        le=MAX_TIMEOUT_S,
         description=(
             "Watchdog limit while a rank does checkpoint I/O: opening the stores, restore, a save training "
             "waits for (synchronous, the final one, one still in flight) and the last wait at the end. "
@@ -268,6 +298,20 @@ class CheckpointConfig(Model):
             if key in seen:
                 raise ValueError(f"stores: two stores share the name {key!r}; give them distinct `name`s")
             seen[key] = store.uri
+        return self
+
+    @model_validator(mode="after")
+    def _distinct_store_locations(self) -> CheckpointConfig:
+        # Two stores in one place would race each other's writes (and a user would count two copies
+        # where there is one): every store must be somewhere else.
+        first: dict[str, int] = {}
+        for i, store in enumerate(self.stores):
+            j = first.setdefault(store_location(store.uri), i)
+            if j != i:
+                raise ValueError(
+                    f"stores[{i}].uri: {store.uri!r} is the same location as stores[{j}] ({self.stores[j].uri!r}); "
+                    "each store must be a separate copy"
+                )
         return self
 
     @model_validator(mode="after")

@@ -33,7 +33,7 @@ from training.checkpoint_config import (
     ResumePolicy,
     StoreConfig,
 )
-from training.config_base import Model
+from training.config_base import MAX_GRACE_S, MAX_TIMEOUT_S, Model
 
 __all__ = [
     "SUPPORTED_STORE_SCHEMES",
@@ -193,6 +193,7 @@ class RestartsConfig(Model):
     step_timeout_seconds: float = Field(
         default=600.0,
         gt=0,
+        le=MAX_TIMEOUT_S,
         description=(
             "Watchdog: a rank that completes no step for this long exits, so the launcher restarts the "
             "group from the last checkpoint (hang detection). Covers the first step too; start-up (process group, "
@@ -203,6 +204,7 @@ class RestartsConfig(Model):
     preempt_grace_seconds: float = Field(
         default=30.0,
         ge=0,
+        le=MAX_GRACE_S,
         description=(
             "Preemption: on SIGTERM (a pod eviction, a spot notice, Ctrl-C) every rank stops at the next step "
             "boundary they agree on, saves a synchronous emergency checkpoint of that step and exits with the "
@@ -263,6 +265,7 @@ class RestartsConfig(Model):
     in_place_timeout_seconds: float = Field(
         default=60.0,
         gt=0,
+        le=MAX_TIMEOUT_S,
         description=(
             "In-place recovery: the collective timeout of every process group (the last resort: a failure reaches "
             "every survivor in milliseconds through closed connections), how long a host waits for a spare to be "

@@ -77,8 +77,24 @@ def _check_writable(directory: Path, field: str) -> None:
         ) from None
 
 
+def _check_fsspec_backend(scheme: str, field: str) -> None:
+    """fsspec has an implementation of `scheme` here (`gs://` needs gcsfs, `s3://` s3fs, `az://` adlfs):
+    without it every save and restore fails, and each restart fails the same way."""
+    import fsspec
+
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except (ImportError, ValueError) as exc:
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise PreflightError(
+            ExitCode.ENVIRONMENT, f"{field}: no {scheme}:// support on this machine: {reason}"
+        ) from None
+
+
 def check_stores(spec: WorkerSpec, run_dir: str | None) -> None:
-    """The run directory, each `file://` store root and the node-local directory are writable.
+    """The run directory, each `file://` store root and the node-local directory are writable, and fsspec
+    can open every object store's scheme (its package is installed; the store itself is not contacted:
+    a store out of reach is one the run goes on without, `lose-store`).
 
     Raises:
         PreflightError: `ENVIRONMENT`, naming the store's field.
@@ -87,9 +103,12 @@ def check_stores(spec: WorkerSpec, run_dir: str | None) -> None:
         _check_writable(Path(run_dir), "run directory")
     ckpt = spec.spec.checkpoint
     for i, store in enumerate(ckpt.stores):
+        field = f"spec.checkpoint.stores[{i}].uri ({store.uri})"
         if store.scheme == "file":
             path = store.resolved_uri(run_dir).removeprefix("file://")
-            _check_writable(Path(path), f"spec.checkpoint.stores[{i}].uri ({store.uri})")
+            _check_writable(Path(path), field)
+        else:
+            _check_fsspec_backend(store.scheme, field)
     if ckpt.node_local.enabled:
         _check_writable(Path(ckpt.node_local.path), "spec.checkpoint.nodeLocal.path")
 

@@ -14,6 +14,7 @@ import yaml
 
 from orchestrator.backends.base import RunState
 from orchestrator.errors import BackendError, SpecError
+from orchestrator.loader import read_spec_text
 from orchestrator.rundir import run_state
 from orchestrator.spec import JobSpec
 from training.contract import RunFiles
@@ -45,6 +46,8 @@ def check_reuse(run_dir: Path, spec: JobSpec) -> bool:
         SpecError: the directory holds another job's run, or a summary without its job.yaml.
     """
     files = RunFiles(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise SpecError(f"--run-dir: {run_dir} is not a directory")
     if not run_dir.exists() or not any(run_dir.iterdir()):
         return False
     state, _, _ = run_state(run_dir)
@@ -55,9 +58,13 @@ def check_reuse(run_dir: Path, spec: JobSpec) -> bool:
             raise SpecError(f"--run-dir: {run_dir} holds a summary but no job.yaml; use another directory")
         return False
     try:
-        old = yaml.safe_load(files.job.read_text()) or {}
+        old = yaml.safe_load(read_spec_text(str(files.job))) or {}  # bounded in size, like any job file
     except yaml.YAMLError:
         old = {}
+    except SpecError as exc:  # a directory, binary, unreadable or oversized job.yaml
+        raise SpecError(
+            f"--run-dir: {files.job} is not a readable job file ({exc.problems[0]}); use another directory"
+        ) from None
     if not same_job(old if isinstance(old, dict) else {}, spec):
         raise SpecError(
             f"--run-dir: {run_dir} holds a run of a different job (name, task or training differ); "
