@@ -7,6 +7,7 @@ environment, manifests are authenticated and `verify` fails on an unsigned or wr
 
 from __future__ import annotations
 
+import os
 import pickle
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = ["checkpoints"]
 
 EXIT_INVALID = 1
+DCP_METADATA_MAX_BYTES = 1 << 30  # DCP's metadata of a large sharded model is hundreds of MB; bounded all the same
 
 
 class CheckpointInvalidError(TorchrigError):
@@ -63,9 +65,13 @@ def _open(uris: tuple[str, ...], options: dict[str, Any]) -> list[CheckpointStor
             msg = str(exc.errors()[0]["msg"]).removeprefix("Value error, ")
             raise SpecError(f"STORE_URI {uri}: {msg}") from None
         try:
-            stores.append(open_storage(uri, options if "://" in uri and not uri.startswith("file://") else None))
+            store = open_storage(uri, options if "://" in uri and not uri.startswith("file://") else None)
         except (ImportError, ValueError, TypeError) as exc:
             raise SpecError(f"STORE_URI {uri}: {exc}") from None
+        local = store.local_path()
+        if local is not None and not os.path.isdir(local):  # a typo must not read as an empty store
+            raise SpecError(f"STORE_URI {uri}: {'not a directory' if os.path.exists(local) else 'no such directory'}")
+        stores.append(store)
     return stores
 
 
@@ -154,8 +160,8 @@ def list_cmd(uris: tuple[str, ...], pairs: tuple[str, ...], output: str) -> None
 
     With several stores, one table shows which store holds which step.
     """
+    key = _key()  # the environment's setting first: it is wrong for every store
     stores = _open(uris, _parse_options(pairs))
-    key = _key()
     per_store = {s.uri: {c.step: c for c in _listing(s, key)} for s in stores}
     if output == "json":
         emit_json(
@@ -214,8 +220,8 @@ def verify_cmd(uris: tuple[str, ...], step: int | None, pairs: tuple[str, ...], 
     """
     from training.checkpoint.manifest import verify_store
 
+    key = _key()  # the environment's setting first: it is wrong for every store
     stores = _open(uris, _parse_options(pairs))
-    key = _key()
     results: dict[str, list[dict[str, Any]]] = {}
     failures: list[str] = []
     for store in stores:
@@ -235,7 +241,8 @@ def verify_cmd(uris: tuple[str, ...], step: int | None, pairs: tuple[str, ...], 
                 raise BackendError(f"{store.uri}: cannot read step {c.step}: {exc}") from None
             rows.append({"step": c.step, "status": "ok" if report.ok else "CORRUPT", "bad": report.bad})
         results[store.uri] = rows
-        committed = [r for r in rows if r["status"] in ("ok", "CORRUPT", "UNTRUSTED")]
+        # A damaged manifest was a commit marker once: it counts, and fails, like a corrupt checkpoint.
+        committed = [r for r in rows if r["status"] in ("ok", "CORRUPT", "UNTRUSTED", "bad manifest")]
         if step is not None and not rows:
             failures.append(f"{store.uri}: no step {step}")
         elif step is not None and rows[0]["status"] != "ok":
@@ -334,7 +341,7 @@ def _state_keys(store: CheckpointStorage, manifest: Manifest) -> list[dict[str, 
 
     rel = f"{step_dir(manifest.step)}/{manifest.dcp_dir}/{DCP_METADATA}"
     try:
-        data = store.read_bytes(rel)
+        data = store.read_bytes(rel, max_bytes=DCP_METADATA_MAX_BYTES)
     except Exception as exc:
         raise BackendError(f"{store.uri}: cannot read {rel}: {exc}") from None
     try:

@@ -27,6 +27,7 @@ retention uses them to tell whose uncommitted step directories are whose.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -35,22 +36,48 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 
-from training.checkpoint.manifest import Manifest, read_manifest
-from training.checkpoint.storage import CheckpointStorage
+from training.checkpoint.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    parse_gen_dir,
+    parse_step_dir,
+    read_manifest,
+    step_dir,
+)
+from training.checkpoint.storage import SMALL_OBJECT_MAX_BYTES, CheckpointStorage
 from training.contract import WorkerIdentity
 
-__all__ = ["FENCE_DIR", "Fence", "FenceRecord", "fence_path"]
+__all__ = ["FENCE_DIR", "Fence", "FenceRecord", "damaged_owners", "fence_path"]
 
 log = logging.getLogger(__name__)
 
 FENCE_DIR = "fences"
 _FENCE_RE = re.compile(r"^(\d{8,})\.json$")
 _ACQUIRE_ATTEMPTS = 32
+FENCE_MAX_BYTES = 64 * 1024  # a fence object is a line of JSON
 
 
 def fence_path(generation: int) -> str:
     """The fence object of a writer generation, relative to the store root."""
     return f"{FENCE_DIR}/{generation:08d}.json"
+
+
+def damaged_owners(store: CheckpointStorage, step: int) -> set[str]:
+    """The jobs a step directory whose manifest is damaged may belong to: the jobs that took the writer
+    generations of its `gen-N` folders (their fences), and the job the manifest's text names if it is
+    still JSON. Never trusted to load anything; only to refuse to start over on top of it."""
+    objects = [f"{step_dir(step)}/{MANIFEST_NAME}"]
+    with contextlib.suppress(OSError, ValueError):
+        gens = (parse_gen_dir(name) for name in store.list_dir(step_dir(step)))
+        objects += [fence_path(gen) for gen in gens if gen is not None]
+    jobs: set[str] = set()
+    for rel in objects:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            limit = FENCE_MAX_BYTES if rel.startswith(FENCE_DIR) else SMALL_OBJECT_MAX_BYTES
+            job = json.loads(store.read_bytes(rel, max_bytes=limit)).get("job")
+            if isinstance(job, str) and job:
+                jobs.add(job)
+    return jobs
 
 
 @dataclass(frozen=True)
@@ -96,7 +123,7 @@ class Fence:
         if cached is not None:
             return cached
         try:
-            raw = json.loads(store.read_bytes(fence_path(generation)))
+            raw = json.loads(store.read_bytes(fence_path(generation), max_bytes=FENCE_MAX_BYTES))
             rec = FenceRecord(**{k: raw[k] for k in FenceRecord.__dataclass_fields__ if k in raw})
         except FileNotFoundError:
             return None
@@ -137,8 +164,20 @@ class Fence:
         rec = self.record(store, generation)
         return rec is not None and rec.writer == self.writer
 
+    @staticmethod
+    def written(store: CheckpointStorage) -> list[int]:
+        """The writer generations that have a `gen-N` folder in some step directory of `store`. A store
+        whose fences are gone (deleted, or written before fences existed) still holds their shards: a new
+        writer numbered from the fences alone would write DCP files into another writer's `gen-N`."""
+        found: set[int] = set()
+        for name in store.list_dir(""):
+            if parse_step_dir(name) is not None:
+                found.update(g for g in (parse_gen_dir(n) for n in store.list_dir(name)) if g is not None)
+        return sorted(found)
+
     def acquire(self, stores: list[CheckpointStorage]) -> int | None:
-        """Take a generation above every fence in every reachable store, on all of them.
+        """Take a generation above every fence and every `gen-N` folder in every reachable store, on all
+        of them.
 
         Returns:
             The generation, or None when no store could be listed (taken again at the next save).
@@ -148,7 +187,7 @@ class Fence:
             highest = -1
             for store in stores:
                 try:
-                    highest = max([highest, *self.numbers(store)])
+                    highest = max([highest, *self.numbers(store), *self.written(store)])
                     reachable.append(store)
                 except Exception as exc:
                     log.warning("checkpoint store %s: cannot list fences: %s", store.name, exc)

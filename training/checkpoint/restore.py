@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from training.checkpoint.collectives import Collectives
+from training.checkpoint.fence import damaged_owners
 from training.checkpoint.manifest import (
     MANIFEST_NAME,
     CheckpointListing,
@@ -114,6 +115,8 @@ class RestoreSearch:
         self._legacy: dict[str, list[int]] = defaultdict(list)  # store -> job-less steps taken as ours
         # store -> steps whose manifest names this job but fails its signature (another key signed it)
         self._wrongly_signed: dict[str, list[int]] = defaultdict(list)
+        # store -> steps of this job (by their fence, or the job their text names) whose manifest is damaged
+        self._damaged: dict[str, list[int]] = defaultdict(list)
         self._unlisted = False  # rank 0: a store could not be listed
         self._transient = False  # a copy failed otherwise than by its integrity check (see `restore`)
         self._mismatch: str | None = None  # the first copy whose keys or shapes did not fit the state
@@ -131,8 +134,8 @@ class RestoreSearch:
         """
         start = time.perf_counter()
         rank0 = self.identity.rank == 0
-        candidates, wrongly_signed, unlisted = self.coll.broadcast_obj(
-            (self.find_candidates(), dict(self._wrongly_signed), self._unlisted) if rank0 else None
+        candidates, wrongly_signed, damaged, unlisted = self.coll.broadcast_obj(
+            (self.find_candidates(), dict(self._wrongly_signed), dict(self._damaged), self._unlisted) if rank0 else None
         )
         partial = False  # a load failed on some rank after another rank had loaded its part
         self._mismatch = None
@@ -199,6 +202,15 @@ class RestoreSearch:
                 f"job {self.owner!r}'s checkpoints ({where}) fail their signature check with this "
                 f"{Env.CHECKPOINT_KEY}: they were signed with another key (or forged). Set the key that "
                 "signed them, or checkpoint.resume: never to start fresh on purpose"
+            )
+        if damaged and not candidates:
+            # Every manifest this job committed is damaged (truncated, edited, overwritten): the shards may
+            # be intact, and starting over would write new manifests over them and let retention delete
+            # them. As with corrupt shards, stop and say so; no restart repairs a manifest.
+            where = "; ".join(f"{store}: steps {_steps(steps)}" for store, steps in sorted(damaged.items()))
+            raise (CheckpointError if unlisted else CheckpointCorruptError)(
+                f"job {self.owner!r} committed checkpoints ({where}) whose manifests are damaged and none "
+                f"loads; refusing to start over from step 0 {hint}"
             )
         if required is not None:
             raise error(f"{required} ({', '.join(s.uri for s in self.stores)})")
@@ -298,6 +310,8 @@ class RestoreSearch:
             if m is None:
                 if c.error:
                     log.warning("store %s: %s has a bad manifest (%s); ignored", store.name, step_dir(c.step), c.error)
+                    if not c.untrusted and self.owner is not None and self.owner in damaged_owners(store, c.step):
+                        self._damaged[store.name].append(c.step)
                 continue
             if self.owner is None or m.job == self.owner:
                 out.append(m)
@@ -332,6 +346,7 @@ class RestoreSearch:
         self._foreign.clear()
         self._legacy.clear()
         self._wrongly_signed.clear()
+        self._damaged.clear()
         for i, store in enumerate(self.stores):
             try:
                 listing = list_checkpoints(store, key=self.key)

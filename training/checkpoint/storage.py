@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 import uuid
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import urlparse
@@ -42,6 +43,9 @@ __all__ = [
 ]
 
 CHUNK_BYTES = 4 * 1024 * 1024
+# The most `read_bytes` takes of one object. A manifest lists every file of a checkpoint with a digest
+# per part: ~1 MB for a 1 TB checkpoint of 8,000 ranks; 64 MiB leaves room and bounds a hostile one.
+SMALL_OBJECT_MAX_BYTES = 64 * 1024 * 1024
 S3_MIN_PART = 5 * 1024 * 1024  # S3's smallest part (but the last) of a multipart upload
 S3_PARTS = 8  # parts of one object uploaded at once
 # Stores whose `create_exclusive` is one atomic operation (see the module docstring).
@@ -102,8 +106,9 @@ class CheckpointStorage(Protocol):
     def get_file(self, rel: str, local_path: str) -> None:
         """Download `rel` to a local file."""
 
-    def read_bytes(self, rel: str) -> bytes:
-        """The whole content of a (small) object."""
+    def read_bytes(self, rel: str, max_bytes: int = SMALL_OBJECT_MAX_BYTES) -> bytes:
+        """The whole content of a small object (a manifest, a fence); ValueError when it is larger than
+        `max_bytes` or, in a `file` store, not a regular file (a FIFO would block the reader forever)."""
 
     def read_range(self, rel: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of a file (fewer at its end); safe to call from several threads at once."""
@@ -218,9 +223,27 @@ class FsspecStorage:
         os.makedirs(os.path.dirname(local_path) or ".", exist_ok=True)
         self.fs.get_file(self._full(rel), local_path)
 
-    def read_bytes(self, rel: str) -> bytes:
-        data = self.fs.cat_file(self._full(rel))
+    def read_bytes(self, rel: str, max_bytes: int = SMALL_OBJECT_MAX_BYTES) -> bytes:
+        # A store's files are untrusted: a 10 GB manifest must not be read into memory whole, and a FIFO
+        # or a device under a manifest's name must not block a restore (or `torchrig checkpoints list`).
+        full = self._full(rel)
+        if self.scheme == "file":
+            fd = os.open(full, os.O_RDONLY | os.O_NONBLOCK)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise ValueError(f"{rel}: not a regular file")
+                if st.st_size > max_bytes:
+                    raise ValueError(f"{rel}: {st.st_size} bytes, more than the {max_bytes} such a file may have")
+                with os.fdopen(os.dup(fd), "rb") as fh:
+                    data = fh.read(max_bytes + 1)
+            finally:
+                os.close(fd)
+        else:
+            data = self.fs.cat_file(full, start=0, end=max_bytes + 1)  # one ranged GET, bounded
         assert isinstance(data, bytes)
+        if len(data) > max_bytes:
+            raise ValueError(f"{rel}: more than the {max_bytes} bytes such a file may have")
         return data
 
     def read_range(self, rel: str, start: int, end: int) -> bytes:
