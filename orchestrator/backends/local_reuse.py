@@ -19,23 +19,31 @@ from orchestrator.rundir import run_state
 from orchestrator.spec import JobSpec
 from training.contract import RunFiles
 
-__all__ = ["check_reuse", "same_job"]
+__all__ = ["check_reuse", "job_differences", "same_job"]
 
 
-def same_job(old: dict[str, Any], new: JobSpec) -> bool:
-    """A resume: same name, task and training loop (ports and node counts may differ)."""
+def job_differences(old: dict[str, Any], new: JobSpec) -> list[str]:
+    """The fields that make `new` another job than the run in a directory (`old`, its job.yaml): its
+    name, task and training loop. `training.steps` may differ (training a job longer, or stopping it
+    sooner, resumes it: the checkpoints in its stores are picked up the same way); ports, node counts,
+    stores and restarts may differ too. `["job.yaml"]` when the old document is no valid job."""
     from orchestrator.loader import validate_document
 
     try:
         before = validate_document(old).to_yaml_dict()
     except SpecError:
-        return False
+        return ["job.yaml"]
     now = new.to_yaml_dict()
-    return bool(
-        before["metadata"]["name"] == now["metadata"]["name"]
-        and before["spec"]["task"] == now["spec"]["task"]
-        and before["spec"]["training"] == now["spec"]["training"]
-    )
+    out = ["metadata.name"] if before["metadata"]["name"] != now["metadata"]["name"] else []
+    out += ["spec.task"] if before["spec"]["task"] != now["spec"]["task"] else []
+    was, is_ = before["spec"]["training"], now["spec"]["training"]
+    out += [f"spec.training.{k}" for k in sorted(set(was) | set(is_)) if k != "steps" and was.get(k) != is_.get(k)]
+    return out
+
+
+def same_job(old: dict[str, Any], new: JobSpec) -> bool:
+    """A resume: same name, task and training loop but for its length (`job_differences`)."""
+    return not job_differences(old, new)
 
 
 def check_reuse(run_dir: Path, spec: JobSpec) -> bool:
@@ -65,9 +73,9 @@ def check_reuse(run_dir: Path, spec: JobSpec) -> bool:
         raise SpecError(
             f"--run-dir: {files.job} is not a readable job file ({exc.problems[0]}); use another directory"
         ) from None
-    if not same_job(old if isinstance(old, dict) else {}, spec):
+    differ = job_differences(old if isinstance(old, dict) else {}, spec)
+    if differ:
         raise SpecError(
-            f"--run-dir: {run_dir} holds a run of a different job (name, task or training differ); "
-            "use another directory"
+            f"--run-dir: {run_dir} holds a run of a different job ({', '.join(differ)} differ); use another directory"
         )
     return True

@@ -86,11 +86,15 @@ def test_bad_input_is_one_line_exit_2(tmp_path: Path, args: list[str], needle: s
 def test_run_dir_of_another_job_is_refused(tmp_path: Path) -> None:
     other = tmp_path / "other.yaml"
     doc = yaml.safe_load(EXAMPLE.read_text())
-    doc["spec"]["training"]["steps"] = 5
+    doc["spec"]["training"]["batchSize"] = 8
+    doc["spec"]["training"]["seed"] = 3
     other.write_text(yaml.safe_dump(doc))
     run_dir = make_run(tmp_path, "x", "1", "succeeded", job=other)
     code, _, err = invoke("run", str(EXAMPLE), "--dry-run", "--run-dir", str(run_dir))
-    assert code == 2 and "holds a run of a different job" in err
+    assert code == 2 and "holds a run of a different job (spec.training.batchSize, spec.training.seed differ)" in err
+    # Training it longer (or shorter) is the same job: a resume.
+    code, out, _ = invoke("run", str(other), "--dry-run", "--run-dir", str(run_dir), "--set", "spec.training.steps=900")
+    assert code == 0, out
     # The same job again is a resume: allowed, and nothing already written is touched.
     code, out, _ = invoke("run", str(other), "--dry-run", "--run-dir", str(run_dir), "-o", "json")
     assert code == 0 and json.loads(out)["resume"] is True
