@@ -11,7 +11,8 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BeforeValidator, Field, field_validator, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from orchestrator.naming import DNS1035_RE, DNS1123_LABEL_RE, MAX_NAME_LEN
 from training.config import (
@@ -24,10 +25,15 @@ from training.config import (
     TaskConfig,
     TrainingConfig,
 )
+from training.contract.env import Env
 
 __all__ = [
     "API_VERSION",
     "KIND",
+    "MAX_DEADLINE_S",
+    "MAX_NODES",
+    "MAX_PROCS_PER_NODE",
+    "USER_ENV",
     "JobSpec",
     "JobSpecBody",
     "KubernetesConfig",
@@ -58,10 +64,29 @@ _DECIMAL = {
     "P": Decimal(10**15),
     "E": Decimal(10**18),
 }
-_LABEL_KEY_RE = re.compile(
-    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+# Kubernetes' name rules (apimachinery `validation.IsDNS1123Subdomain`, `IsQualifiedName`, `IsValidLabelValue`,
+# `IsEnvVarName`), matched whole (`fullmatch`: a `$` would let a trailing newline through).
+_SUBDOMAIN_RE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_NAME_PART_RE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")  # a label value; a qualified name's name
+_ENV_NAME_RE = re.compile(r"[-._a-zA-Z][-._a-zA-Z0-9]*")
+
+# Upper bounds of the counts and durations that become manifest fields or processes. Each is far beyond
+# any real job, so that a typo (an extra digit, a pasted number) is an error rather than a manifest no API
+# server takes or a render that allocates a container port per process until memory runs out.
+MAX_NODES = 100_000  # the largest Kubernetes clusters have tens of thousands of nodes
+MAX_PROCS_PER_NODE = 1024  # a node has at most a few hundred cores and 8-16 GPUs
+MAX_PORT = 65535
+MAX_INT32 = 2**31 - 1  # ttlSecondsAfterFinished is an int32 (PyTorchJob runPolicy, RayJob, JobSet)
+MAX_DEADLINE_S = 10 * 365 * 24 * 3600  # ten years; fits the RayJob's int32 activeDeadlineSeconds
+
+# The contract's variables a user sets on purpose (`spec.kubernetes.env`); the others are the backend's.
+# (TORCHRIG_CHECKPOINT_KEY is a secret: a Secret through `stores[].secretRef`, never the spec.)
+USER_ENV = frozenset({Env.LOG_LEVEL, Env.PEAK_FLOPS})
+# torchrun's and the operator's variables: one overridden in the spec would give every worker one rank.
+_LAUNCHER_ENV = frozenset(
+    {Env.RANK, Env.WORLD_SIZE, Env.LOCAL_RANK, Env.LOCAL_WORLD_SIZE, Env.GROUP_RANK, Env.GROUP_WORLD_SIZE}
+    | {Env.MASTER_ADDR, Env.MASTER_PORT, Env.RESTART_COUNT, Env.RUN_ID, Env.ERROR_FILE}
 )
-_LABEL_VALUE_RE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
 
 def parse_quantity(value: str | int | float) -> Decimal:
@@ -94,16 +119,59 @@ def _quantity_to_str(value: Any) -> Any:
 Quantity = Annotated[str, BeforeValidator(_quantity_to_str), AfterValidator(_check_quantity)]
 
 
+def _is_subdomain(value: str) -> bool:
+    """A DNS-1123 subdomain: the name of most Kubernetes objects (Secret, PVC, ServiceAccount, PriorityClass)."""
+    return len(value) <= 253 and _SUBDOMAIN_RE.fullmatch(value) is not None
+
+
+def _is_qualified_name(value: str, *, prefixed: bool = False) -> bool:
+    """A Kubernetes qualified name, `[prefix/]name` (a label key; with `prefixed`, an extended resource name)."""
+    prefix, slash, name = value.rpartition("/")
+    if (slash and not _is_subdomain(prefix)) or (prefixed and not slash):
+        return False
+    return len(name) <= 63 and _NAME_PART_RE.fullmatch(name) is not None
+
+
+def _is_label_value(value: str) -> bool:
+    return value == "" or (len(value) <= 63 and _NAME_PART_RE.fullmatch(value) is not None)
+
+
 def _check_labels(value: dict[str, str]) -> dict[str, str]:
     for key, val in value.items():
-        if len(key.split("/")[-1]) > 63 or not _LABEL_KEY_RE.match(key):
+        if not _is_qualified_name(key):
             raise ValueError(f"label key {key!r} is not a valid Kubernetes label key")
-        if len(val) > 63 or not _LABEL_VALUE_RE.match(val):
+        if not _is_label_value(val):
             raise ValueError(f"label value {val!r} (key {key!r}) is not a valid Kubernetes label value")
     return value
 
 
+_OBJECT_NAME_RULE = (
+    "must be the name of a Kubernetes object, a DNS-1123 subdomain: lowercase letters, digits, '-' and '.', "
+    "starting and ending with a letter or digit, at most 253 characters"
+)
+
+
+def _check_object_name(value: str) -> str:
+    if not _is_subdomain(value):
+        raise ValueError(_OBJECT_NAME_RULE)
+    return value
+
+
+def _check_image(value: str) -> str:
+    if not value or any(c.isspace() for c in value):
+        raise ValueError("must be an image reference such as ghcr.io/org/worker:tag (not empty, no whitespace)")
+    return value
+
+
+def _error_at(loc: tuple[str | int, ...], message: str, value: Any) -> ValidationError:
+    """A problem at `loc` below the model that raises it (pydantic puts the model's own location in front):
+    for a path that a ValueError's `path: message` cannot name, one with a list index or a map key."""
+    error = InitErrorDetails(type=PydanticCustomError("value_error", message), loc=loc, input=value)
+    return ValidationError.from_exception_data("JobSpec", [error])
+
+
 Labels = Annotated[dict[str, str], AfterValidator(_check_labels)]
+ObjectName = Annotated[str, AfterValidator(_check_object_name)]
 
 
 class Metadata(Model):
@@ -125,7 +193,7 @@ class Metadata(Model):
     @field_validator("name")
     @classmethod
     def _dns1035(cls, value: str) -> str:
-        if not DNS1035_RE.match(value):
+        if not DNS1035_RE.fullmatch(value):
             raise ValueError(
                 "must be a DNS-1035 label: lowercase letters, digits and '-', starting with a letter "
                 "and ending with a letter or digit"
@@ -137,7 +205,7 @@ class Metadata(Model):
     @field_validator("namespace")
     @classmethod
     def _dns1123(cls, value: str) -> str:
-        if len(value) > 63 or not DNS1123_LABEL_RE.match(value):
+        if len(value) > 63 or not DNS1123_LABEL_RE.fullmatch(value):
             raise ValueError("must be a DNS-1123 label of at most 63 characters")
         return value
 
@@ -145,8 +213,18 @@ class Metadata(Model):
 class NodesConfig(Model):
     """How many nodes (hosts, pods) the job spans; elastic when `min < max`."""
 
-    min: int = Field(default=1, ge=1, description="Fewest nodes the job runs on (it keeps running down to this).")
-    max: int = Field(default=1, ge=1, description="Most nodes; the job starts when `min` are ready and grows to `max`.")
+    min: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_NODES,
+        description=f"Fewest nodes the job runs on (it keeps running down to this); at most {MAX_NODES}.",
+    )
+    max: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_NODES,
+        description=f"Most nodes; the job starts when `min` are ready and grows to `max`; at most {MAX_NODES}.",
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> NodesConfig:
@@ -169,7 +247,10 @@ class ResourcesConfig(Model):
         default="1Gi",
         description="Size of the memory-backed /dev/shm (DataLoader workers and NCCL need more than the default 64Mi).",
     )
-    gpu_resource: str = Field(default="nvidia.com/gpu", description="Extended resource name of a GPU.")
+    gpu_resource: str = Field(
+        default="nvidia.com/gpu",
+        description="Extended resource name of a GPU: `domain/name`, such as `nvidia.com/gpu` or `amd.com/gpu`.",
+    )
     ephemeral_storage: Quantity | None = Field(
         default="10Gi",
         description=(
@@ -184,6 +265,16 @@ class ResourcesConfig(Model):
     def _whole_gpus(cls, value: Any) -> Any:
         if isinstance(value, float) and not value.is_integer():
             raise ValueError("must be a whole number of GPUs")
+        return value
+
+    @field_validator("gpu_resource")
+    @classmethod
+    def _extended_resource(cls, value: str) -> str:
+        if not _is_qualified_name(value, prefixed=True):
+            raise ValueError(
+                "must be an extended resource name: a DNS subdomain, '/' and a name of at most 63 characters, "
+                "such as nvidia.com/gpu"
+            )
         return value
 
 
@@ -210,19 +301,34 @@ class KubernetesConfig(Model):
         default="none",
         description="Gang scheduling: `volcano` (PodGroup via the operator), `kueue` (admission by queue) or `none`.",
     )
-    node_selector: dict[str, str] = Field(default_factory=dict, description="Node selector of the pods.")
+    node_selector: Labels = Field(default_factory=dict, description="Node selector of the pods (node labels).")
     tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Tolerations of the pods.")
-    image_pull_secrets: list[str] = Field(default_factory=list, description="Names of image pull Secrets.")
+    image_pull_secrets: list[ObjectName] = Field(default_factory=list, description="Names of image pull Secrets.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         default="IfNotPresent", description="Image pull policy of the containers."
     )
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables of the workers.")
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Extra environment variables of the workers. Names: letters, digits, `_`, `-` and `.`, no leading "
+            f"digit (as Kubernetes takes them); none starting with `{Env.PREFIX}` (torchrig's own, set by the backend) "
+            f"but {', '.join(sorted(USER_ENV))}, and none of torchrun's (RANK, WORLD_SIZE, MASTER_ADDR, ...)."
+        ),
+    )
     pod_labels: Labels = Field(default_factory=dict, description="Extra labels on the pods only.")
     pod_annotations: dict[str, str] = Field(default_factory=dict, description="Extra annotations on the pods only.")
     ttl_seconds_after_finished: int | None = Field(
-        default=86400, ge=0, description="Delete the finished job after this many seconds (null: keep)."
+        default=86400,
+        ge=0,
+        le=MAX_INT32,
+        description=f"Delete the finished job after this many seconds (null: keep); at most {MAX_INT32} (int32).",
     )
-    active_deadline_seconds: int | None = Field(default=None, gt=0, description="Fail the job after this long.")
+    active_deadline_seconds: int | None = Field(
+        default=None,
+        gt=0,
+        le=MAX_DEADLINE_S,
+        description=f"Fail the job after this many seconds; at most {MAX_DEADLINE_S} (ten years).",
+    )
     clean_pod_policy: Literal["None", "Running", "All"] = Field(
         default="None", description="PyTorchJob: which pods to delete when the job finishes."
     )
@@ -240,6 +346,32 @@ class KubernetesConfig(Model):
             "as `torch-distributed`) or a TrainingRuntime in the job's namespace."
         ),
     )
+
+    @field_validator("service_account", "priority_class", "runtime_ref")
+    @classmethod
+    def _object_names(cls, value: str | None) -> str | None:
+        return value if value is None else _check_object_name(value)
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, val in value.items():
+            if not _ENV_NAME_RE.fullmatch(name):
+                raise _error_at(
+                    (name,),
+                    "not a variable name Kubernetes takes: letters, digits, '_', '-' and '.', no leading digit",
+                    val,
+                )
+            if name in USER_ENV:
+                continue
+            if name.startswith(Env.PREFIX) or name in _LAUNCHER_ENV:
+                raise _error_at(
+                    (name,),
+                    f"{Env.PREFIX}* and the launcher's variables are torchrig's contract with its workers "
+                    f"(training.contract.env), set by the backend; the spec may set only {', '.join(sorted(USER_ENV))}",
+                    val,
+                )
+        return value
 
 
 class RayConfig(Model):
@@ -269,6 +401,11 @@ class RayConfig(Model):
     head_cpu: Quantity = Field(default="2", description="RayJob head CPU.")
     head_memory: Quantity = Field(default="8Gi", description="RayJob head memory.")
 
+    @field_validator("image")
+    @classmethod
+    def _image(cls, value: str | None) -> str | None:
+        return value if value is None else _check_image(value)
+
 
 class JobSpecBody(Model):
     """What to run and how (the `spec` section)."""
@@ -278,7 +415,14 @@ class JobSpecBody(Model):
     training: TrainingConfig = Field(description="The training loop.")
     nodes: NodesConfig = Field(default_factory=NodesConfig, description="Node count; elastic when min < max.")
     procs_per_node: int = Field(
-        default=1, ge=1, description="Worker processes per node; must equal `resources.gpus` when GPUs are used."
+        default=1,
+        ge=1,
+        le=MAX_PROCS_PER_NODE,
+        description=(
+            f"Worker processes per node, at most {MAX_PROCS_PER_NODE}; must equal `resources.gpus` when GPUs "
+            f"are used. Local rank r exports metrics on `metrics.port` + r: `metrics.port` + procsPerNode - 1 "
+            f"must be at most {MAX_PORT}."
+        ),
     )
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig, description="Per-node resources.")
     restarts: RestartsConfig = Field(default_factory=RestartsConfig, description="Failure handling.")
@@ -287,11 +431,22 @@ class JobSpecBody(Model):
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig, description="Kubernetes settings.")
     ray: RayConfig = Field(default_factory=RayConfig, description="Ray settings.")
 
+    @field_validator("image")
+    @classmethod
+    def _image(cls, value: str) -> str:
+        return _check_image(value)
+
     @model_validator(mode="after")
     def _cross_section_rules(self) -> JobSpecBody:
         if self.resources.gpus > 0 and self.procs_per_node != self.resources.gpus:
             raise ValueError(
                 f"procsPerNode: must equal spec.resources.gpus ({self.resources.gpus}): one process per GPU"
+            )
+        port = self.metrics.port
+        if self.metrics.enabled and port + self.procs_per_node - 1 > MAX_PORT:
+            raise ValueError(
+                f"procsPerNode: spec.metrics.port ({port}) + procsPerNode - 1 must be <= {MAX_PORT}, as local rank r "
+                f"exports metrics on port + r: at most {MAX_PORT - port + 1} processes, or a lower port"
             )
         if self.training.strategy is Strategy.hsdp and self.nodes.min < 2:
             raise ValueError(
@@ -316,6 +471,15 @@ class JobSpecBody(Model):
                 "kubernetes.automountServiceAccountToken: needs spec.kubernetes.serviceAccount, a dedicated "
                 "account with only the RBAC the task needs (the namespace's default account is never mounted)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _store_names(self) -> JobSpecBody:
+        """The Kubernetes objects a store names (StoreConfig is the worker's model, with no such rule)."""
+        for i, store in enumerate(self.checkpoint.stores):
+            for key, name in (("pvc", store.pvc), ("secretRef", store.secret_ref)):
+                if name is not None and not _is_subdomain(name):
+                    raise _error_at(("checkpoint", "stores", i, key), _OBJECT_NAME_RULE, name)
         return self
 
     @property
@@ -355,6 +519,12 @@ class JobSpec(Model):
         out += _shared_credential_warnings(s)
         out += _in_memory_warnings(s)
         out += _spare_node_warnings(s)
+        out += [
+            f"spec.checkpoint.stores[{i}].uri: memory:// lives in each worker process and is gone when it exits: "
+            "nothing in it outlives the run or a restart (for tests; use file:// or an object store)"
+            for i, store in enumerate(s.checkpoint.stores)
+            if store.scheme == "memory"
+        ]
         if s.training.precision is Precision.fp16 and s.resources.gpus == 0:
             out.append("spec.training.precision: fp16 on CPU runs slowly and is emulated; prefer bf16 or fp32")
         if s.training.lr_schedule.decay == "constant" and s.training.lr_schedule.min_lr_ratio != 0.0:

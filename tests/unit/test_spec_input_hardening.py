@@ -205,3 +205,10 @@ def test_preflight_refuses_an_object_store_whose_package_is_missing(monkeypatch:
         "spec.checkpoint.stores[0].uri (gs://bucket/x): no gs:// support on this machine: "
         "Please install gcsfs to access Google Storage"
     )
+
+
+def test_a_memory_store_is_warned_about() -> None:
+    """A local run "committed" its final checkpoint to memory:// and exited 0; nothing of it was left."""
+    spec = load_spec(EXAMPLE, ["spec.checkpoint.stores[0].uri=memory://x", NO_PVC])
+    assert any(w.startswith("spec.checkpoint.stores[0].uri: memory:// lives in each worker") for w in spec.warnings())
+    assert not any("memory://" in w for w in load_spec(EXAMPLE).warnings())
