@@ -167,6 +167,14 @@ def _refuse_credentials(expr: str, path: list[str | int]) -> None:
         )
 
 
+def _check_index(expr: str, node: Any, index: int) -> None:
+    """`node[index]` may be set by `--set` (an index one past the end appends)."""
+    if not isinstance(node, list):
+        raise SpecError(f"--set {expr!r}: [{index}] needs a list there, found {type(node).__name__}")
+    if index > len(node):
+        raise SpecError(f"--set {expr!r}: index {index} out of range (the list has {len(node)})")
+
+
 def apply_overrides(data: Any, overrides: list[str]) -> Any:
     """Apply `--set` expressions in order to a parsed document (creating maps as needed)."""
     for expr in overrides:
@@ -178,8 +186,7 @@ def apply_overrides(data: Any, overrides: list[str]) -> Any:
         for i, key in enumerate(path[:-1]):
             nxt = path[i + 1]
             if isinstance(key, int):
-                if not isinstance(node, list) or key > len(node):
-                    raise SpecError(f"--set {expr!r}: index {key} out of range")
+                _check_index(expr, node, key)
                 if key == len(node):  # one past the end appends, as for a final index
                     node.append([] if isinstance(nxt, int) else {})
                 node = node[key]
@@ -191,8 +198,7 @@ def apply_overrides(data: Any, overrides: list[str]) -> Any:
             node = node[key]
         last = path[-1]
         if isinstance(last, int):
-            if not isinstance(node, list) or last > len(node):
-                raise SpecError(f"--set {expr!r}: index {last} out of range")
+            _check_index(expr, node, last)
             if last == len(node):
                 node.append(value)
             else:
@@ -285,6 +291,8 @@ def format_validation_error(exc: ValidationError) -> list[str]:
             msg = msg[match.end() :]
         if err["type"] == "extra_forbidden":
             msg = _unknown_field_message(loc)
+        elif err["type"] in ("model_type", "model_attributes_type", "dict_type"):
+            msg = f"expected a mapping, got {type(err.get('input')).__name__}"  # not pydantic's class names
         elif err["type"] == "missing":
             msg = "required field is missing"
         lines.append(f"{path or '<document>'}: {' '.join(msg.split())}")

@@ -60,7 +60,7 @@ __all__ = [
     "load_worker_spec",
 ]
 
-_ENTRYPOINT_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_ENTRYPOINT_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")  # dotted names, no empty part
 
 
 class Precision(str, Enum):
@@ -93,7 +93,7 @@ class TaskConfig(Model):
     @field_validator("entrypoint")
     @classmethod
     def _entrypoint_shape(cls, value: str) -> str:
-        if not _ENTRYPOINT_RE.match(value):
+        if not _ENTRYPOINT_RE.fullmatch(value):
             raise ValueError("must be an import path of the form `package.module:callable`")
         return value
 

@@ -212,3 +212,28 @@ def test_a_memory_store_is_warned_about() -> None:
     spec = load_spec(EXAMPLE, ["spec.checkpoint.stores[0].uri=memory://x", NO_PVC])
     assert any(w.startswith("spec.checkpoint.stores[0].uri: memory:// lives in each worker") for w in spec.warnings())
     assert not any("memory://" in w for w in load_spec(EXAMPLE).warnings())
+
+
+@pytest.mark.parametrize(
+    ("expr", "problem"),
+    [
+        ("spec.training.steps[0]=1", "--set 'spec.training.steps[0]=1': [0] needs a list there, found int"),
+        (
+            "spec.checkpoint.stores[5].uri=x",
+            "--set 'spec.checkpoint.stores[5].uri=x': index 5 out of range (the list has 1)",
+        ),
+        ("metadata=5", "metadata: expected a mapping, got int"),
+        ("spec.kubernetes=[1]", "spec.kubernetes: expected a mapping, got list"),
+        (
+            "spec.task.entrypoint=training..x:task",
+            "spec.task.entrypoint: must be an import path of the form `package.module:callable`",
+        ),
+        (
+            "spec.task.entrypoint=mod.:task",
+            "spec.task.entrypoint: must be an import path of the form `package.module:callable`",
+        ),
+    ],
+)
+def test_messages_say_what_is_wrong_in_the_users_terms(expr: str, problem: str) -> None:
+    """Not "index 0 out of range" for a number, not pydantic's class names, no empty module names."""
+    assert _problems(expr) == [problem]
