@@ -185,6 +185,8 @@ class Metadata(Model):
             "the node count."
         ),
         examples=["digits-ddp"],
+        # For editors (`torchrig schema`): the validator below gives the one-line error.
+        json_schema_extra={"pattern": DNS1035_RE.pattern, "maxLength": 63},
     )
     namespace: str = Field(default="default", description="Kubernetes namespace to submit to.")
     labels: Labels = Field(default_factory=dict, description="Labels copied onto every object and pod.")

@@ -163,6 +163,12 @@ def test_schema_validates_the_examples() -> None:
         jsonschema.validate(yaml.safe_load(Path(example).read_text()), schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"apiVersion": "torchrig/v1", "kind": "TrainingJob", "metadata": {}, "spec": {}}, schema)
+    # What editors check agrees with the model where a user types most: the job's name, booleans for numbers.
+    for name, steps in (("Bad_Name", 300), ("digits-ddp", True)):
+        doc = yaml.safe_load(Path(DIGITS).read_text())
+        doc["metadata"]["name"], doc["spec"]["training"]["steps"] = name, steps
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(doc, schema)
 
 
 @pytest.mark.parametrize("command", ["validate", "render", "schema"])
