@@ -175,6 +175,8 @@ class ActionRunner:
                     self.outcome.fault_rank, self.outcome.fault_node = None, node
             case Preempt(grace_s=grace_s, node=node):
                 self._strike("preempt", node="all" if node is None else node)
+                # Every process of a node (None: of the job) gets the signal: no one rank is the victim.
+                self.outcome.fault_rank, self.outcome.fault_node = None, node
                 self._preempt(node, grace_s)
             case LinkCut(node=node):
                 network = self._network()

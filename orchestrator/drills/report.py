@@ -123,9 +123,10 @@ class DrillReport(_Checks):
 
 
 def fault_text(report: dict[str, Any]) -> str:
-    """Where the fault struck, from a report's dict: `step 23, rank 1`, or `step 23, node 1` for a node fault."""
-    node = report.get("fault_node")
-    where = f"node {node}" if node is not None else f"rank {report.get('fault_rank')}"
+    """Where the fault struck, from a report's dict: `step 23, rank 1`, `step 23, node 1` for a node fault,
+    or `step 23, every process` for one that struck them all (a preemption of the whole job)."""
+    node, rank = report.get("fault_node"), report.get("fault_rank")
+    where = f"node {node}" if node is not None else f"rank {rank}" if rank is not None else "every process"
     return f"step {report.get('fault_step')}, {where}"
 
 

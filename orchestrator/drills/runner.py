@@ -8,7 +8,7 @@ import random
 import time
 from pathlib import Path
 
-from orchestrator.backends.base import LocalOptions, NodePlacement, RunState, SubmitOptions, SupervisedRun
+from orchestrator.backends.base import Backend, LocalOptions, NodePlacement, RunState, SubmitOptions, SupervisedRun
 from orchestrator.drills.actions import ActionRunner, emulated_network, placements, supervise
 from orchestrator.drills.history import RunHistory
 from orchestrator.drills.plan import DrillContext, DrillOptions, Outcome, fault_dicts, faults_env
@@ -95,7 +95,11 @@ def run_drill(scenario_name: str, spec: JobSpec, options: DrillOptions) -> Drill
     plan = scenario.plan(isolate_stores(spec, tag, "run"), ctx)
     faulted_spec = revalidate(plan.spec, "drill")
     drill_dir = Path(options.drill_dir or Path("runs") / spec.name / f"drill-{scenario.name}-{tag}")
-    drill_dir.mkdir(parents=True, exist_ok=False)
+    _backend(options).check(faulted_spec, SubmitOptions(local=LocalOptions(nodes=options.nodes)))  # before any file
+    if drill_dir.exists() and (not drill_dir.is_dir() or any(drill_dir.iterdir())):
+        what = "holds files (an earlier drill's?)" if drill_dir.is_dir() else "is not a directory"
+        raise SpecError(f"--drill-dir: {drill_dir} {what}; give a new or empty directory")
+    drill_dir.mkdir(parents=True, exist_ok=True)
 
     report = DrillReport(scenario=scenario.name, backend=options.backend, seed=options.seed)
     report.fault_step, report.fault_rank = plan.fault_step, plan.fault_rank
@@ -248,15 +252,21 @@ def _fill_from_run(report: DrillReport, summary: Summary, history: RunHistory, o
     report.recovered = report.status == RunState.SUCCEEDED and (first_step is not None or not restores)
 
 
-def _launch(
-    spec: JobSpec, run_dir: Path, options: DrillOptions, env: dict[str, str], where: list[NodePlacement]
-) -> SupervisedRun:
-    """Start the job on the drill's backend without blocking (`Backend.launch` -> a supervised run)."""
+def _backend(options: DrillOptions) -> Backend:
+    """The drill's backend; UnsupportedFeature when it cannot supervise a run."""
     from orchestrator.backends import get_backend
 
     backend = get_backend(options.backend)
     if not backend.capabilities.supervised:
         raise UnsupportedFeature(f"--backend: {options.backend!r} cannot run drills (it has no supervised launch)")
+    return backend
+
+
+def _launch(
+    spec: JobSpec, run_dir: Path, options: DrillOptions, env: dict[str, str], where: list[NodePlacement]
+) -> SupervisedRun:
+    """Start the job on the drill's backend without blocking (`Backend.launch` -> a supervised run)."""
+    backend = _backend(options)
     submit = SubmitOptions(
         run_dir=str(run_dir),
         quiet=options.quiet,

@@ -10,7 +10,7 @@ and the outside actions to carry out on the running job (kill a node, damage a s
 from __future__ import annotations
 
 import random
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from orchestrator.backends.base import RunState
 from orchestrator.drills.damage import CorruptionKind
@@ -488,7 +488,33 @@ class KillNode(Scenario):
         grew_back = shrank and sizes.index(small) < len(sizes) - 1 and full in sizes[sizes.index(small) + 1 :]
         verdict.check("continued at the smaller world size", shrank, f"world sizes {sizes}")
         verdict.check("world grew back after the node rejoined", grew_back, f"world sizes {sizes}")
+        if shrank and not grew_back and report.status == "succeeded":
+            report.inconclusive = _finished_before_regrowth(report.events)
         return verdict
+
+
+REGROW_WINDOW_S = 30.0  # a rejoined node waits for the agents' next rendezvous round: seconds here
+
+
+def _finished_before_regrowth(events: list[dict[str, Any]]) -> str | None:
+    """Why a kill-node drill whose job never grew back proved nothing, or None when it had the time to.
+
+    The job ended before the node came back, or within `REGROW_WINDOW_S` of it (before a rendezvous
+    round could take it in): it neither grew back nor failed to (a short job, a late fault). A job that
+    ran on longer than that at the smaller size did fail to grow back."""
+    added = [float(e["time"]) for e in events if e.get("kind") == "node_added"]
+    finished = [float(e["time"]) for e in events if e.get("kind") == "finished"]
+    if not finished:
+        return None
+    if not added:
+        return "the job finished before the killed node could rejoin (more steps, or an earlier --at-step)"
+    after = max(finished) - added[-1]
+    if after < REGROW_WINDOW_S:
+        return (
+            f"the job finished {after:.1f} s after the node rejoined, before a rendezvous round could take it in "
+            f"(under {REGROW_WINDOW_S:g} s; more steps, or an earlier --at-step)"
+        )
+    return None
 
 
 class Partition(KillNode):

@@ -146,6 +146,7 @@ def test_preempt_stops_with_an_emergency_checkpoint_and_resumes_losing_no_step(t
     the job stops as `preempted` (no in-place restart), and started again it ends bit-identical."""
     report = _drill("preempt", tmp_path, "spec.training.steps=40", seed=3, at_step=12)
     assert report.lost_steps == 0 and report.resumed_from_step is not None and report.resumed_from_step >= 12
+    assert report.fault_rank is None and report.fault_node is None, "the signal struck every process, no one rank"
 
 
 @pytest.mark.slow

@@ -198,8 +198,18 @@ def test_kill_node_verdict_needs_shrink_and_regrow(tmp_path: Path) -> None:
     ok.add(KillNode().judge(ok, history, ctx))
     assert all(c.passed for c in ok.checks if "world" in c.name)
     never_grew = DrillReport("kill-node", "local", 0, status="succeeded", world_sizes=[4, 2], resumed_from_step=20)
+    never_grew.events = [{"kind": "node_added", "time": 10.0}, {"kind": "finished", "time": 80.0}]
     never_grew.add(KillNode().judge(never_grew, history, ctx))
-    assert not never_grew.passed
+    assert not never_grew.passed and never_grew.inconclusive is None, "60 s at the smaller size: it failed to grow"
+    # The job ended 2 s after the node came back (or before it could): the drill proved nothing either way.
+    for events in (
+        [{"kind": "node_added", "time": 39.2}, {"kind": "finished", "time": 41.3}],
+        [{"kind": "finished", "time": 5.0}],
+    ):
+        short = DrillReport("kill-node", "local", 0, status="succeeded", world_sizes=[4, 2], resumed_from_step=20)
+        short.events = events
+        short.add(KillNode().judge(short, history, ctx))
+        assert short.verdict == "inconclusive" and not short.passed and "more steps" in str(short.inconclusive)
 
 
 def _committed_store(root: Path, steps: list[int]) -> Path:
@@ -559,6 +569,8 @@ def test_a_node_fault_is_reported_as_a_node_and_a_rank_fault_as_a_rank() -> None
     rank = DrillReport("kill-worker", "local", 0, fault_step=23, fault_rank=1)
     assert fault_text(node.to_dict()) == "step 30, node 1"
     assert fault_text(rank.to_dict()) == "step 23, rank 1"
+    everyone = DrillReport("preempt", "local", 0, fault_step=40)  # a preemption of the whole job
+    assert fault_text(everyone.to_dict()) == "step 40, every process"
     console = Console(record=True, width=200)
     console.print(render_table(node))
     assert "step 30, node 1" in console.export_text()
@@ -593,3 +605,25 @@ def test_a_drill_option_out_of_range_is_refused_before_anything_runs(
     done = CliRunner().invoke(cli, ["drill", args[0], job, *args[1:]])
     assert done.exit_code == 2, done.output
     assert f"Invalid value for '{option}'" in done.output
+
+
+def test_a_drill_refused_for_its_spec_or_an_occupied_drill_dir_writes_nothing(
+    examples_dir: Path, tmp_path: Path
+) -> None:
+    """A spec the backend cannot run left an empty drill directory behind, and the next drill into it
+    (the spec fixed) failed with a FileExistsError traceback. Both are one line, exit 2, before any file."""
+    from click.testing import CliRunner
+
+    from orchestrator.cli import cli
+
+    job = str(examples_dir / "digits-ddp.yaml")
+    fresh = tmp_path / "d9"
+    gpus = ["--set", "spec.resources.gpus=2", "--drill-dir", str(fresh)]
+    done = CliRunner().invoke(cli, ["drill", "kill-worker", job, *gpus])
+    assert done.exit_code == 2 and "spec.resources.gpus" in done.output, done.output
+    assert not fresh.exists()
+    used = tmp_path / "d1"
+    (used / "run").mkdir(parents=True)
+    done = CliRunner().invoke(cli, ["drill", "kill-worker", job, "--drill-dir", str(used)])
+    assert done.exit_code == 2, done.output
+    assert f"--drill-dir: {used} holds files (an earlier drill's?)" in done.output and "Traceback" not in done.output
