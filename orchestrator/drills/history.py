@@ -60,6 +60,12 @@ class RunHistory:
         steps += [e.step for e in self.events if e.step is not None]
         return max(steps, default=0)
 
+    def last_step_before(self, t: float) -> int:
+        """The newest step a record of the run names from before time `t` (0 before the first one)."""
+        steps = [m["step"] for m in self.metrics if isinstance(m.get("step"), int) and _time(m) < t]
+        steps += [e.step for e in self.events if e.step is not None and e.time < t]
+        return max(steps, default=0)
+
     def first_step_after(self, t: float) -> Reached | None:
         """The first step completed after time `t` (a `first_step` event of a new generation, else a step record)."""
         candidates = [Reached(e.time, e.step) for e in self.of(EventKind.FIRST_STEP) if e.time > t]

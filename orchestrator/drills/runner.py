@@ -244,7 +244,10 @@ def _fill_from_run(report: DrillReport, summary: Summary, history: RunHistory, o
         report.recovery_path = "restart"
         report.resumed_from_step = 0  # restarted with nothing to restore: started over
     if report.resumed_from_step is not None and report.fault_step is not None:
-        report.lost_steps = max(0, report.fault_step - report.resumed_from_step)
+        # A restart redoes every step done since the restored one, those the job still completed between
+        # the strike and the group's end too (a node killed from outside dies a moment after its step).
+        done = max(report.fault_step, history.last_step_before(restores[0].time)) if restores else report.fault_step
+        report.lost_steps = max(0, done - report.resumed_from_step)
     first_step = history.first_step_after(recovered_at)
     if first_step is not None:
         report.mttr_seconds = round(first_step.time - t_fault, 3)

@@ -627,3 +627,31 @@ def test_a_drill_refused_for_its_spec_or_an_occupied_drill_dir_writes_nothing(
     done = CliRunner().invoke(cli, ["drill", "kill-worker", job, "--drill-dir", str(used)])
     assert done.exit_code == 2, done.output
     assert f"--drill-dir: {used} holds files (an earlier drill's?)" in done.output and "Traceback" not in done.output
+
+
+def test_lost_steps_count_what_the_job_still_did_between_the_strike_and_its_end(tmp_path: Path) -> None:
+    """A node killed from outside at step 20 dies a moment later: rank 0 logged step 21 first. The table
+    said 10 steps lost while the plot said 11 redone; a restart redoes both, and both now say 11."""
+    events = [
+        {"time": 1.0, "event": "start", "rank": 0, "world_size": 4, "pid": 11, "generation": 0},
+        {"time": 9.0, "event": "checkpoint_committed", "step": 10, "rank": 0},
+        {"time": 30.0, "event": "start", "rank": 0, "world_size": 2, "pid": 21, "generation": 1},
+        {"time": 31.0, "event": "restore", "step": 10, "store": "local", "rank": 0, "generation": 1},
+        {"time": 32.0, "event": "first_step", "step": 11, "rank": 0, "generation": 1},
+    ]
+    _write_jsonl(tmp_path / "events.jsonl", events)
+    metrics = [{"time": 20.0, "step": 20, "world_size": 4}, {"time": 21.0, "step": 21, "world_size": 4}]
+    _write_jsonl(tmp_path / "metrics.jsonl", metrics)
+    outcome = Outcome(fault_step=20, fault_rank=None)
+    outcome.record(DrillEventKind.FAULT_INJECTED, at=20.5, kind="kill-node", node=1, step=20)
+    report = DrillReport("kill-node", "local", 0)
+    _fill_from_run(report, Summary(status="succeeded"), RunHistory.load(tmp_path), outcome)
+    assert report.recovery_path == "restart" and report.resumed_from_step == 10
+    assert report.lost_steps == 11
+    from orchestrator.plot import build_timeline
+
+    tl = build_timeline(RunHistory.load(tmp_path).metrics, RunHistory.load(tmp_path).events, fault_times=[20.5])
+    assert (
+        sum(c.last_step - c.resumed_from for c in tl.outages if c.last_step is not None and c.resumed_from is not None)
+        == 11
+    )

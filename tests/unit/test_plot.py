@@ -136,7 +136,9 @@ def test_world_size_change_and_an_external_fault_marker() -> None:
         ev(1026.0, EventKind.FIRST_STEP, 0, 0, step=11, world_size=2),
     ]
     metrics = [rec(1005.0, 10), rec(1009.0, 15), rec(1030.0, 20)]
-    tl = build_timeline(metrics, events, fault_times=[1010.0])
+    # A paced drill's `slow` faults (every rank, step 1) are no faults to mark: only the node kill is.
+    pacing = [ev(1001.5, EventKind.FAULT, r, step=1, kind="slow") for r in range(4)]
+    tl = build_timeline(metrics, events + pacing, fault_times=[1010.0])
     assert [m.label for m in tl.faults] == ["fault @15"]
     assert len(tl.restarts) == 1 and tl.outages[0].start == pytest.approx(10.0)
     tx, ty = tl.world_size_time
