@@ -172,6 +172,8 @@ def _type_hint(info: FieldInfo) -> str:
     # helm-docs takes `# -- (type)` for keys whose default (null) says nothing about the type.
     args = [a for a in typing.get_args(info.annotation) if a is not type(None)]
     base = args[0] if args else info.annotation
+    if typing.get_origin(base) is typing.Annotated:  # a validated string (ObjectName) is a string
+        base = typing.get_args(base)[0]
     if is_quantity(info):
         return "(quantity) "
     hints: dict[Any, str] = {str: "(string) ", int: "(int) ", float: "(float) "}

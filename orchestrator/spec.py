@@ -171,7 +171,12 @@ def _error_at(loc: tuple[str | int, ...], message: str, value: Any) -> Validatio
 
 
 Labels = Annotated[dict[str, str], AfterValidator(_check_labels)]
-ObjectName = Annotated[str, AfterValidator(_check_object_name)]
+# The pattern is for editors and the chart's values.schema.json; the validator gives the one-line error.
+ObjectName = Annotated[
+    str,
+    AfterValidator(_check_object_name),
+    Field(json_schema_extra={"pattern": f"^{_SUBDOMAIN_RE.pattern}$", "maxLength": 253}),
+]
 
 
 class Metadata(Model):
@@ -287,7 +292,7 @@ class KubernetesConfig(Model):
         default="pytorchjob",
         description="What `torchrig submit` creates: a Kubeflow PyTorchJob (v1, elastic) or a Trainer v2 TrainJob.",
     )
-    service_account: str | None = Field(default=None, description="ServiceAccount of the pods.")
+    service_account: ObjectName | None = Field(default=None, description="ServiceAccount of the pods.")
     automount_service_account_token: bool = Field(
         default=False,
         description=(
@@ -298,7 +303,7 @@ class KubernetesConfig(Model):
     queue: str | None = Field(
         default=None, description="Queue: the Volcano queue with `gang: volcano`, else the Kueue LocalQueue."
     )
-    priority_class: str | None = Field(default=None, description="PriorityClass of the pods.")
+    priority_class: ObjectName | None = Field(default=None, description="PriorityClass of the pods.")
     gang: Literal["none", "volcano", "kueue"] = Field(
         default="none",
         description="Gang scheduling: `volcano` (PodGroup via the operator), `kueue` (admission by queue) or `none`.",
@@ -334,7 +339,7 @@ class KubernetesConfig(Model):
     clean_pod_policy: Literal["None", "Running", "All"] = Field(
         default="None", description="PyTorchJob: which pods to delete when the job finishes."
     )
-    runtime_ref: str | None = Field(
+    runtime_ref: ObjectName | None = Field(
         default=None,
         description=(
             "TrainJob: name of an existing runtime of kind `runtimeKind` (default: emit a namespaced "
@@ -348,11 +353,6 @@ class KubernetesConfig(Model):
             "as `torch-distributed`) or a TrainingRuntime in the job's namespace."
         ),
     )
-
-    @field_validator("service_account", "priority_class", "runtime_ref")
-    @classmethod
-    def _object_names(cls, value: str | None) -> str | None:
-        return value if value is None else _check_object_name(value)
 
     @field_validator("env")
     @classmethod

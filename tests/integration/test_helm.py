@@ -132,6 +132,19 @@ def test_elastic_trainjob_without_fixed_size_fails_like_the_compiler(tmp_path: P
 
 
 @pytest.mark.parametrize(
+    "value",
+    ["spec.kubernetes.serviceAccount=Bad_SA", "spec.kubernetes.priorityClass=high prio", "metadata.name=Bad_Name"],
+)
+def test_names_kubernetes_would_refuse_fail_in_the_charts_schema_as_in_torchrig(value: str) -> None:
+    """The chart's values.schema.json carries the model's name patterns: `helm template` refuses what
+    `torchrig validate` refuses, instead of rendering a manifest the API server rejects."""
+    path, _, _ = value.partition("=")
+    proc = run_helm("template", "t", str(CHART), "--set", value, check=False)
+    assert proc.returncode != 0 and "does not match pattern" in proc.stderr, proc.stderr
+    assert path.split(".")[-1] in proc.stderr
+
+
+@pytest.mark.parametrize(
     ("target", "limit", "spare_nodes"), [("pytorchjob", 54, 0), ("pytorchjob", 53, 9), ("trainjob", 48, 0)]
 )
 def test_names_too_long_for_the_target_fail_like_the_compiler(
