@@ -156,3 +156,17 @@ def test_a_store_path_that_is_no_directory_is_bad_input_not_an_empty_store(tmp_p
         done = CliRunner().invoke(cli, ["checkpoints", command, str(path)])
         assert done.exit_code == 2, done.output
         assert done.output.strip() == f"error: STORE_URI {path}: {says}"
+
+
+def test_verify_fails_a_manifest_that_leaves_a_shard_out(tmp_path: Path) -> None:
+    """Every file a manifest lists intact, but one the checkpoint reads left out: the restore refuses it
+    (`not in the manifest`) and falls back, so `verify` must not call it ok."""
+    store, _ = _saved(tmp_path, (1, 2))
+    raw = json.loads(_manifest(store, 2).read_text())
+    raw["files"] = [f for f in raw["files"] if not f["path"].endswith(".distcp")]
+    _manifest(store, 2).write_text(json.dumps(raw))
+    done = CliRunner().invoke(cli, ["checkpoints", "verify", store, "-o", "json"])
+    rows = {r["step"]: r for r in json.loads(done.output)["stores"][store]}
+    assert done.exit_code == 1, done.output
+    assert rows[2]["status"] == "CORRUPT" and rows[1]["status"] == "ok"
+    assert rows[2]["bad"] == {"gen-0000/__0_0.distcp": "read by the checkpoint, not in the manifest"}
