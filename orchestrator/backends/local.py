@@ -104,6 +104,8 @@ class LocalBackend(Backend):
         run_dir = parse_run_ref(run_id)
         if not RunFiles(run_dir).logs.is_dir():
             raise SpecError(f"RUN: no logs in {run_dir}")
+        if rank is not None:
+            _check_rank(run_dir, rank)
         if not follow:
             yield from iter_rank_lines(run_dir, rank)
             return
@@ -119,6 +121,19 @@ class LocalBackend(Backend):
             state, message, details = run_state(run_dir)
             out.append(RunStatus(RunHandle(self.name, str(run_dir)), state, message, details))
         return out
+
+
+def _check_rank(run_dir: Path, rank: int) -> None:
+    """`--rank` names a rank the run can have (its job's largest world), not an empty filter."""
+    from orchestrator.loader import load_spec
+
+    try:
+        spec = load_spec(RunFiles(run_dir).job)
+    except SpecError:
+        return  # no readable job.yaml: the lines say what there is
+    world = spec.spec.nodes.max * spec.spec.procs_per_node
+    if rank >= world:
+        raise SpecError(f"--rank: no rank {rank} in this run (ranks 0-{world - 1})")
 
 
 def _follow(run_dir: Path, rank: int | None, poll_s: float = 0.5) -> Iterator[str]:

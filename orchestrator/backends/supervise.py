@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = run.wait()
     from orchestrator.summary_text import final_line
 
-    print(f"{final_line(summary)}; summary: {files.summary}")
+    print(final_line(summary))  # it ends with the summary's path
     return {
         RunState.SUCCEEDED.value: EXIT_OK,
         RunState.CANCELLED.value: EXIT_CANCELLED,

@@ -14,7 +14,29 @@ from orchestrator.errors import TorchrigError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-__all__ = ["emit_json", "handle_errors", "output_option", "set_option"]
+__all__ = ["check_plot_path", "emit_json", "handle_errors", "output_option", "set_option"]
+
+PLOT_FORMATS = ("png", "svg", "pdf")
+
+
+def check_plot_path(path: str) -> None:
+    """`--plot FILE` can be written: its folder exists and its extension is a format the plot takes.
+    Checked before any work (a drill runs for minutes before it plots); matplotlib's own errors there
+    were tracebacks.
+
+    Raises:
+        SpecError: naming `--plot`.
+    """
+    import os
+
+    from orchestrator.errors import SpecError
+
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise SpecError(f"--plot: {path}: no such directory {folder}")
+    suffix = os.path.splitext(path)[1].lower().lstrip(".")
+    if suffix not in PLOT_FORMATS:
+        raise SpecError(f"--plot: {path}: give a .png, .svg or .pdf file")
 
 
 def handle_errors(func: F) -> F:

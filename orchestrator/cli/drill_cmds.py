@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from orchestrator.cli._common import emit_json, handle_errors, output_option, set_option
+from orchestrator.cli._common import check_plot_path, emit_json, handle_errors, output_option, set_option
 from orchestrator.drills.damage import CorruptionKind
 
 if TYPE_CHECKING:
@@ -129,6 +129,8 @@ def drill(
     from orchestrator.loader import load_spec
 
     get_scenario(scenario)  # unknown names fail before anything runs
+    if plot_path:
+        check_plot_path(plot_path)
     spec = load_spec(job, list(overrides))
     if backend == "kubernetes":
         report = _kubernetes_drill(scenario, spec, seed, rank, timeout_s)

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from orchestrator.backends.base import RunState
-from orchestrator.cli._common import emit_json, handle_errors, output_option
+from orchestrator.cli._common import check_plot_path, emit_json, handle_errors, output_option
 from orchestrator.errors import SpecError
 from orchestrator.summary_text import format_value, is_count_key
 
@@ -141,6 +141,8 @@ def report(run_dir: str, output: str, plot: str | None) -> None:
     path = Path(run_dir.removeprefix("local://"))
     if not path.is_dir():
         raise SpecError(f"RUN_DIR: no such directory: {path}")
+    if plot:
+        check_plot_path(plot)
     data = build_report(path)
     if plot:
         write_plot(path, Path(plot))

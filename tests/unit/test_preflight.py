@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.fixtures.common import REPO
 from training.config import WorkerSpec, load_worker_spec
 from training.contract import ExitCode
 from training.launch import main as launch
@@ -187,3 +188,36 @@ def test_checkpoints_signed_with_another_key_stop_the_job_before_it_starts(
     preflight(worker_spec(tmp_path, checkpoint=never), run_dir=run_dir, check_gpu=False)
     monkeypatch.delenv(Env.CHECKPOINT_KEY)
     preflight(worker_spec(tmp_path), run_dir=run_dir, check_gpu=False)  # no key checks no signature
+
+
+def test_a_store_a_running_local_run_writes_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same job submitted twice onto one absolute store: the second took the store's writer fence, the
+    first trained on with every checkpoint refused and ended `failed`. The second is refused up front."""
+    import os
+
+    from orchestrator.backends._local_procs import process_start_ticks
+    from orchestrator.backends._preflight import check_stores_not_in_use
+    from orchestrator.errors import BackendError
+    from orchestrator.loader import load_spec
+    from training.contract import Env, write_json
+
+    shared = f"file://{tmp_path / 'shared'}"
+    job = tmp_path / "job.yaml"
+    example = REPO / "examples" / "digits-ddp.yaml"
+    job.write_text(example.read_text().replace('uri: "file://./checkpoints"', f'uri: "{shared}"'))
+    live = tmp_path / "runs" / "digits-ddp" / "20261128-000001"
+    live.mkdir(parents=True)
+    (live / "job.yaml").write_text(job.read_text())
+    write_json(live / "supervisor.json", {"pid": os.getpid(), "start_ticks": process_start_ticks(os.getpid())})
+    monkeypatch.setenv(Env.RUNS_DIR, str(tmp_path / "runs"))
+    spec = load_spec(job, ["spec.checkpoint.stores[0].pvc=null"])
+    with pytest.raises(
+        BackendError, match=rf"spec.checkpoint.stores\[0\].uri: {shared} is in use by the running run {live}"
+    ):
+        check_stores_not_in_use(spec, tmp_path / "runs" / "digits-ddp" / "20261128-000002")
+    check_stores_not_in_use(spec, live)  # the run itself (its detached supervisor's own preflight)
+    check_stores_not_in_use(load_spec(job, [f"spec.checkpoint.stores[0].uri={shared}-2"]), tmp_path / "r2")
+    # A relative store lives in each run's own directory: never shared.
+    check_stores_not_in_use(load_spec(example), tmp_path / "r3")
+    (live / "supervisor.json").unlink()  # the run is over (its supervisor gone)
+    check_stores_not_in_use(spec, tmp_path / "r4")

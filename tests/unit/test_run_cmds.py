@@ -339,3 +339,26 @@ def test_live_progress_of_a_resubmit_skips_the_earlier_attempts_lines(tmp_path: 
     with (tmp_path / "metrics.jsonl").open("a") as fh:
         fh.write(json.dumps(new) + "\n")
     assert progress.poll() and progress.line().startswith("step 3/100  train loss (rank 0) 2.0000")
+
+
+def test_report_plot_into_a_missing_folder_or_an_unknown_format_is_one_line(tmp_path: Path) -> None:
+    """Both were matplotlib tracebacks (FileNotFoundError, "Format 'xyz' is not supported"), exit 1."""
+    run_dir = make_run(tmp_path, "x", "1", "succeeded")
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"time": 1.0, "step": 1, "loss": 1.0}) + "\n")
+    for plot, says in (
+        (tmp_path / "no" / "p.png", "no such directory"),
+        (tmp_path / "p.xyz", "give a .png, .svg or .pdf"),
+    ):
+        code, _, err = invoke("report", str(run_dir), "--plot", str(plot))
+        assert code == 2 and err.startswith(f"error: --plot: {plot}") and says in err, err
+    code, _, _ = invoke("report", str(run_dir), "--plot", str(tmp_path / "p.svg"))
+    assert code == 0 and (tmp_path / "p.svg").stat().st_size > 0
+
+
+def test_logs_of_a_rank_the_run_cannot_have_is_bad_input(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path, "x", "1", "succeeded")  # digits-ddp: up to 2 nodes of 2 ranks
+    (run_dir / "logs").mkdir()
+    (run_dir / "logs" / "node0.log").write_text("[rank0]:zero\n")
+    code, _, err = invoke("logs", str(run_dir), "--rank", "5")
+    assert code == 2 and "--rank: no rank 5 in this run (ranks 0-3)" in err
+    assert invoke("logs", str(run_dir), "--rank", "3")[0] == 0
