@@ -502,8 +502,8 @@ def _finished_before_regrowth(events: list[dict[str, Any]]) -> str | None:
     The job ended before the node came back, or within `REGROW_WINDOW_S` of it (before a rendezvous
     round could take it in): it neither grew back nor failed to (a short job, a late fault). A job that
     ran on longer than that at the smaller size did fail to grow back."""
-    added = [float(e["time"]) for e in events if e.get("kind") == "node_added"]
-    finished = [float(e["time"]) for e in events if e.get("kind") == "finished"]
+    added = [float(e["time"]) for e in events if e.get("event") == DrillEventKind.NODE_ADDED]
+    finished = [float(e["time"]) for e in events if e.get("event") == EventKind.FINISHED]
     if not finished:
         return None
     if not added:

@@ -198,13 +198,13 @@ def test_kill_node_verdict_needs_shrink_and_regrow(tmp_path: Path) -> None:
     ok.add(KillNode().judge(ok, history, ctx))
     assert all(c.passed for c in ok.checks if "world" in c.name)
     never_grew = DrillReport("kill-node", "local", 0, status="succeeded", world_sizes=[4, 2], resumed_from_step=20)
-    never_grew.events = [{"kind": "node_added", "time": 10.0}, {"kind": "finished", "time": 80.0}]
+    never_grew.events = [{"event": "node_added", "time": 10.0}, {"event": "finished", "time": 80.0}]
     never_grew.add(KillNode().judge(never_grew, history, ctx))
     assert not never_grew.passed and never_grew.inconclusive is None, "60 s at the smaller size: it failed to grow"
     # The job ended 2 s after the node came back (or before it could): the drill proved nothing either way.
     for events in (
-        [{"kind": "node_added", "time": 39.2}, {"kind": "finished", "time": 41.3}],
-        [{"kind": "finished", "time": 5.0}],
+        [{"event": "node_added", "time": 39.2}, {"event": "finished", "time": 41.3}],
+        [{"event": "finished", "time": 5.0}],
     ):
         short = DrillReport("kill-node", "local", 0, status="succeeded", world_sizes=[4, 2], resumed_from_step=20)
         short.events = events
