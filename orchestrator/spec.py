@@ -79,9 +79,10 @@ MAX_PORT = 65535
 MAX_INT32 = 2**31 - 1  # ttlSecondsAfterFinished is an int32 (PyTorchJob runPolicy, RayJob, JobSet)
 MAX_DEADLINE_S = 10 * 365 * 24 * 3600  # ten years; fits the RayJob's int32 activeDeadlineSeconds
 
-# The contract's variables a user sets on purpose (`spec.kubernetes.env`); the others are the backend's.
-# (TORCHRIG_CHECKPOINT_KEY is a secret: a Secret through `stores[].secretRef`, never the spec.)
-USER_ENV = frozenset({Env.LOG_LEVEL, Env.PEAK_FLOPS})
+# The contract's variables a user sets on purpose (`spec.kubernetes.env`): the log level, an unknown GPU's
+# peak FLOP/s, and the faults a drill on a cluster has its workers inject into themselves (`TORCHRIG_FAULTS`).
+# The others are the backend's. (TORCHRIG_CHECKPOINT_KEY is a secret: a Secret through `stores[].secretRef`.)
+USER_ENV = frozenset({Env.LOG_LEVEL, Env.PEAK_FLOPS, Env.FAULTS})
 # torchrun's and the operator's variables: one overridden in the spec would give every worker one rank.
 _LAUNCHER_ENV = frozenset(
     {Env.RANK, Env.WORLD_SIZE, Env.LOCAL_RANK, Env.LOCAL_WORLD_SIZE, Env.GROUP_RANK, Env.GROUP_WORLD_SIZE}

@@ -202,7 +202,7 @@ def test_a_trailing_newline_is_no_part_of_a_name(override: str, where: str) -> N
 
 RESERVED = (
     "TORCHRIG_* and the launcher's variables are torchrig's contract with its workers (training.contract.env), set "
-    "by the backend; the spec may set only TORCHRIG_LOG_LEVEL, TORCHRIG_PEAK_FLOPS"
+    "by the backend; the spec may set only TORCHRIG_FAULTS, TORCHRIG_LOG_LEVEL, TORCHRIG_PEAK_FLOPS"
 )
 BAD_ENV_NAME = "not a variable name Kubernetes takes: letters, digits, '_', '-' and '.', no leading digit"
 CONTRACT = sorted(
