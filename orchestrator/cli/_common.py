@@ -14,7 +14,15 @@ from orchestrator.errors import TorchrigError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-__all__ = ["check_plot_path", "emit_json", "handle_errors", "output_option", "set_option"]
+__all__ = ["check_plot_path", "emit_json", "handle_errors", "output_option", "seconds_option", "set_option"]
+
+
+def seconds_option(flag: str, dest: str, default: float, help_: str) -> Callable[[F], F]:
+    """A duration option that must be positive (a zero timeout would count every run as stuck)."""
+    return click.option(
+        flag, dest, type=click.FloatRange(min=0, min_open=True), default=default, show_default=True, help=help_
+    )
+
 
 PLOT_FORMATS = ("png", "svg", "pdf")
 

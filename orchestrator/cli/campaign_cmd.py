@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from orchestrator.cli._common import emit_json, handle_errors, output_option, set_option
+from orchestrator.cli._common import emit_json, handle_errors, output_option, seconds_option, set_option
 from orchestrator.drills.campaign import CampaignProgress
 
 if TYPE_CHECKING:
@@ -56,21 +56,8 @@ if TYPE_CHECKING:
     help="Directory for the cases and reports (default runs/<job>/campaign-<time>); reuse one to resume.",
 )
 @click.option("--max-failures", type=click.IntRange(min=1), default=None, help="Stop after K failed cases.")
-@click.option(
-    "--timeout",
-    "timeout_s",
-    type=click.FloatRange(min=0, min_open=True),
-    default=900.0,
-    show_default=True,
-    help="Seconds before a run counts as stuck.",
-)
-@click.option(
-    "--hang-timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=10.0,
-    show_default=True,
-    help="hang, partition: watchdog seconds.",
-)
+@seconds_option("--timeout", "timeout_s", 900.0, "Seconds before a run counts as stuck.")
+@seconds_option("--hang-timeout", "hang_timeout", 10.0, "hang, partition: watchdog seconds.")
 @set_option
 @output_option
 @handle_errors

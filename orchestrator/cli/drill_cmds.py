@@ -7,7 +7,14 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from orchestrator.cli._common import check_plot_path, emit_json, handle_errors, output_option, set_option
+from orchestrator.cli._common import (
+    check_plot_path,
+    emit_json,
+    handle_errors,
+    output_option,
+    seconds_option,
+    set_option,
+)
 from orchestrator.drills.damage import CorruptionKind
 
 if TYPE_CHECKING:
@@ -71,26 +78,13 @@ class _DrillCommand(click.Command):
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Write the JSON report here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a PNG of throughput and world size.")
 @click.option("--drill-dir", type=click.Path(file_okay=False), help="Directory for the runs (default under runs/).")
-@click.option(
-    "--timeout",
-    "timeout_s",
-    type=click.FloatRange(min=0, min_open=True),
-    default=900.0,
-    show_default=True,
-    help="Seconds before a run counts as stuck.",
-)
+@seconds_option("--timeout", "timeout_s", 900.0, "Seconds before a run counts as stuck.")
 @click.option(
     "--corruption",
     type=click.Choice([kind.value for kind in CorruptionKind]),
     help="corrupt-checkpoint: which damage (default: random by seed).",
 )
-@click.option(
-    "--hang-timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=10.0,
-    show_default=True,
-    help="hang: watchdog seconds.",
-)
+@seconds_option("--hang-timeout", "hang_timeout", 10.0, "hang: watchdog seconds.")
 @click.option(
     "--repeat",
     type=click.IntRange(min=1),
