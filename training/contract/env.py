@@ -29,6 +29,10 @@ class Env:
     PEAK_FLOPS = "TORCHRIG_PEAK_FLOPS"  # the device's peak FLOP/s for MFU, where the table has none
     # HMAC-SHA256 key that signs checkpoint manifests (from a Secret); set, unsigned manifests are refused.
     CHECKPOINT_KEY = "TORCHRIG_CHECKPOINT_KEY"
+    # The job's own secret: a file (a local run's `secret`, mode 0600; in a pod the job's Kubernetes
+    # Secret, mounted read-only) that every process of the job shares and outsiders do not. Each order
+    # written to the in-place / rendezvous store carries an HMAC made with it (`training.inplace`).
+    JOB_SECRET_FILE = "TORCHRIG_JOB_SECRET_FILE"
     # The image's health check (`python -m training.healthcheck`), when no spec file is mounted.
     METRICS_PORT = "TORCHRIG_METRICS_PORT"  # the exporter's base port (default 9400)
     HEALTH_MAX_STEP_AGE_S = "TORCHRIG_HEALTH_MAX_STEP_AGE_S"  # unhealthy after this long without a step
