@@ -12,10 +12,15 @@ echo "== lint"
 "$venv/bin/mypy"
 echo "== unit tests (2 workers)"
 unit=0
+t0=$SECONDS
 "$venv/bin/pytest" -q -n 2 --durations=10 -m "not soak" tests/unit "$@" || unit=$?
+t1=$SECONDS
 echo "== integration tests"
 rest=0
 "$venv/bin/pytest" -q --durations=25 -m "not soak" --ignore=tests/unit "$@" || rest=$?
+t2=$SECONDS
+# Each half's wall time, for the suite's 25-minute budget (README, "Development").
+echo "== durations: unit $((t1 - t0)) s, integration $((t2 - t1)) s, total $((t2 - t0)) s"
 # Either half collecting nothing (a bad -k, a broken conftest, a moved folder) fails the run: a half
 # that runs nothing proves nothing, even when the other half passed.
 for part in "unit:$unit" "integration:$rest"; do

@@ -49,3 +49,4 @@ def test_a_half_that_collects_nothing_fails_the_run(tmp_path: Path, unit: int, r
     )
     assert done.returncode == code, done.stderr
     assert says in done.stderr
+    assert "== durations: unit " in done.stdout
