@@ -7,9 +7,10 @@ Kubeflow's convention: 1-127 permanent, 128+ retryable): 0 success; 2 bad spec o
 stderr, no traceback); 200 training failed (an exception: retryable, a survivor of a lost peer raises
 one too); 201 the step watchdog ended a hung rank (see `training.watchdog`); 202 preempted (SIGTERM:
 stopped at an agreed step after an emergency checkpoint, `training.preemption`); 203 in-place
-recovery failed (`training.inplace`: the group restarts). With `restarts.mode: inplace` under
-torchrig's torchrun command this process is the rank's host and runs the trainer as its child
-(`training.inplace.host`).
+recovery failed (`training.inplace`: the group restarts); 205 a checkpoint store could not be read at
+restore and none that could holds a checkpoint of the job (`training.checkpoint.restore`). With
+`restarts.mode: inplace` under torchrig's torchrun command this process is the rank's host and runs
+the trainer as its child (`training.inplace.host`).
 """
 
 from __future__ import annotations
@@ -68,7 +69,12 @@ def main(argv: list[str] | None = None) -> int:
 
         die_with_parent()
 
-    from training.checkpoint.results import CheckpointCorruptError, CheckpointKeyError, CheckpointMismatchError
+    from training.checkpoint.results import (
+        CheckpointCorruptError,
+        CheckpointKeyError,
+        CheckpointMismatchError,
+        CheckpointStoreUnavailableError,
+    )
     from training.inplace.group import RecoveryFailed
     from training.preemption import PreemptedExit
     from training.task import TaskLoadError
@@ -95,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointKeyError, CheckpointCorruptError) as exc:  # permanent; the checkpoints are left as they are
         print(f"torchrig: error: {exc}", file=sys.stderr)
         return int(ExitCode.ENVIRONMENT)
+    except CheckpointStoreUnavailableError as exc:  # a store did not answer at restore: retryable
+        print(f"torchrig: error: {exc}", file=sys.stderr)
+        return int(ExitCode.STORE_UNAVAILABLE)
     except Exception as exc:
         # A failure inside training (the user's task, OOM, a lost peer): the traceback belongs in the
         # worker log, the last line says what happened; torchrun's error file gets the root cause.

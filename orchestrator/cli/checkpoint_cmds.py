@@ -187,6 +187,8 @@ def list_cmd(uris: tuple[str, ...], pairs: tuple[str, ...], output: str) -> None
                 cells.append("[green]committed[/green]")
             elif c.untrusted:
                 cells.append("[red]untrusted[/red]")
+            elif c.unreadable:
+                cells.append("[red]unreadable[/red]")
             else:
                 cells.append("[yellow]uncommitted[/yellow]" if not c.error else "[red]bad manifest[/red]")
         table.add_row(
@@ -216,7 +218,9 @@ def verify_cmd(uris: tuple[str, ...], step: int | None, pairs: tuple[str, ...], 
 
     Exits 1 when the newest committed checkpoint of a store (or `--step`) does not verify, or a store
     holds no committed checkpoint; the failing files are listed. With `TORCHRIG_CHECKPOINT_KEY` set,
-    an unsigned or wrongly signed manifest is UNTRUSTED, which fails like a corrupt checkpoint.
+    an unsigned, wrongly signed or malformed signature makes that step UNTRUSTED, which fails like a
+    corrupt checkpoint; a manifest that could not be read (an I/O error) is UNREADABLE. Either is one
+    step's status: the other steps are still checked.
     """
     from training.checkpoint.manifest import verify_store
 
@@ -228,8 +232,9 @@ def verify_cmd(uris: tuple[str, ...], step: int | None, pairs: tuple[str, ...], 
         listing = [c for c in _listing(store, key) if step is None or c.step == step]
         rows: list[dict[str, Any]] = []
         for c in listing:
-            if c.untrusted:
-                rows.append({"step": c.step, "status": "UNTRUSTED", "bad": {}, "error": c.error})
+            if c.untrusted or c.unreadable:  # one step: the others are still checked
+                status = "UNTRUSTED" if c.untrusted else "UNREADABLE"
+                rows.append({"step": c.step, "status": status, "bad": {}, "error": c.error})
                 continue
             if c.manifest is None:
                 row: dict[str, Any] = {"step": c.step, "status": "uncommitted" if not c.error else "bad manifest"}
@@ -245,7 +250,7 @@ def verify_cmd(uris: tuple[str, ...], step: int | None, pairs: tuple[str, ...], 
             rows.append({"step": c.step, "status": "ok" if report.ok else "CORRUPT", "bad": report.bad})
         results[store.uri] = rows
         # A damaged manifest was a commit marker once: it counts, and fails, like a corrupt checkpoint.
-        committed = [r for r in rows if r["status"] in ("ok", "CORRUPT", "UNTRUSTED", "bad manifest")]
+        committed = [r for r in rows if r["status"] in ("ok", "CORRUPT", "UNTRUSTED", "UNREADABLE", "bad manifest")]
         if step is not None and not rows:
             failures.append(f"{store.uri}: no step {step}")
         elif step is not None and rows[0]["status"] != "ok":
@@ -267,7 +272,9 @@ def verify_cmd(uris: tuple[str, ...], step: int | None, pairs: tuple[str, ...], 
             table.add_column("status")
             table.add_column("failing files")
             for r in rows:
-                color = {"ok": "green", "CORRUPT": "red", "UNTRUSTED": "red"}.get(r["status"], "yellow")
+                color = {"ok": "green", "CORRUPT": "red", "UNTRUSTED": "red", "UNREADABLE": "red"}.get(
+                    r["status"], "yellow"
+                )
                 bad = "\n".join([f"{k}: {v}" for k, v in sorted(r["bad"].items())] + [r.get("error") or ""]).strip()
                 table.add_row(str(r["step"]), f"[{color}]{r['status']}[/{color}]", bad)
             console.print(table)

@@ -48,6 +48,7 @@ def test_exit_code_convention() -> None:
         ExitCode.PREEMPTED,
         ExitCode.RECOVERY_FAILED,
         ExitCode.STORE_LOST,
+        ExitCode.STORE_UNAVAILABLE,
     }
     assert {c for c in ExitCode if c.retryable} == retryable
     assert all(not is_retryable(code) for code in (*PERMANENT, 1))

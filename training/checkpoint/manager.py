@@ -17,8 +17,10 @@ job's own (a manifest names its job; other jobs' checkpoints in a shared store a
 line) and broadcasts them, newest first; every rank loads one copy with `dcp.load` (which reshards when
 the world size changed), the node-local copy first, then file stores, then object stores, reading each
 file it needs once and checking it against the manifest before any of it is loaded (a bad copy fails on
-every rank at once: the next copy, then an older step, is tried). Only when the job has no checkpoint of
-its own does `checkpoint.initFrom` warm-start it from another job's (`warmstart`).
+every rank at once: the next copy, then an older step, is tried). A store that cannot be listed is
+unknown, not empty: with nothing found elsewhere the restore lists again within the I/O limit, then
+stops the rank retryably (exit 205) rather than start over. Only when every store answered and none
+holds a checkpoint of the job does `checkpoint.initFrom` warm-start it from another job's (`warmstart`).
 
 Retention (`retention`, per store, after a commit is recorded, this job's checkpoints only): the newest `keep`
 committed checkpoints stay; older committed ones are deleted, and so are uncommitted step directories
@@ -58,7 +60,7 @@ from typing import Any
 
 from training.checkpoint.collectives import Collectives
 from training.checkpoint.fence import Fence
-from training.checkpoint.restore import RestoreSearch
+from training.checkpoint.restore import LIST_RETRY_SHARE, RestoreSearch
 from training.checkpoint.results import CheckpointError, RestoreResult, SaveOutcome
 from training.checkpoint.save import SavePipeline, stage
 from training.checkpoint.signing import signing_key_from_env
@@ -138,6 +140,7 @@ class CheckpointManager:
             owner=identity.job,
             node_local=config.node_local.enabled,
             key=self._key,
+            list_retry_s=config.io_timeout_seconds * LIST_RETRY_SHARE,
         )
         self._init_search: RestoreSearch | None = None
         if config.init_from is not None:
@@ -153,6 +156,7 @@ class CheckpointManager:
                 key=self._key,
                 step=config.init_from.step,
                 source="init",
+                list_retry_s=config.io_timeout_seconds * LIST_RETRY_SHARE,
             )
         self._closed = False
         # Rank 0 takes its writer generation now (a store write per store) unless `fence_now` is off: the

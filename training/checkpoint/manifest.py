@@ -232,15 +232,15 @@ def parse_manifest(data: bytes | str, *, step: int | None = None, key: bytes | N
     """
     try:
         raw = json.loads(data)
-    except ValueError as exc:
-        raise ValueError(f"unreadable manifest: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # RecursionError: `[[[[...` nested past the parser's depth
+        raise ValueError(f"unreadable manifest: {type(exc).__name__}: {exc}") from None
     if not isinstance(raw, dict):
         raise ValueError("unreadable manifest: not a JSON object")
     if key is not None:
         check_signature(raw, key)
     try:
         manifest = Manifest.from_dict(raw)
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise ValueError(f"unreadable manifest: {exc}") from exc
     check_layout(manifest)
     if step is not None and manifest.step != step:
@@ -266,6 +266,8 @@ class CheckpointListing:
         untrusted: The manifest failed its signature check (a signing key is configured).
         claimed_job: For an untrusted manifest, the job its unverified text names (never trusted for
             anything but saying "these look like this job's checkpoints, signed with another key").
+        unreadable: The manifest could not be read (an I/O error such as a timeout): no verdict on it,
+            so the step may well be a committed checkpoint.
     """
 
     step: int
@@ -274,6 +276,7 @@ class CheckpointListing:
     owner: str | None = None
     untrusted: bool = False
     claimed_job: str | None = None
+    unreadable: bool = False
 
     @property
     def committed(self) -> bool:
@@ -290,7 +293,13 @@ class CheckpointListing:
 
 
 def list_checkpoints(storage: CheckpointStorage, *, key: bytes | None = None) -> list[CheckpointListing]:
-    """Every step directory of a store, newest first (raises if the store cannot be listed)."""
+    """Every step directory of a store, newest first.
+
+    Whatever one manifest holds, it is that step's row (bad, untrusted or unreadable), never an exception.
+
+    Raises:
+        OSError: The store cannot be listed (unreachable; a `file` store whose path is not a directory).
+    """
     out: list[CheckpointListing] = []
     for name in storage.list_dir(""):
         step = parse_step_dir(name)
@@ -304,7 +313,9 @@ def list_checkpoints(storage: CheckpointStorage, *, key: bytes | None = None) ->
             out.append(
                 CheckpointListing(step, None, error=str(exc), untrusted=True, claimed_job=_claimed_job(storage, step))
             )
-        except (ValueError, OSError) as exc:
+        except OSError as exc:  # the read failed (a timeout, a reset): nothing is known of this manifest
+            out.append(CheckpointListing(step, None, error=f"unreadable: {type(exc).__name__}: {exc}", unreadable=True))
+        except ValueError as exc:
             out.append(CheckpointListing(step, None, error=str(exc)))
     return sorted(out, key=lambda c: c.step, reverse=True)
 

@@ -12,6 +12,14 @@ Whose checkpoint: a manifest names its job. Other jobs' checkpoints in a shared 
 with one log line naming them. A manifest without a job name (written before manifests carried one)
 is taken as this job's only when the store holds no other job's checkpoint, and a log line says so.
 The same search, with `owner=None` (any job) and a fixed step, serves `checkpoint.initFrom`.
+
+A store that cannot be listed (an object store's timeout, a file store whose path is no longer a
+directory) or whose manifests cannot be read is unknown, not empty: it may hold this job's newest
+checkpoints. When no store that answered holds one, rank 0 lists again with backoff for
+`list_retry_s` (a share of `checkpoint.ioTimeoutSeconds`), and if a store still does not answer, every
+rank raises `CheckpointStoreUnavailableError` (the worker exits 205, retryable) instead of starting over
+from step 0 or taking `initFrom`. Only rank 0 lists, and what it found (the unanswered stores too) is
+broadcast, so the ranks never split over a store one of them could read and another could not.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from training.checkpoint.results import (
     CheckpointError,
     CheckpointKeyError,
     CheckpointMismatchError,
+    CheckpointStoreUnavailableError,
     RestoreResult,
 )
 from training.checkpoint.retention import exclusive_to
@@ -57,9 +66,18 @@ from training.checkpoint.writer import VerifiedReader, VerifyError
 from training.contract import Env, EventKind, WorkerIdentity
 from training.metrics.base import MetricsSink
 
-__all__ = ["Candidate", "RestoreSearch", "SafeLoadPlanner", "StateMismatch"]
+__all__ = ["LIST_RETRY_SHARE", "Candidate", "RestoreSearch", "SafeLoadPlanner", "StateMismatch"]
 
 log = logging.getLogger(__name__)
+
+# The share of `checkpoint.ioTimeoutSeconds` that rank 0 spends listing a store that does not answer
+# again: the restore runs under that limit (the watchdog's, and the other ranks' wait in the broadcast),
+# so the rest is left for loading what the listing finds once the store is back.
+LIST_RETRY_SHARE = 0.5
+LIST_RETRY_FIRST_S = 0.5  # the first pause between listings; doubled each time, up to the next
+LIST_RETRY_MAX_S = 30.0
+# How the `store_failure` event of a store the restore gave up on begins (drills look for it).
+RESTORE_GAVE_UP = "restore: unreadable, refusing to start over"
 
 
 @dataclass(frozen=True)
@@ -85,6 +103,8 @@ class RestoreSearch:
         key: the manifest signing key; set, unsigned or wrongly signed manifests are ignored.
         step: only this step (None: the newest valid one).
         source: what `RestoreResult.source` says for a store copy.
+        list_retry_s: for how long rank 0 lists again, with backoff, while no store that answered holds
+            a checkpoint and another store did not answer (0: list once).
     """
 
     def __init__(
@@ -100,6 +120,7 @@ class RestoreSearch:
         key: bytes | None = None,
         step: int | None = None,
         source: str = "store",
+        list_retry_s: float = 0.0,
     ) -> None:
         self.identity = identity
         self.sink = sink
@@ -111,13 +132,15 @@ class RestoreSearch:
         self.key = key
         self.step = step
         self.source = source
+        self.list_retry_s = list_retry_s
         self._foreign: dict[tuple[str, str], list[int]] = defaultdict(list)  # (store, job) -> steps skipped
         self._legacy: dict[str, list[int]] = defaultdict(list)  # store -> job-less steps taken as ours
         # store -> steps whose manifest names this job but fails its signature (another key signed it)
         self._wrongly_signed: dict[str, list[int]] = defaultdict(list)
         # store -> steps of this job (by their fence, or the job their text names) whose manifest is damaged
         self._damaged: dict[str, list[int]] = defaultdict(list)
-        self._unlisted = False  # rank 0: a store could not be listed
+        self._unlisted: dict[str, str] = {}  # rank 0: store -> why it could not be listed (or read)
+        self._attempts = 0  # rank 0: listings of the last search
         self._transient = False  # a copy failed otherwise than by its integrity check (see `restore`)
         self._mismatch: str | None = None  # the first copy whose keys or shapes did not fit the state
 
@@ -134,8 +157,10 @@ class RestoreSearch:
         """
         start = time.perf_counter()
         rank0 = self.identity.rank == 0
-        candidates, wrongly_signed, damaged, unlisted = self.coll.broadcast_obj(
-            (self.find_candidates(), dict(self._wrongly_signed), dict(self._damaged), self._unlisted) if rank0 else None
+        candidates, wrongly_signed, damaged, unlisted, attempts = self.coll.broadcast_obj(
+            (self._search(), dict(self._wrongly_signed), dict(self._damaged), dict(self._unlisted), self._attempts)
+            if rank0
+            else None
         )
         partial = False  # a load failed on some rank after another rank had loaded its part
         self._mismatch = None
@@ -192,6 +217,10 @@ class RestoreSearch:
                 f"this job committed checkpoints of steps {steps} but {verdict}; part of the state may "
                 f"have been loaded on some rank, so this process cannot start from it {hint}"
             )
+        if unlisted and not candidates:
+            # A store that did not answer may hold this job's checkpoints: starting over (or from
+            # initFrom) could drop all their progress. Stop, retryably; a later start may find it back.
+            raise self._unavailable(unlisted, attempts, time.perf_counter() - start)
         if wrongly_signed and not candidates:
             # This job's checkpoints, by the job their manifests name, fail their signature: the key set
             # here is not the one that signed them (rotated, mistyped, another environment's Secret) or
@@ -208,7 +237,7 @@ class RestoreSearch:
             # be intact, and starting over would write new manifests over them and let retention delete
             # them. As with corrupt shards, stop and say so; no restart repairs a manifest.
             where = "; ".join(f"{store}: steps {_steps(steps)}" for store, steps in sorted(damaged.items()))
-            raise (CheckpointError if unlisted else CheckpointCorruptError)(
+            raise CheckpointCorruptError(
                 f"job {self.owner!r} committed checkpoints ({where}) whose manifests are damaged and none "
                 f"loads; refusing to start over from step 0 {hint}"
             )
@@ -224,6 +253,47 @@ class RestoreSearch:
             )
         log.info("no checkpoint of this job found; starting fresh")
         return None
+
+    def _search(self) -> list[Candidate]:
+        """Rank 0: `find_candidates`, again with backoff while it finds nothing and a store did not
+        answer, for at most `list_retry_s`."""
+        deadline = time.monotonic() + self.list_retry_s
+        pause = LIST_RETRY_FIRST_S
+        self._attempts = 0
+        while True:
+            self._attempts += 1
+            candidates = self.find_candidates()
+            left = deadline - time.monotonic()
+            if candidates or not self._unlisted or left <= 0:
+                return candidates
+            pause = min(pause, left)
+            log.warning(
+                "no checkpoint found in the stores that answered, and %s did not: listing again in %.1f s "
+                "(attempt %d, for %.0f s more at most)",
+                ", ".join(sorted(self._unlisted)),
+                pause,
+                self._attempts,
+                left,
+            )
+            time.sleep(pause)
+            pause = min(2 * pause, LIST_RETRY_MAX_S)
+
+    def _unavailable(self, unlisted: dict[str, str], attempts: int, seconds: float) -> CheckpointStoreUnavailableError:
+        """The error (the same on every rank) for a search that found nothing while stores did not answer."""
+        where = "; ".join(f"store {name} ({why})" for name, why in sorted(unlisted.items()))
+        whose = f"job {self.owner!r}" if self.owner is not None else "checkpoint.initFrom"
+        message = (
+            f"{whose}: no checkpoint in the stores that answered, and {where} could not be read "
+            f"({attempts} attempt{'s' if attempts != 1 else ''} in {seconds:.1f} s) and may hold them: refusing "
+            "to start over from step 0. The rank stops (retryable) and the job resumes once the store answers "
+            "again; set checkpoint.resume: never to start fresh on purpose"
+        )
+        if self.identity.rank == 0:
+            log.error("%s", message)
+            for name, why in sorted(unlisted.items()):
+                # The run's record (events.jsonl `store_failure`): the restore gave up on this store.
+                self.sink.on_store_failure(name, f"{RESTORE_GAVE_UP}: {why}")
+        return CheckpointStoreUnavailableError(message, unlisted)
 
     def _result(self, cand: Candidate, store: str, uri: str, source: str, start: float) -> RestoreResult:
         return RestoreResult(
@@ -305,6 +375,8 @@ class RestoreSearch:
         out: list[Manifest] = []
         for c in listing:
             m = c.manifest
+            if c.unreadable:  # no verdict on this step: it may be this job's newest checkpoint
+                self._unlisted.setdefault(store.name, f"step {c.step}: {c.error}")
             if m is None and c.untrusted and self.owner is not None and c.claimed_job == self.owner:
                 self._wrongly_signed[store.name].append(c.step)
             if m is None:
@@ -342,7 +414,7 @@ class RestoreSearch:
     def find_candidates(self) -> list[Candidate]:
         """Rank 0: committed checkpoints in every store (and the node-local copy), newest first."""
         found: dict[tuple[int, int, str], Candidate] = {}
-        self._unlisted = False
+        self._unlisted = {}
         self._foreign.clear()
         self._legacy.clear()
         self._wrongly_signed.clear()
@@ -351,7 +423,8 @@ class RestoreSearch:
             try:
                 listing = list_checkpoints(store, key=self.key)
             except Exception as exc:
-                self._unlisted = True  # a store that did not answer may hold a good copy
+                # A store that did not answer may hold a good copy: unknown, not empty (see `restore`).
+                self._unlisted[store.name] = f"list: {type(exc).__name__}: {exc}"
                 log.warning("cannot list checkpoint store %s: %s", store.name, exc)
                 self.sink.on_store_failure(store.name, f"list: {type(exc).__name__}: {exc}")
                 continue

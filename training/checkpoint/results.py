@@ -10,6 +10,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointKeyError",
     "CheckpointMismatchError",
+    "CheckpointStoreUnavailableError",
     "RestoreResult",
     "SaveOutcome",
 ]
@@ -33,6 +34,17 @@ class CheckpointCorruptError(CheckpointError):
 class CheckpointMismatchError(CheckpointError):
     """This job's checkpoints load nowhere because their keys or shapes are not the model's: the model or
     its task arguments changed under the same job. The worker exits `ExitCode.TASK_INVALID` (permanent)."""
+
+
+class CheckpointStoreUnavailableError(CheckpointError):
+    """No store that answered holds a checkpoint of this job, and a store did not answer (its listing
+    failed, or it is no longer a directory) within the retries of `checkpoint.ioTimeoutSeconds`: it may
+    hold the job's checkpoints, so starting over from step 0 could drop all their progress. The worker
+    exits `ExitCode.STORE_UNAVAILABLE` (retryable): a later start may find the store back."""
+
+    def __init__(self, message: str, stores: dict[str, str]) -> None:
+        super().__init__(message)
+        self.stores = dict(stores)  # store name -> why it could not be read
 
 
 @dataclass(frozen=True)

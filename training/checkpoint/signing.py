@@ -29,6 +29,7 @@ __all__ = ["MIN_KEY_BYTES", "SIGNATURE_FIELD", "SignatureError", "check_signatur
 SIGNATURE_FIELD = "signature"
 MIN_KEY_BYTES = 16
 _PREFIX = "hmac-sha256:"
+_SIGNATURE_CHARS = len(_PREFIX) + 2 * hashlib.sha256().digest_size
 
 
 class SignatureError(ValueError):
@@ -61,9 +62,20 @@ def sign(payload: Mapping[str, Any], key: bytes) -> str:
 
 
 def check_signature(payload: Mapping[str, Any], key: bytes) -> None:
-    """Raise SignatureError unless `payload` carries a valid signature under `key`."""
+    """Raise SignatureError unless `payload` carries a valid signature under `key`.
+
+    The signature member is a store's text: any JSON value can sit there (a number, a list, a huge or
+    non-ASCII string, on which `hmac.compare_digest` raises TypeError). Whatever it holds, the outcome is
+    a SignatureError for this one manifest, never another exception.
+    """
     found = payload.get(SIGNATURE_FIELD)
     if found is None:
         raise SignatureError("unsigned manifest (a signing key is configured)")
-    if not isinstance(found, str) or not hmac.compare_digest(found, sign(payload, key)):
+    if not isinstance(found, str) or len(found) != _SIGNATURE_CHARS or not found.isascii():
+        raise SignatureError(f"manifest signature is malformed (not {_PREFIX}<64 hex digits>)")
+    try:
+        expected = sign(payload, key)
+    except (ValueError, TypeError, RecursionError) as exc:  # a body json cannot write back (too deep)
+        raise SignatureError(f"manifest cannot be checked against its signature ({type(exc).__name__})") from None
+    if not hmac.compare_digest(found.encode(), expected.encode()):
         raise SignatureError("manifest signature does not match the configured key")

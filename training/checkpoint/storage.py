@@ -322,6 +322,10 @@ class FsspecStorage:
 
     def list_dir(self, rel: str) -> list[str]:
         full = self._full(rel)
+        if self.scheme == "file" and os.path.lexists(full) and not os.path.isdir(full):
+            # fsspec lists a file as itself, which reads as an empty directory. A store whose path is now
+            # a file (or a dead link where a volume was) is unknown, not empty: only an absent path is.
+            raise NotADirectoryError(f"{full}: not a directory")
         try:
             entries = self.fs.ls(full, detail=False)
         except FileNotFoundError:

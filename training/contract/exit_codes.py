@@ -26,7 +26,13 @@ for SIGKILL, an OOM kill or a lost node; 143 for SIGTERM, a preemption). torchri
   (`training.preemption`; the `preempted` event says whether it committed). Retryable: the next start
   resumes from it, losing no step.
 
-200 to 204 lie above 128 + 64 (the highest signal), so they are never mistaken for a signal death.
+- `STORE_UNAVAILABLE` (205): at restore, no checkpoint store that answered holds a checkpoint of this
+  job and one did not answer (its listing failed: an object store's timeout, a volume not mounted back)
+  for the retries of `checkpoint.ioTimeoutSeconds`. That store may hold the job's checkpoints, so the
+  rank stops rather than start over from step 0 (`checkpoint.resume: never` starts over on purpose);
+  a later start may find it back.
+
+200 to 205 lie above 128 + 64 (the highest signal), so they are never mistaken for a signal death.
 `torchrun` itself exits 1 when its worker group failed and it has no restart left: under a PyTorchJob
 (where torchrun owns the restart budget) that is permanent, as it should be; the TrainJob, whose restarts
 belong to its JobSet, fails its Job only on `PERMANENT` codes and restarts on the rest.
@@ -53,6 +59,7 @@ class ExitCode(IntEnum):
     RECOVERY_FAILED = 203  # in-place recovery could not finish: the whole group restarts (the fallback)
     PREEMPTED = 202  # stopped on SIGTERM after an emergency checkpoint (training.preemption)
     STORE_LOST = 204  # torchrun's agent lost its rendezvous store (its host pod died): restart the job
+    STORE_UNAVAILABLE = 205  # restore: a checkpoint store could not be read, none that could holds one
 
     @property
     def retryable(self) -> bool:
