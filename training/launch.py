@@ -9,6 +9,11 @@ deterministic startup error exits with a permanent code (`ExitCode.TASK_INVALID`
 restarting it (`restartPolicy: ExitCode`, a pod failure policy). Without COMMAND it only checks (exit
 0 when the job can start here).
 
+In a PyTorchJob pod it first counts the pod's start (`training.pod_recreations`): the operator recreates
+a pod after every exit code >= 128 and never bounds it, so a start past `restarts.max` recreations exits
+`ExitCode.RESTARTS_SPENT` (4) and the job fails. Whenever the launcher ends the job with a permanent code
+it clears that count, so the job resubmitted under its name starts from 0.
+
 The spec and run directory default to `TORCHRIG_SPEC` and `TORCHRIG_RUN_DIR` (else `runs/<job name>`,
 as the worker does).
 """
@@ -17,9 +22,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from training.contract import Env, ExitCode
+
+if TYPE_CHECKING:
+    from training.config import WorkerSpec
+    from training.pod_recreations import PodRecreations
 
 __all__ = ["main"]
 
@@ -27,6 +39,55 @@ __all__ = ["main"]
 def _fail(code: ExitCode, message: str) -> int:
     print(f"torchrig: error: {message}", file=sys.stderr, flush=True)
     return int(code)
+
+
+def _warn(message: str) -> None:
+    print(f"torchrig: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (f"{type(exc).__name__}: {exc}".splitlines() or [type(exc).__name__])[0]
+
+
+class _Recreations:
+    """This pod's start count (`training.pod_recreations`), where there is one: never the reason a pod
+    cannot start, so a store that fails is a warning."""
+
+    def __init__(self, spec: WorkerSpec, spec_path: str, run_dir: str) -> None:
+        from training.pod_recreations import open_for_pod
+
+        self.count: PodRecreations | None = None
+        self.pod = ""
+        try:
+            spec_bytes = Path(spec_path).read_bytes() if Path(spec_path).is_file() else spec_path.encode()
+            opened = open_for_pod(
+                spec, spec_bytes, run_dir=run_dir, env=os.environ, hostname=socket.gethostname(), warn=_warn
+            )
+        except Exception as exc:  # the store's package or options: the preflight judges the store
+            _warn(f"pod recreations are not counted this start ({_first_line(exc)})")
+            return
+        if opened is not None:
+            self.count, self.pod = opened
+
+    def spent(self, allowed: int) -> str | None:
+        """Count this start; the message when it is one recreation too many."""
+        if self.count is None:
+            return None
+        try:
+            decision = self.count.record_start(self.pod, allowed)
+        except Exception as exc:  # a store that fails (or hangs) must not stop the pod
+            _warn(f"pod recreations are not counted this start ({self.count.job}: {_first_line(exc)})")
+            return None
+        return decision.message() if decision.spent else None
+
+    def clear(self) -> None:
+        """The job ends here (a permanent code): its count goes, so a resubmitted job starts from 0."""
+        if self.count is None:
+            return
+        try:
+            self.count.reset()
+        except Exception as exc:  # the job fails anyway; a resubmission would start counted
+            _warn(f"could not clear the job's count of pod recreations ({_first_line(exc)})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,13 +117,18 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         return _fail(ExitCode.TASK_INVALID, f"{args.spec}: " + "; ".join(str(exc).splitlines()))
     run_dir = args.run_dir or os.path.join("runs", spec.name)
+    recreations = _Recreations(spec, args.spec, run_dir)
+    spent = recreations.spent(spec.spec.restarts.max)
+    if spent is not None:
+        recreations.clear()
+        return _fail(ExitCode.RESTARTS_SPENT, spent)
     try:
         preflight(spec, run_dir=run_dir, check_gpu=not args.no_gpu_check)
     except PreflightError as exc:
+        recreations.clear()
         return _fail(exc.exit_code, str(exc))
     except Exception as exc:  # not a verdict (say the factory met a network error): let the run meet it
-        first = f"{type(exc).__name__}: {exc}".splitlines()[0]
-        print(f"torchrig: warning: preflight could not finish ({first}); starting anyway", file=sys.stderr)
+        _warn(f"preflight could not finish ({_first_line(exc)}); starting anyway")
     if not command:
         return int(ExitCode.OK)
     if command[0] == "torchrun":
@@ -73,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         os.execvp(command[0], command)
     except OSError as exc:  # not found or not executable: the image cannot run the job
+        recreations.clear()
         return _fail(ExitCode.ENVIRONMENT, f"cannot execute {command[0]!r}: {exc.strerror or exc}")
     return int(ExitCode.OK)  # pragma: no cover - execvp does not return
 

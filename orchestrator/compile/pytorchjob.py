@@ -26,7 +26,12 @@ reads the `pytorch` container's exit code, `pkg/controller.v1/common/pod.go` `Re
 above (a signal: a lost node, an OOM kill, the liveness probe) recreates the pod; 1-127 fails the job at
 once. So the preflight's 2 and 3 end the job with their message instead of restarting it, and torchrun's
 own 1, its worker group failed with `restarts.max` group restarts spent, ends it too: torchrun owns the
-restart budget here. `runPolicy.backoffLimit` still bounds the recreated pods.
+restart budget here. The operator does not bound the recreated pods: `runPolicy.backoffLimit` is rendered
+but counts only in-place container restarts of Running pods (`pkg/core/job.go` `PastBackoffLimit`: 0
+under `Never`) and work-queue requeues (`common/job.go` `ReconcileJobs`; `NumRequeues` of the
+controller's `FakeWorkQueue` is always 0), so it acts only at 0. The launcher bounds them instead
+(`training.pod_recreations`): it counts each start of a pod in the job's shared checkpoint store and
+exits 4 (`ExitCode.RESTARTS_SPENT`, permanent) once a pod was recreated more than `restarts.max` times.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ for SIGKILL, an OOM kill or a lost node; 143 for SIGTERM, a preemption). torchri
 - `ENVIRONMENT` (3): this machine cannot run the job: a GPU job where CUDA is not available, a file
   checkpoint store that cannot be created or written, a command that cannot be executed. Deterministic
   for this pod or host, so not retried either; fix the image, the node pool or the volume.
+- `RESTARTS_SPENT` (4): a PyTorchJob pod was recreated more than `restarts.max` times (its operator
+  recreates a pod after every code >= 128 and bounds none of it: `training.pod_recreations`), so the
+  launcher ends the job instead of starting the pod again.
 - `TRAINING_FAILED` (200): an exception during training. Retryable: a survivor of a lost peer raises a
   gloo/NCCL error it cannot tell from a bug of its own (torchelastic restarts the group on any worker
   failure for the same reason), and the deterministic causes are found before training starts (by
@@ -53,6 +56,7 @@ class ExitCode(IntEnum):
     FAILED = 1  # generic failure (torchrun: the worker group failed with no restart left)
     TASK_INVALID = 2  # spec, task.entrypoint or task.args cannot give a job
     ENVIRONMENT = 3  # this machine cannot run the job (CUDA, a store, the command)
+    RESTARTS_SPENT = 4  # a PyTorchJob pod was recreated more than restarts.max times (training.pod_recreations)
     # Retryable (>= 128, above every signal death).
     TRAINING_FAILED = 200  # an exception during training (a lost peer, transient I/O, a device error)
     HUNG = 201  # the step watchdog ended a silent rank
