@@ -343,16 +343,33 @@ def read_spec_text(source: str) -> str:
         raise SpecError(f"cannot read: {exc.__class__.__name__}", source) from None
 
 
-def load_spec(path: str | os.PathLike[str], overrides: list[str] | None = None) -> JobSpec:
+def load_spec(
+    path: str | os.PathLike[str], overrides: list[str] | None = None, *, allow_inline_secrets: bool = False
+) -> JobSpec:
     """Load a job file, apply `--set` overrides, and validate.
 
+    Every command reads jobs here, so this is where credentials written in the job are refused
+    (`orchestrator.credentials`: one line per field, never the value).
+
+    Args:
+        path: the job file, or `-` for standard input.
+        overrides: `--set PATH=VALUE` expressions, applied in order.
+        allow_inline_secrets: accept inline credentials (`torchrig run --allow-inline-secrets`, a local run;
+            and torchrig's own re-reads of such a run's job.yaml); `JobSpec.warnings` still names them.
+
     Raises:
-        SpecError: the file is missing, not YAML, or not a valid TrainingJob.
+        SpecError: the file is missing, not YAML, not a valid TrainingJob, or holds an inline credential.
     """
+    from orchestrator.credentials import inline_secrets
+
     source = str(path)
     data = read_yaml(read_spec_text(source), source)
     data = apply_overrides(data, list(overrides or []))
-    return validate_document(data, source)
+    spec = validate_document(data, source)
+    findings = [] if allow_inline_secrets else inline_secrets(spec)
+    if findings:
+        raise SpecError([f.error() for f in findings], source)
+    return spec
 
 
 def dump_spec(spec: JobSpec) -> str:

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from orchestrator.credentials import inline_secrets
 from orchestrator.naming import DNS1035_RE, DNS1123_LABEL_RE, MAX_NAME_LEN
 from training.config import (
     CheckpointConfig,
@@ -83,6 +84,9 @@ MAX_DEADLINE_S = 10 * 365 * 24 * 3600  # ten years; fits the RayJob's int32 acti
 # peak FLOP/s, and the faults a drill on a cluster has its workers inject into themselves (`TORCHRIG_FAULTS`).
 # The others are the backend's. (TORCHRIG_CHECKPOINT_KEY is a secret: a Secret through `stores[].secretRef`.)
 USER_ENV = frozenset({Env.LOG_LEVEL, Env.PEAK_FLOPS, Env.FAULTS})
+# torchrun reads each of its arguments from PET_<ARG>; the PyTorchJob and TrainJob operators set several
+# (PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR, PET_RDZV_*, ...) on every pod, after the spec's env.
+_OPERATOR_ENV_PREFIX = "PET_"
 # torchrun's and the operator's variables: one overridden in the spec would give every worker one rank.
 _LAUNCHER_ENV = frozenset(
     {Env.RANK, Env.WORLD_SIZE, Env.LOCAL_RANK, Env.LOCAL_WORLD_SIZE, Env.GROUP_RANK, Env.GROUP_WORLD_SIZE}
@@ -320,7 +324,9 @@ class KubernetesConfig(Model):
         description=(
             "Extra environment variables of the workers. Names: letters, digits, `_`, `-` and `.`, no leading "
             f"digit (as Kubernetes takes them); none starting with `{Env.PREFIX}` (torchrig's own, set by the backend) "
-            f"but {', '.join(sorted(USER_ENV))}, and none of torchrun's (RANK, WORLD_SIZE, MASTER_ADDR, ...)."
+            f"but {', '.join(sorted(USER_ENV))}, and none of torchrun's (RANK, WORLD_SIZE, MASTER_ADDR, `PET_*`, ...). "
+            "No credentials (`*_TOKEN`, `*SECRET*`, `*_KEY`, a key's value): name a Secret in "
+            "`checkpoint.stores[].secretRef`, whose keys become the workers' environment."
         ),
     )
     pod_labels: Labels = Field(default_factory=dict, description="Extra labels on the pods only.")
@@ -381,6 +387,14 @@ class RayConfig(Model):
     """Ray placement: a local embedded cluster, or an existing one through the Ray Jobs API."""
 
     address: str | None = Field(
+            if name.startswith(_OPERATOR_ENV_PREFIX):
+                raise _error_at(
+                    (name,),
+                    f"{_OPERATOR_ENV_PREFIX}* are torchrun's arguments, which the Kubeflow operators set on every pod "
+                    "(PyTorchJob and TrainJob) and which override the spec's value without a word; the backend sets "
+                    "torchrun's arguments from spec.nodes and spec.procsPerNode",
+                    val,
+                )
         default=None,
         description="Ray dashboard address (`http://HOST:8265`) to submit to; null starts a local Ray.",
     )
@@ -534,6 +548,7 @@ class JobSpec(Model):
             out.append("spec.training.lrSchedule.minLrRatio: has no effect with decay constant")
         return out
 
+        out += [finding.warning() for finding in inline_secrets(self)]  # only a local run accepts them
 
 def _in_memory_warnings(body: JobSpecBody) -> list[str]:
     """`checkpoint.inMemory.every` serves only FSDP/HSDP recovering in place (`training.inplace.replica`)."""

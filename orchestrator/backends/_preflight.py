@@ -36,7 +36,7 @@ def check_stores_not_in_use(spec: JobSpec, run_dir: str | os.PathLike[str] | Non
         if other.resolve() == here or run_state(other)[0] is not RunState.RUNNING:
             continue
         try:
-            theirs = load_spec(other / "job.yaml")
+            theirs = load_spec(other / "job.yaml", allow_inline_secrets=True)  # its run accepted them
         except SpecError:
             continue
         for store in theirs.spec.checkpoint.stores:

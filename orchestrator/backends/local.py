@@ -128,7 +128,7 @@ def _check_rank(run_dir: Path, rank: int) -> None:
     from orchestrator.loader import load_spec
 
     try:
-        spec = load_spec(RunFiles(run_dir).job)
+        spec = load_spec(RunFiles(run_dir).job, allow_inline_secrets=True)  # the run accepted them
     except SpecError:
         return  # no readable job.yaml: the lines say what there is
     world = spec.spec.nodes.max * spec.spec.procs_per_node

@@ -229,10 +229,10 @@ def _watch_remote(backend_name: str, handle_ref: str, output: str, quiet: bool) 
     sys.exit(st.state.exit_code)
 
 
-def _load(job: str, overrides: tuple[str, ...]) -> Any:
+def _load(job: str, overrides: tuple[str, ...], *, allow_inline_secrets: bool = False) -> Any:
     from orchestrator.loader import load_spec
 
-    spec = load_spec(job, list(overrides))
+    spec = load_spec(job, list(overrides), allow_inline_secrets=allow_inline_secrets)
     for warning in spec.warnings():
         click.echo(f"warning: {warning}", err=True)
     return spec
@@ -252,6 +252,11 @@ def _load(job: str, overrides: tuple[str, ...]) -> Any:
 @output_option
 @click.option("--dry-run", is_flag=True, help="Print what would be launched, launch nothing.")
 @click.option("--worker", default=None, hidden=True, help="Worker module or script instead of `-m training`.")
+@click.option(
+    "--allow-inline-secrets",
+    is_flag=True,
+    help="Local backend only: accept credentials written in the job file, with a warning (they stay on this machine).",
+)
 @handle_errors
 def run(
     job: str,
@@ -263,6 +268,7 @@ def run(
     output: str,
     dry_run: bool,
     worker: str | None,
+    allow_inline_secrets: bool,
 ) -> None:
     """Run JOB and watch it until it ends (Ctrl-C cancels it; its checkpoints are kept).
 
@@ -274,7 +280,13 @@ def run(
     """
     from orchestrator.backends import get_backend
 
-    spec = _load(job, overrides)
+    if allow_inline_secrets and backend_name != "local":
+        # Elsewhere the job file leaves this machine: the Ray working directory, the cluster's objects.
+        raise SpecError(
+            f"--allow-inline-secrets: for the local backend only (not {backend_name}), where the job file stays on "
+            "this machine; on Ray and Kubernetes give the job its credentials through a Secret or the environment"
+        )
+    spec = _load(job, overrides, allow_inline_secrets=allow_inline_secrets)
     options = SubmitOptions(
         run_dir=run_dir, dry_run=dry_run, quiet=quiet, local=LocalOptions(nodes=nodes, worker=worker)
     )

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from orchestrator.compile import compile as compile_objects
-from orchestrator.errors import CompileError
+from orchestrator.errors import CompileError, SpecError
 from orchestrator.loader import load_spec
 from tests.fixtures.jobs import write_job
 from tests.integration.test_helm import (
@@ -55,7 +55,14 @@ def test_pod_local_stores_are_refused_unless_allowed(target: str, tmp_path: Path
 def test_inline_credentials_are_refused_like_the_compiler(options: dict[str, Any], tmp_path: Path) -> None:
     stores = [{"uri": "s3://bucket/x", "options": options}]
     job = write_job(tmp_path, DIGITS, {"spec": {"checkpoint": {"stores": stores}}})
-    assert "secretRef" in refused_alike(job, "pytorchjob")
+    with pytest.raises(SpecError, match=r"secretRef"):
+        load_spec(job)  # torchrig's loader refuses them first (orchestrator.credentials)
+    # The compiler's own rule (for a JobSpec built without the loader) and the chart's agree.
+    with pytest.raises(CompileError) as info:
+        compile_objects(load_spec(job, allow_inline_secrets=True), "pytorchjob", fixed_size=True)
+    proc = run_helm("template", "t", str(CHART), "-f", str(job), "--set", "fixedSize=true", check=False)
+    assert proc.returncode != 0 and str(info.value) in proc.stderr, proc.stderr
+    assert "secretRef" in str(info.value)
 
 
 @pytest.mark.parametrize("target", ["pytorchjob", "trainjob"])

@@ -193,7 +193,10 @@ def test_cli_render_and_validate_apply_the_rule(tmp_path: Path) -> None:
     ],
 )
 def test_inline_credentials_are_refused_naming_secret_ref(options: str, path: str) -> None:
-    spec = digits(f"spec.checkpoint.stores=[{{uri: 's3://bucket/x', options: {options}}}]")
+    # The loader refuses them first (tests/unit/test_spec_credentials.py); the compiler still does for a
+    # JobSpec built without it (the Python API).
+    change = f"spec.checkpoint.stores=[{{uri: 's3://bucket/x', options: {options}}}]"
+    spec = load_spec(DIGITS, [change], allow_inline_secrets=True)
     for target in MANIFEST_TARGETS:
         with pytest.raises(UnsupportedFeature) as info:
             compile(spec, target, fixed_size=True)
@@ -203,7 +206,9 @@ def test_inline_credentials_are_refused_naming_secret_ref(options: str, path: st
 
 
 def test_inline_credentials_of_init_from_are_refused() -> None:
-    spec = digits("spec.checkpoint.initFrom={uri: 's3://b/base', options: {secret: x}}")
+    spec = load_spec(
+        DIGITS, ["spec.checkpoint.initFrom={uri: 's3://b/base', options: {secret: x}}"], allow_inline_secrets=True
+    )
     with pytest.raises(UnsupportedFeature, match=r"^spec\.checkpoint\.initFrom\.options\.secret: .*secretRef"):
         compile(spec, "pytorchjob")
 
