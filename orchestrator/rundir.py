@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ __all__ = [
     "iter_rank_lines",
     "last_save",
     "latest_failure_log",
+    "metric_map",
     "new_run_dir",
     "preempt_grace_warning",
     "preemption_of",
@@ -50,6 +52,7 @@ __all__ = [
 ]
 
 _RANK_PREFIX_RE = re.compile(r"^\[rank(\d+)\]:")
+MAX_LOG_LINE_CHARS = 64 * 1024  # `torchrig logs`: a longer line is cut (the rest of it is never held)
 
 
 def runs_root() -> Path:
@@ -127,7 +130,7 @@ def recoveries_from_events(events: Iterable[Event]) -> dict[str, int]:
     for e in events:
         if e.kind is EventKind.RECOVERY:
             path = str(e.get("path", ""))
-            seen.setdefault(path, set()).add((e.generation, int(e.get("inplace_generation") or 0)))
+            seen.setdefault(path, set()).add((e.generation, _int(e.get("inplace_generation")) or 0))
     return {path: len(keys) for path, keys in sorted(seen.items())}
 
 
@@ -193,19 +196,16 @@ def build_summary(
     for e in events:
         if e.kind is not EventKind.RESTORE or e.rank != 0:
             continue
-        key = (e.generation, e.get("store"), e.get("step"))
+        source, step = _str(e.get("store")), e.step
+        key = (e.generation, source, step)
         if key not in seen_restores:
             seen_restores.add(key)
-            restored_from.append({"store": e.get("store"), "step": e.get("step")})
+            restored_from.append({"store": source, "step": step})
 
     committed = [e for e in events if e.kind is EventKind.CHECKPOINT_COMMITTED and e.step is not None]
     checkpoints: list[dict[str, Any]] = []
     for store in stores:
-        steps = [
-            int(e.step)
-            for e in committed
-            if e.step is not None and store["name"] in (e.get("stores_ok") or [store["name"]])
-        ]
+        steps = [e.step for e in committed if e.step is not None and store["name"] in _stores_ok(e, store["name"])]
         checkpoints.append({**store, "last_committed_step": max(steps) if steps else None})
 
     final = FinalCheckpoint.from_dict(result.get("final_checkpoint"))
@@ -216,25 +216,56 @@ def build_summary(
     if preempted is not None and status != RunState.SUCCEEDED.value and not user_cancel:
         status, reason = RunState.PREEMPTED.value, preemption_reason(preempted)
 
+    # result.json and the metrics lines are untrusted input: a value of the wrong type is left out
+    # rather than carried into summary.json (and into every reader of it).
     return Summary(
         status=status,
-        steps=result.get("steps", preempted.get("step") if preempted else last_metric.get("step")),
+        steps=_int(result.get("steps", preempted.get("step") if preempted else last_metric.get("step"))),
         total_steps=total_steps,
-        final_loss=result.get("final_loss", last_metric.get("loss")),
-        eval=result.get("eval", {}),
+        final_loss=_number(result.get("final_loss", last_metric.get("loss"))),
+        eval=metric_map(result.get("eval")),
         restarts=max((e.generation for e in events), default=0),
         restored_from=restored_from,
-        samples_per_s=result.get("samples_per_s", last_metric.get("samples_per_s")),
+        samples_per_s=_number(result.get("samples_per_s", last_metric.get("samples_per_s"))),
         wall_s=round(wall_s, 3),
         world_sizes=world_sizes_from_events(events),
         recoveries=recoveries_from_events(events),
-        params_sha256=result.get("params_sha256"),
+        params_sha256=_str(result.get("params_sha256")),
         run_dir=str(run_dir),
         checkpoints=checkpoints,
         reason=reason or None,
         final_checkpoint=final,
         preempted=preempted,
     )
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return value if isinstance(value, float) or abs(value) <= sys.float_info.max else None  # 400 digits: no float
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def metric_map(value: Any) -> dict[str, float]:
+    """The `{name: number}` entries of an untrusted metrics mapping (result.json's or summary.json's `eval`)."""
+    if not isinstance(value, Mapping):
+        return {}
+    return {str(k): v for k, v in value.items() if _number(v) is not None}
+
+
+def _stores_ok(event: Event, default: str) -> list[str]:
+    """The stores a `checkpoint_committed` event names (older workers name none: the only store)."""
+    named = event.get("stores_ok")
+    if not named:
+        return [default]
+    return [s for s in named if isinstance(s, str)] if isinstance(named, list) else []
 
 
 def preemption_of(events: Iterable[Event | Mapping[str, Any]]) -> dict[str, Any] | None:
@@ -307,7 +338,9 @@ def run_state(run_dir: Path) -> tuple[RunState, str, dict[str, Any]]:
     files = RunFiles(run_dir)
     summary = read_json(files.summary)
     supervisor = read_json(files.supervisor) or {}
-    running = bool(supervisor) and alive(int(supervisor.get("pid", -1)), supervisor.get("start_ticks"))
+    raw_ticks = supervisor.get("start_ticks")
+    ticks = None if raw_ticks is None else _int(raw_ticks) or -1  # junk there matches no process
+    running = bool(supervisor) and alive(_int(supervisor.get("pid")) or -1, ticks)
     if summary is not None and not (running and supervisor.get("resumed")):
         try:
             state = RunState(summary.get("status", "unknown"))
@@ -320,6 +353,8 @@ def run_state(run_dir: Path) -> tuple[RunState, str, dict[str, Any]]:
         if metrics:
             details.update({k: metrics[-1].get(k) for k in ("step", "loss", "world_size", "samples_per_s")})
         return RunState.RUNNING, "", details
+    if files.summary.exists():
+        return RunState.UNKNOWN, f"{files.summary} is damaged (not one JSON object of a readable size)", {}
     if supervisor:
         return RunState.UNKNOWN, "the supervising process is gone and wrote no summary", {}
     if files.job.exists():
@@ -341,7 +376,12 @@ def iter_rank_lines(run_dir: Path, rank: int | None) -> Iterator[str]:
     files = RunFiles(run_dir)
     for log in sorted(files.logs.glob("node*.log"), key=lambda p: int(re.sub(r"\D", "", p.stem) or 0)):
         with log.open(errors="replace") as fh:
-            for line in fh:
+            while line := fh.readline(MAX_LOG_LINE_CHARS):
+                if not line.endswith("\n") and len(line) == MAX_LOG_LINE_CHARS:
+                    # An endless line is not held whole: its first part, then skip to its end.
+                    line += " [line truncated]"
+                    while (rest := fh.readline(MAX_LOG_LINE_CHARS)) and not rest.endswith("\n"):
+                        pass
                 if rank is None:
                     yield line.rstrip("\n")
                     continue

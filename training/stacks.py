@@ -27,6 +27,7 @@ from typing import IO
 
 from training.contract import Env, RunFiles, WorkerIdentity
 from training.contract.events import Stacks
+from training.contract.files import PRIVATE_FILE_MODE, make_private_dirs, open_private_append
 from training.contract.stacks import DUMP_SIGNAL, header
 from training.metrics.base import MetricsSink
 
@@ -79,7 +80,7 @@ def enable_flight_recorder(identity: WorkerIdentity, environ: MutableMapping[str
     if any(name in environ for name in (Env.FR_BUFFER_SIZE, Env.NCCL_TRACE_BUFFER_SIZE)):
         return False
     files = RunFiles(identity.run_dir)
-    files.stacks_dir(identity.generation).mkdir(parents=True, exist_ok=True)
+    make_private_dirs(files.stacks_dir(identity.generation), levels=2)
     prefix = str(files.flight_recorder_prefix(identity.generation))
     for name, value in flight_recorder_env(prefix, new_names=new_names).items():
         environ.setdefault(name, value)
@@ -113,8 +114,9 @@ class StackDumper:
         if self.path is None or self._file is not None:
             return self
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("a", buffering=1)
+            # Stacks show the code and where every thread is: private to the user (0700 / 0600) on any backend.
+            make_private_dirs(self.path.parent, levels=2)
+            self._file = open_private_append(self.path)
         except OSError:
             log.exception("cannot open %s; stack dumps go to stderr", self.path)
             return self
@@ -166,7 +168,7 @@ class StackDumper:
         except (OSError, subprocess.TimeoutExpired) as exc:
             text = f"[py-spy failed: {exc}]\n"
         try:
-            with self.py_spy_path.open("a") as fh:
+            with open_private_append(self.py_spy_path) as fh:
                 fh.write(header(rank=self.identity.rank, generation=self.identity.generation, reason="py-spy") + text)
         except OSError:
             return None
@@ -182,7 +184,9 @@ class StackDumper:
             return None
         try:
             data = dump()
-            self.flight_recorder_path.write_bytes(data if isinstance(data, bytes) else bytes(data))
+            fd = os.open(self.flight_recorder_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data if isinstance(data, bytes) else bytes(data))
         except Exception:  # a private torch API: never let it stop the watchdog's exit
             log.exception("dumping the flight recorder failed")
             return None

@@ -4,6 +4,7 @@ metrics.jsonl / events.jsonl, the same files `torchrig report` reads afterwards.
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from dataclasses import dataclass, field
@@ -14,6 +15,8 @@ from orchestrator.summary_text import format_metrics, format_value
 from training.contract import EventKind, JsonlTail, RunFiles
 
 __all__ = ["LiveProgress", "PlainView", "QuietView", "RichView", "RunView", "create_view"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,6 +37,7 @@ class LiveProgress:
     eval: dict[str, Any] = field(default_factory=dict)
     _metrics: JsonlTail = field(init=False)
     _events: JsonlTail = field(init=False)
+    _failed: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         files = RunFiles(self.run_dir)
@@ -41,13 +45,29 @@ class LiveProgress:
         self._events = JsonlTail(files.events)
 
     def poll(self) -> bool:
-        """Read what was appended since the last call; True when something changed."""
+        """Read what was appended since the last call; True when something changed.
+
+        The lines are untrusted (anyone who can write to the run directory), and this runs in the
+        supervisor's loop: a value of the wrong type is ignored, and whatever else goes wrong here is
+        logged once and never ends the run (the view is only what the user watches).
+        """
+        try:
+            return self._poll()
+        except Exception:
+            if not self._failed:
+                self._failed = True
+                log.exception("the live view cannot read %s; the run goes on without it", self.run_dir)
+            return False
+
+    def _poll(self) -> bool:
         changed = False
         for rec in self._metrics.read_new():
             if (_float(rec.get("time"), self.since) or 0.0) < self.since:
                 continue
             changed = True
-            self.step = int(rec.get("step", self.step))
+            step = rec.get("step")
+            if isinstance(step, int) and not isinstance(step, bool):
+                self.step = step
             self.loss = _float(rec.get("loss"), self.loss)
             self.samples_per_s = _float(rec.get("samples_per_s"), self.samples_per_s)
             if isinstance(rec.get("world_size"), int):
@@ -69,7 +89,7 @@ class LiveProgress:
             elif kind == EventKind.FAULT:
                 self.faults += 1
             elif kind == EventKind.EVAL and isinstance(ev.get("metrics"), dict):
-                self.eval = dict(ev["metrics"])
+                self.eval = {str(k): v for k, v in ev["metrics"].items() if _float(v, None) is not None}
         return changed
 
     def checkpoint_text(self) -> str:
@@ -100,7 +120,12 @@ class LiveProgress:
 
 
 def _float(value: Any, default: float | None) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return default
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond any float
+        return default
 
 
 class RunView:

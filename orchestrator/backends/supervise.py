@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 from types import FrameType
 from typing import Any, Protocol, runtime_checkable
@@ -37,6 +38,7 @@ from orchestrator.errors import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE
 from orchestrator.loader import dump_spec
 from orchestrator.rundir import run_state
 from training.contract import RunFiles, Summary, read_json, write_json
+from training.contract.files import private_umask
 
 __all__ = ["DetachableBackend", "cancel_detached", "main", "options_from_json", "start_detached"]
 
@@ -86,13 +88,16 @@ def start_detached(dryrun: DryRun, run_dir: Path, request: Any) -> RunHandle:
         BackendError: the supervisor exited before it recorded the run.
     """
     files = RunFiles(run_dir)
-    files.logs.mkdir(parents=True, exist_ok=True)
-    files.job.write_text(dump_spec(dryrun.spec))
-    write_json(
-        files.launch, {"backend": dryrun.backend, "options": dataclasses.asdict(dryrun.options), "request": request}
-    )
     cmd = [sys.executable, "-m", "orchestrator.backends.supervise", str(run_dir)]
-    proc = spawn(cmd, log=files.supervisor_log, env=dryrun.options.env)
+    # The run directory and what runs in it are private to the user (the supervisor inherits the umask).
+    with private_umask():
+        files.logs.mkdir(parents=True, exist_ok=True)
+        files.job.write_text(dump_spec(dryrun.spec))
+        write_json(
+            files.launch,
+            {"backend": dryrun.backend, "options": dataclasses.asdict(dryrun.options), "request": request},
+        )
+        proc = spawn(cmd, log=files.supervisor_log, env=dryrun.options.env)
     # Wait until it has recorded itself, so `status` right after `submit` says running.
     deadline = time.monotonic() + SUPERVISOR_START_TIMEOUT_S
     while time.monotonic() < deadline and proc.poll() is None:
@@ -163,7 +168,15 @@ def main(argv: list[str] | None = None) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _on_signal)
-    summary = run.wait()
+    try:
+        summary = run.wait()
+    except Exception as exc:  # the run was taken down; a run directory without a summary says "unknown"
+        traceback.print_exc()
+        if files.summary.exists():
+            return EXIT_FAILED
+        reason = f"the supervisor failed: {type(exc).__name__}: {exc}"[:2000]
+        Summary(status=RunState.FAILED.value, run_dir=str(files.root), reason=reason).write(files.summary)
+        return EXIT_FAILED
     from orchestrator.summary_text import final_line
 
     print(final_line(summary))  # it ends with the summary's path

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from orchestrator.cli._common import check_plot_path, emit_json, handle_errors, 
 from orchestrator.errors import SpecError
 from orchestrator.summary_text import format_value, is_count_key
 
-__all__ = ["build_report", "loss_figures", "report", "write_plot"]
+__all__ = ["build_report", "loss_figures", "report", "typed_summary", "write_plot"]
 
 
 def loss_figures(metrics: list[dict[str, Any]], final_loss: Any) -> tuple[float | None, float | None]:
@@ -32,7 +33,10 @@ def loss_figures(metrics: list[dict[str, Any]], final_loss: Any) -> tuple[float 
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A JSON number that converts to a float (an integer of 400 digits does not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return isinstance(value, float) or abs(value) <= sys.float_info.max
 
 
 def build_report(run_dir: Path) -> dict[str, Any]:
@@ -45,7 +49,8 @@ def build_report(run_dir: Path) -> dict[str, Any]:
     from training.contract import EventKind, RunFiles, read_events, read_json, read_jsonl
 
     files = RunFiles(run_dir)
-    summary = read_json(files.summary)
+    raw_summary = read_json(files.summary)
+    summary = None if raw_summary is None else typed_summary(raw_summary)
     metrics = read_jsonl(files.metrics)
     events = read_events(files.events)
     if summary is None and not metrics and not events:
@@ -86,6 +91,48 @@ def build_report(run_dir: Path) -> dict[str, Any]:
         ],
     }
     return {"run_dir": str(run_dir), "summary": summary or {}, "derived": derived}
+
+
+# summary.json's fields by type: the file is untrusted input, and a field of another type is left out
+# of the report rather than failing it (`torchrig report` must explain a damaged run too).
+_NUMBER = (int, float)
+_SUMMARY_TYPES: dict[str, tuple[type, ...]] = {
+    "status": (str,),
+    "steps": (int,),
+    "total_steps": (int,),
+    "restarts": (int,),
+    "worker_exit": (int,),
+    "final_loss": _NUMBER,
+    "samples_per_s": _NUMBER,
+    "wall_s": _NUMBER,
+    "params_sha256": (str,),
+    "run_dir": (str,),
+    "reason": (str,),
+    "failure_log": (str,),
+    "recoveries": (dict,),
+    "preempted": (dict,),
+    "final_checkpoint": (dict,),
+}
+
+
+def typed_summary(raw: dict[str, Any]) -> dict[str, Any]:
+    """summary.json's object with every known field of the wrong type dropped (unknown fields kept)."""
+    from orchestrator.rundir import metric_map
+
+    out = {
+        k: v
+        for k, v in raw.items()
+        if k not in _SUMMARY_TYPES or (isinstance(v, _SUMMARY_TYPES[k]) and not isinstance(v, bool))
+    }
+    out["eval"] = metric_map(raw.get("eval"))
+    for key in ("restored_from", "checkpoints"):
+        value = raw.get(key)
+        out[key] = [item for item in value if isinstance(item, dict)] if isinstance(value, list) else []
+    sizes = raw.get("world_sizes")
+    out["world_sizes"] = (
+        [w for w in sizes if isinstance(w, int) and not isinstance(w, bool)] if isinstance(sizes, list) else []
+    )
+    return out
 
 
 def write_plot(run_dir: Path, out: Path) -> None:

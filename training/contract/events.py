@@ -9,6 +9,7 @@ agree on one definition. Readers get `Event` objects from `read_events`, never r
 from __future__ import annotations
 
 import enum
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -400,12 +401,23 @@ class Event:
         rank = obj.get("rank", 0)
         generation = obj.get("generation", 0)
         return cls(
-            time=float(obj.get("time") or 0.0),
+            time=_time_of(obj.get("time")),
             rank=rank if isinstance(rank, int) else 0,
             generation=generation if isinstance(generation, int) else 0,
             kind=kind,
             data=data,
         )
+
+
+def _time_of(value: Any) -> float:
+    """A line's `time`; a line is untrusted input, so anything but a finite number reads as 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0.0
+    try:
+        at = float(value)
+    except OverflowError:  # an integer beyond any float
+        return 0.0
+    return at if math.isfinite(at) else 0.0
 
 
 def read_events(path: str | os.PathLike[str]) -> list[Event]:

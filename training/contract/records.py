@@ -46,7 +46,14 @@ class FinalCheckpoint:
         """From its JSON form; None for anything else (an older file has none)."""
         if not isinstance(data, dict) or not isinstance(data.get("step"), int):
             return None
-        return cls(**_known(cls, data))
+        # Untrusted (result.json): keep only what has the declared types, so `reason()` cannot fail.
+        ok, failed = data.get("stores_ok"), data.get("stores_failed")
+        return cls(
+            step=data["step"],
+            committed=data.get("committed") is True,
+            stores_ok=[s for s in ok if isinstance(s, str)] if isinstance(ok, list) else [],
+            stores_failed={str(k): str(v) for k, v in failed.items()} if isinstance(failed, dict) else {},
+        )
 
     @property
     def lost(self) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import stat
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -196,8 +197,36 @@ def ranks_apart(dumps: Mapping[int, str]) -> list[int]:
 _RANK_FILE_RE = re.compile(r"^rank-(\d+)\.txt$")
 
 
+MAX_STACK_READ_BYTES = 4 << 20  # a stack file's newest bytes read: its newest dumps (a dump is ~10-100 KiB)
+
+
+def _read_newest(path: Path) -> str:
+    """The last `MAX_STACK_READ_BYTES` of a regular file as text ("" for anything else): a stack file
+    gains a section per dump and is written by the workers, so it is read bounded and never blocks."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return ""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return ""
+        start = max(0, st.st_size - MAX_STACK_READ_BYTES)
+        data = os.pread(fd, MAX_STACK_READ_BYTES, start)
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
+    text = data.decode("utf-8", "replace")
+    if start:  # cut mid-file: begin at the first whole section
+        cut = text.find(HEADER_PREFIX)
+        text = text[cut:] if cut >= 0 else ""
+    return text
+
+
 def read_stack_dumps(run_dir: str | os.PathLike[str], generation: int) -> dict[int, str]:
-    """Rank -> the text of its stack file in restart generation `generation` (empty files left out)."""
+    """Rank -> the text of its stack file in restart generation `generation` (empty files left out; a
+    file over `MAX_STACK_READ_BYTES` from its first section within its last `MAX_STACK_READ_BYTES`)."""
     directory = RunFiles(run_dir).stacks_dir(generation)
     out: dict[int, str] = {}
     try:
@@ -208,10 +237,7 @@ def read_stack_dumps(run_dir: str | os.PathLike[str], generation: int) -> dict[i
         m = _RANK_FILE_RE.match(path.name)
         if not m:
             continue
-        try:
-            text = path.read_text(errors="replace")
-        except OSError:
-            continue
+        text = _read_newest(path)
         if text.strip():
             out[int(m.group(1))] = text
     return out
