@@ -28,6 +28,7 @@ from orchestrator.loader import dump_spec
 from orchestrator.rundir import build_summary, error_line, latest_failure_log
 from orchestrator.spec import JobSpec
 from training.contract import Env, Result, RunFiles, Summary, read_events, write_json
+from training.contract.files import private_umask
 from training.preemption import torchrun_shutdown_timeout
 
 __all__ = ["DEFAULT_GRACE_S", "LocalRun"]
@@ -73,6 +74,7 @@ class LocalRun:
     _cancel_reason: str = "cancelled by the user"
     _force: bool = False
     _preempt_deadline: float | None = None  # set by the first Ctrl-C when preemption is on
+    _private: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # `private_umask` while it runs
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.plan.run_dir)
@@ -86,8 +88,9 @@ class LocalRun:
         """Prepare the run directory, start the rendezvous store and one agent per node."""
         self._started = time.monotonic()
         self._started_at = time.time()
-        self._prepare_run_dir()
+        self._private.enter_context(private_umask())  # the run's files are its user's alone, until `finish`
         try:
+            self._prepare_run_dir()
             # The agents import torchrun while the store imports torch; they read its port from the
             # file it writes (`_local_agent`).
             self._start_store()
@@ -98,6 +101,7 @@ class LocalRun:
             self._await_store_port()
         except BaseException:
             self._kill_everything()
+            self._private.close()
             raise
         self._write_supervisor()
 
@@ -426,6 +430,7 @@ class LocalRun:
             summary.failure_log = str(log)
         summary.worker_exit = worker_exit
         summary.write(self.files.summary)
+        self._private.close()
         self.summary = summary
         return summary
 
