@@ -9,10 +9,10 @@ deterministic startup error exits with a permanent code (`ExitCode.TASK_INVALID`
 restarting it (`restartPolicy: ExitCode`, a pod failure policy). Without COMMAND it only checks (exit
 0 when the job can start here).
 
-In a PyTorchJob pod it first counts the pod's start (`training.pod_recreations`): the operator recreates
-a pod after every exit code >= 128 and never bounds it, so a start past `restarts.max` recreations exits
-`ExitCode.RESTARTS_SPENT` (4) and the job fails. Whenever the launcher ends the job with a permanent code
-it clears that count, so the job resubmitted under its name starts from 0.
+Given a COMMAND in a PyTorchJob pod, it first counts the pod's start (`training.pod_recreations`): the
+operator recreates a pod after every exit code >= 128 and never bounds it, so a start past `restarts.max`
+recreations exits `ExitCode.RESTARTS_SPENT` (4) and the job fails. Whenever the launcher ends the job with
+a permanent code it clears that count, so the job resubmitted under its name starts from 0.
 
 The spec and run directory default to `TORCHRIG_SPEC` and `TORCHRIG_RUN_DIR` (else `runs/<job name>`,
 as the worker does).
@@ -53,11 +53,13 @@ class _Recreations:
     """This pod's start count (`training.pod_recreations`), where there is one: never the reason a pod
     cannot start, so a store that fails is a warning."""
 
-    def __init__(self, spec: WorkerSpec, spec_path: str, run_dir: str) -> None:
+    def __init__(self, spec: WorkerSpec, spec_path: str, run_dir: str, *, starts: bool) -> None:
         from training.pod_recreations import open_for_pod
 
         self.count: PodRecreations | None = None
         self.pod = ""
+        if not starts:  # only checking (say `kubectl exec ... python -m training.launch`): no pod start
+            return
         try:
             spec_bytes = Path(spec_path).read_bytes() if Path(spec_path).is_file() else spec_path.encode()
             opened = open_for_pod(
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         return _fail(ExitCode.TASK_INVALID, f"{args.spec}: " + "; ".join(str(exc).splitlines()))
     run_dir = args.run_dir or os.path.join("runs", spec.name)
-    recreations = _Recreations(spec, args.spec, run_dir)
+    recreations = _Recreations(spec, args.spec, run_dir, starts=bool(command))
     spent = recreations.spent(spec.spec.restarts.max)
     if spent is not None:
         recreations.clear()

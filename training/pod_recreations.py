@@ -165,22 +165,23 @@ class RecreationDecision:
 def _bounded(fn: Callable[[], T], timeout_s: float) -> T:
     """`fn()` in a daemon thread, given up after `timeout_s` (an object store call has no deadline of its
     own; the thread dies with the process when the launcher execs)."""
-    box: dict[str, object] = {}
+    results: list[T] = []
+    errors: list[BaseException] = []
 
     def run() -> None:
         try:
-            box["value"] = fn()
+            results.append(fn())
         except BaseException as exc:  # carried to the caller's thread
-            box["error"] = exc
+            errors.append(exc)
 
     thread = threading.Thread(target=run, name="torchrig-pod-recreations", daemon=True)
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
         raise TimeoutError(f"no answer in {timeout_s:g} s")
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box["value"]  # type: ignore[return-value]
+    if errors:
+        raise errors[0]
+    return results[0]
 
 
 class PodRecreations:

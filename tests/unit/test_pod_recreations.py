@@ -316,3 +316,67 @@ def test_a_pod_killed_at_every_start_ends_the_job_after_restarts_max_recreations
 
 def test_restarts_spent_is_permanent_for_the_operator() -> None:
     assert not ExitCode.RESTARTS_SPENT.retryable and 1 <= ExitCode.RESTARTS_SPENT <= 127
+
+
+# -- the launcher ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def in_worker_pod(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A job file (restarts.max 1, a store on a `pvc`) and this process dressed as pod `job-worker-0`."""
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        "apiVersion: torchrig/v1\nkind: TrainingJob\nmetadata: {name: job}\nspec:\n"
+        "  task: {entrypoint: training.examples.digits:task, args: {hidden: 8}}\n  training: {steps: 1}\n"
+        "  restarts: {max: 1}\n  checkpoint:\n    stores:\n      - {uri: 'file://./ckpt', pvc: claim}\n"
+    )
+    monkeypatch.setattr("socket.gethostname", lambda: "job-worker-0")
+    monkeypatch.setenv(Env.MASTER_ADDR, "job-master-0")
+    return path
+
+
+def _launch(path: Any, *command: str) -> int:
+    from training.launch import main
+
+    return main(["--spec", str(path), "--run-dir", str(path.parent / "run"), *(["--", *command] if command else [])])
+
+
+def _starts(path: Any) -> int:
+    ledger = path.parent / "run" / "ckpt" / RECREATIONS_DIR / "job"
+    return len(list(ledger.rglob("*.json"))) if ledger.exists() else 0
+
+
+def _spend(path: Any, starts: int) -> None:
+    store = open_for_pod(
+        load_worker_spec(path),
+        path.read_bytes(),
+        run_dir=str(path.parent / "run"),
+        env={Env.MASTER_ADDR: "job-master-0"},
+        hostname="job-worker-0",
+        warn=print,
+    )
+    assert store is not None
+    for _ in range(starts):
+        store[0].record_start("job-worker-0", allowed=1)
+
+
+def test_the_launcher_refuses_the_start_past_restarts_max_and_clears_the_count(
+    in_worker_pod: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _spend(in_worker_pod, 2)  # the first start and one recreation: restarts.max (1) spent
+    assert _launch(in_worker_pod, "sh", "-c", "exit 137") == ExitCode.RESTARTS_SPENT
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"torchrig: error: {RecreationDecision('job', 'job-worker-0', 3, 1).message()}"]
+    assert _starts(in_worker_pod) == 0  # the job ends here: a resubmitted one starts from 0
+
+
+def test_any_permanent_exit_of_the_launcher_clears_the_count(in_worker_pod: Any) -> None:
+    _spend(in_worker_pod, 1)
+    assert _launch(in_worker_pod, "no-such-torchrun") == ExitCode.ENVIRONMENT  # counted, then the job ends
+    assert _starts(in_worker_pod) == 0
+
+
+def test_checking_without_a_command_is_no_pod_start(in_worker_pod: Any) -> None:
+    for _ in range(3):  # `kubectl exec POD -- python -m training.launch`: only checks
+        assert _launch(in_worker_pod) == ExitCode.OK
+    assert _starts(in_worker_pod) == 0
