@@ -15,6 +15,7 @@ operator does not; these tests check that count, who it applies to, and the job 
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from orchestrator.compile import compile as compile_manifests
 from orchestrator.loader import load_spec
@@ -141,6 +143,51 @@ def test_names_in_the_store_that_are_not_start_records_are_ignored_and_a_hostile
     store.objects[f"{where}/99999999.json"] = b""
     with pytest.raises(ValueError, match="exhausted"):
         count.record_start("job-worker-0", allowed=1)
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    """Random schedules of pod starts, stragglers, junk written into the store and job ends, against a
+    model: each pod's count is its starts since the job's count was last cleared, whatever else the store
+    holds, and a start is refused exactly when it is one recreation past `allowed`."""
+
+    pods = ("job-master-0", "job-worker-0", "job-worker-1")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.store = FakeStore()
+        self.count = _ledger(self.store)
+        self.model = dict.fromkeys(self.pods, 0)
+
+    @rule(pod=st.sampled_from(pods), allowed=st.integers(0, 4))
+    def start(self, pod: str, allowed: int) -> None:
+        decision = self.count.record_start(pod, allowed)
+        self.model[pod] += 1
+        assert decision.start == self.model[pod]
+        assert decision.spent == (self.model[pod] - 1 > allowed)
+
+    @rule(pod=st.sampled_from(pods))
+    def straggler(self, pod: str) -> None:
+        # A start of the same name from a pod the operator already replaced: it takes the next number.
+        PodRecreations(self.store, "job", self.count.scope).record_start(pod, 0)
+        self.model[pod] += 1
+
+    @rule(pod=st.sampled_from(pods), name=st.text(min_size=1, max_size=12).filter(lambda n: "/" not in n))
+    def junk(self, pod: str, name: str) -> None:
+        if re.fullmatch(r"\d{8}\.json", name) is None:
+            self.store.objects[f"{RECREATIONS_DIR}/job/{self.count.scope}/{pod}/{name}"] = b"junk"
+
+    @rule()
+    def job_ends(self) -> None:
+        self.count.reset()
+        self.model = dict.fromkeys(self.pods, 0)
+
+    @invariant()
+    def counts_match(self) -> None:
+        for pod in self.pods:
+            assert self.count.starts(pod) == self.model[pod]
+
+
+TestLedgerMachine = LedgerMachine.TestCase
 
 
 def test_a_store_that_hangs_is_given_up_after_the_timeout() -> None:
