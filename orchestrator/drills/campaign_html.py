@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from orchestrator.drills.report import fault_text
 
@@ -70,16 +71,22 @@ def _fmt(value: Any, unit: str = "") -> str:
 
 
 def _href(path: str | None, out_dir: str | None) -> str | None:
-    """A link to `path`: relative to the page when it lies below the out directory, else a file URI."""
+    """A link to `path`: relative to the page when it lies below the out directory, else a file URI.
+
+    Run directories are named by whoever ran them: a relative link starts with `./` and is
+    percent-encoded, so no name reads as a scheme (`javascript:alert(1)`) or leaves the attribute.
+    """
     if not path:
         return None
     absolute = Path(path).absolute()
     if out_dir:
         try:
-            return absolute.relative_to(Path(out_dir).absolute()).as_posix()
+            relative = absolute.relative_to(Path(out_dir).absolute()).as_posix()
         except ValueError:
             pass
-    return absolute.as_uri()
+        else:
+            return "./" + quote(relative, errors="surrogateescape")
+    return absolute.as_uri()  # percent-encoded too, and always file://
 
 
 def _anchor(case: dict[str, Any]) -> str:
@@ -232,7 +239,7 @@ def _cell(case: dict[str, Any] | None) -> str:
     title = case.get("reason") or "; ".join(c["name"] for c in case.get("failed_checks", [])) or state
     return (
         f'<td class="cell {_e(state)}" style="background:{_STATE_COLOR.get(state, "#57606a")}" title="{_e(title)}">'
-        f'<a href="#{_anchor(case)}">{_STATE_LABEL.get(state, state)}</a><small>{_e(detail)}</small></td>'
+        f'<a href="#{_e(_anchor(case))}">{_STATE_LABEL.get(state, state)}</a><small>{_e(detail)}</small></td>'
     )
 
 
@@ -331,7 +338,10 @@ def _case(case: dict[str, Any], out_dir: str | None) -> str:
         links = []
         run_dir = report.get("run_dir")
         for text, target in (
-            ("report.json", f"{case['dir']}/report.json" if case.get("dir") else None),
+            (
+                "report.json",
+                _href(str(Path(out_dir or ".") / case["dir"] / "report.json"), out_dir) if case.get("dir") else None,
+            ),
             ("run directory", _href(run_dir, out_dir)),
             ("node 0 log", _href(str(Path(run_dir) / "logs" / "node0.log"), out_dir) if run_dir else None),
             ("events", _href(str(Path(run_dir) / "events.jsonl"), out_dir) if run_dir else None),
@@ -340,7 +350,7 @@ def _case(case: dict[str, Any], out_dir: str | None) -> str:
             if target:
                 links.append(f'<a href="{_e(target)}">{_e(text)}</a>')
         body.append(f'<p class="links">{"".join(links)}</p>')
-    return f'<details id="{_anchor(case)}"{opened}>{head}{"".join(body)}</details>'
+    return f'<details id="{_e(_anchor(case))}"{opened}>{head}{"".join(body)}</details>'
 
 
 def render_html(data: dict[str, Any]) -> str:
