@@ -6,7 +6,8 @@ in it is readable by everyone who can read any of those. `inline_secrets` walks 
 validated job (model fields, and the keys and values of its free-form maps: `kubernetes.env`,
 `ray.runtimeEnv`, store `options`, `task.args`, tolerations, ...) for two kinds of evidence:
 
-- a *name* that says credential (`*SECRET*`, `*PASSWORD*`, `*CREDENTIAL*`, a `token` word, `*_KEY` in
+- a *name* that says credential (`*SECRET*`, `*PASSWORD*`, `*CREDENTIAL*`, a `token` word (in task
+  arguments only `token` itself or `access_token`, `hf_token`, ...: `eos_token` is text), `*_KEY` in
   an environment map, `api_key`/`access_key`/... anywhere, `key` among a store's fsspec options), with a
   non-empty value that is not a reference (`$(VAR)`, `${VAR}`) or a setting about the credential (a
   name ending in `_FILE`, `_PATH`, `_URL`, `_NAME`, ...). Label, annotation and node-selector keys are
@@ -61,6 +62,13 @@ _AWS_SECRET_KEY = re.compile(r"[A-Za-z0-9/+]{40}")
 _SECRET_SUBSTRINGS = ("secret", "passw", "passphrase", "credential", "privatekey", "apikey", "accesskey")
 # ...or as whole words (`token` would otherwise match `tokenizer`, `max_tokens`).
 _SECRET_WORDS = frozenset({"token", "pat", "sas", "connectionstring"})
+# In task arguments and other general maps a token is usually text (`eos_token`, `pad_token_id`): there a
+# `token` word counts alone (`token`, gcsfs's option) or after a word of authentication.
+_TOKEN_QUALIFIERS = frozenset(
+    {"access", "auth", "api", "session", "bearer", "refresh", "oauth", "sas", "security", "hf", "huggingface"}
+    | {"github", "gh", "gitlab", "wandb", "slack", "bot", "service", "client", "personal", "private", "secret"}
+    | {"app", "registry", "npm", "pypi", "docker", "user", "identity", "jwt", "csrf", "webhook"}
+)
 # `<qualifier>_key` is a credential anywhere (`api_key`, `account_key`, `WANDB_API_KEY`)...
 _KEY_QUALIFIERS = frozenset(
     {"api", "access", "secret", "private", "account", "signing", "encryption", "decryption", "master", "auth"}
@@ -161,19 +169,25 @@ def _name_says_secret(name: str, context: _Context) -> bool:
     if context is _Context.OPTIONS and words == ["key"]:
         return True  # s3fs's access key id
     joined = "".join(words)
-    if any(s in joined for s in _SECRET_SUBSTRINGS) or any(w in _SECRET_WORDS for w in words):
+    if any(s in joined for s in _SECRET_SUBSTRINGS):
+        return True
+    if context is not _Context.GENERAL and any(w in _SECRET_WORDS for w in words):
+        return True
+    if context is _Context.GENERAL and (
+        words == ["token"] or any(a in _TOKEN_QUALIFIERS and b == "token" for a, b in itertools.pairwise(words))
+    ):
         return True
     if any(a in _KEY_QUALIFIERS and b == "key" for a, b in itertools.pairwise(words)):
         return True
     return context is _Context.ENV and len(words) > 1 and words[-1] == "key"
 
 
-def _holds_value(value: Any, name: str) -> bool:
+def _holds_value(value: Any, name: str, context: _Context) -> bool:
     """Whether a value under a credential-like name could be the credential itself."""
     if isinstance(value, bool) or value is None:
         return False
-    if isinstance(value, int | float):
-        return value != 0
+    if isinstance(value, int | float):  # a number among fsspec's options may be a PIN; elsewhere a setting
+        return context is _Context.OPTIONS and value != 0
     if not isinstance(value, str):
         return False
     text = value.strip()
@@ -236,7 +250,7 @@ def _walk_map(node: Mapping[Any, Any], path: str, context: _Context) -> Iterator
         what = scan_value(value) if isinstance(value, str) else None
         if what is None and has_access_key and isinstance(value, str) and _AWS_SECRET_KEY.fullmatch(value.strip()):
             what = "an AWS secret access key (beside an access key id)"
-        if what is None and _name_says_secret(name, context) and _holds_value(value, name):
+        if what is None and _name_says_secret(name, context) and _holds_value(value, name, context):
             what = "a value named like a credential"
         if what:
             yield Finding(where, what)

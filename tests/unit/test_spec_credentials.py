@@ -166,12 +166,15 @@ def test_a_value_under_a_credential_name_is_refused(name: str, value: str, where
         # The store options the compiler refused before, now refused for every command.
         ("spec.checkpoint.stores=[{uri: 's3://b/x', options: {key: AKIA, secret: s3}}]", "spec.checkpoint.stores[0]"),
         ("spec.ray.address=http://admin:hunter2@ray-head:8265", "spec.ray.address"),
+        # Task arguments: a token after a word of authentication (`eos_token` is text).
+        ("spec.task.args={hf_token: abcdefgh12, eos_token: '</s>'}", "spec.task.args.hf_token"),
     ],
 )
 def test_issue_shapes_are_refused_naming_the_field(change: str, path: str) -> None:
     with pytest.raises(SpecError) as info:
         load_spec(DIGITS, [change])
     assert info.value.problems and all(p.startswith(path) for p in info.value.problems)
+    assert not any("eos_token" in p for p in info.value.problems)
     for secret in ("wJalrXUtnFEMIK7MDENGbPxRfiCY", "AKIAIOSFODNN7EXAMPLE", "hunter2", ": abc"):
         assert secret not in str(info.value)
 
@@ -230,7 +233,18 @@ BENIGN_ENV = {
     "TOKEN_TTL": "3600",
     "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
 }
-BENIGN_ARGS = {"tokenizer": "gpt2", "max_tokens": 2048, "sort_key": "length", "key": "text", "keep": 3}
+BENIGN_ARGS = {
+    "tokenizer": "gpt2",
+    "max_tokens": 2048,
+    "eos_token": "</s>",
+    "pad_token_id": 50256,
+    "bos_token": "<|endoftext|>",
+    "tokens_per_step": 65536,
+    "patience": 3,
+    "sort_key": "length",
+    "key": "text",
+    "keep": 3,
+}
 BENIGN_OPTIONS = {
     "endpoint_url": "http://minio:9000",
     "anon": False,
