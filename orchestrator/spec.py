@@ -335,7 +335,11 @@ class KubernetesConfig(Model):
         default=86400,
         ge=0,
         le=MAX_INT32,
-        description=f"Delete the finished job after this many seconds (null: keep); at most {MAX_INT32} (int32).",
+        description=(
+            f"Delete the finished job after this many seconds (null: keep); at most {MAX_INT32} (int32). A RayJob "
+            "deletes its Ray cluster (whose pods hold their GPUs until then) after this delay, 600 s when the "
+            "spec does not set it."
+        ),
     )
     active_deadline_seconds: int | None = Field(
         default=None,
@@ -345,6 +349,16 @@ class KubernetesConfig(Model):
     )
     clean_pod_policy: Literal["None", "Running", "All"] = Field(
         default="None", description="PyTorchJob: which pods to delete when the job finishes."
+    )
+    network_policy: bool = Field(
+        default=True,
+        description=(
+            "Render a NetworkPolicy named after the job that admits to its pods only what the job needs: any TCP "
+            "port from the job's own pods (rendezvous and recovery stores, gloo/NCCL, Ray), the metrics ports "
+            "from Prometheus (pods labelled `app.kubernetes.io/name: prometheus`), and on a RayJob the head's "
+            "dashboard from its submitter and the KubeRay operator. false: none (your own policy, or a CNI "
+            "that enforces none)."
+        ),
     )
     runtime_ref: ObjectName | None = Field(
         default=None,

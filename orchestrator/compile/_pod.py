@@ -22,7 +22,16 @@ import math
 import posixpath
 from typing import Any
 
-from orchestrator.compile._common import RUN_DIR, SHM_PATH, SPEC_DIR, SPEC_FILE, SPEC_KEY, configmap_name
+from orchestrator.compile._common import (
+    RUN_DIR,
+    SHM_PATH,
+    SPEC_DIR,
+    SPEC_FILE,
+    SPEC_KEY,
+    configmap_name,
+    job_secret_mount,
+    job_secret_volume,
+)
 from orchestrator.spec import JobSpec
 from training.preemption import pod_grace_period_seconds
 
@@ -113,7 +122,7 @@ def store_mount_path(path: str) -> str:
 def volumes_and_mounts(spec: JobSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Volumes of the pod and mounts of the worker container.
 
-    The spec ConfigMap (read-only), then the writable emptyDirs (run directory, /tmp, the cache,
+    The spec ConfigMap and the job's secret (read-only), then the writable emptyDirs (run directory, /tmp, the cache,
     /dev/shm, the node-local directory unless it lies on /dev/shm), then per store: its PVC at its path,
     or an emptyDir at a pod-local absolute path no other mount already holds.
     """
@@ -123,12 +132,14 @@ def volumes_and_mounts(spec: JobSpec) -> tuple[list[dict[str, Any]], list[dict[s
             "name": "torchrig-spec",
             "configMap": {"name": configmap_name(spec), "items": [{"key": SPEC_KEY, "path": SPEC_KEY}]},
         },
+        job_secret_volume(spec),
         {"name": "torchrig-run", "emptyDir": {}},
         {"name": "torchrig-tmp", "emptyDir": {}},
         {"name": "torchrig-cache", "emptyDir": {}},
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "torchrig-spec", "mountPath": SPEC_DIR, "readOnly": True},
+        job_secret_mount(),
         {"name": "torchrig-run", "mountPath": RUN_DIR},
         {"name": "torchrig-tmp", "mountPath": TMP_DIR},
         {"name": "torchrig-cache", "mountPath": CACHE_DIR},

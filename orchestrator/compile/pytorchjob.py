@@ -102,22 +102,22 @@ def store_command(spec: JobSpec) -> list[str]:
 
 
 def _store_template(spec: JobSpec) -> dict[str, Any]:
-    """The store-only Master: the rendezvous port the operator reads, /tmp writable, nothing else mounted."""
+    """The store-only Master: the rendezvous port the operator reads, /tmp writable, the job's secret."""
     s = spec.spec
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": s.image,
         "imagePullPolicy": s.kubernetes.image_pull_policy,
         "command": store_command(spec),
-        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}, {"name": Env.JOB_SECRET_FILE, "value": c.JOB_SECRET_FILE}],
         "ports": [{"name": PORT_NAME, "containerPort": RDZV_PORT, "protocol": "TCP"}],
         "resources": {"requests": dict(STORE_RESOURCES), "limits": dict(STORE_RESOURCES)},
-        "volumeMounts": [{"name": "torchrig-tmp", "mountPath": p.TMP_DIR}],
+        "volumeMounts": [{"name": "torchrig-tmp", "mountPath": p.TMP_DIR}, c.job_secret_mount()],
         "securityContext": p.container_security_context(),
     }
     pod_spec: dict[str, Any] = {
         "containers": [container],
-        "volumes": [{"name": "torchrig-tmp", "emptyDir": {}}],
+        "volumes": [{"name": "torchrig-tmp", "emptyDir": {}}, c.job_secret_volume(spec)],
         "securityContext": p.pod_security_context(),
         **p.automount(),
         **c.pod_placement(spec),

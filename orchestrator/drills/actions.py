@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.backends.base import NodePlacement, RunState, SupervisedRun
-from orchestrator.drills.damage import committed_steps, corrupt_newest, make_store_unreachable
+from orchestrator.drills.damage import committed_steps, corrupt_newest, make_store_unreachable, restore_store
 from orchestrator.drills.history import RunHistory
 from orchestrator.drills.plan import (
     Action,
@@ -26,6 +26,7 @@ from orchestrator.drills.plan import (
     AwaitProgress,
     AwaitStandby,
     AwaitStep,
+    AwaitStoreFailure,
     AwaitWorldSize,
     DrillPlan,
     LinkCut,
@@ -35,12 +36,13 @@ from orchestrator.drills.plan import (
     Outcome,
     Preempt,
     RankKill,
+    StoreBack,
     StoreCorrupt,
     StoreLoss,
 )
 from orchestrator.errors import UnsupportedFeature
 from orchestrator.spec import JobSpec
-from training.contract import DrillEventKind, Summary
+from training.contract import DrillEventKind, EventKind, Summary
 
 if TYPE_CHECKING:
     from orchestrator.drills.netns import NetnsPair
@@ -79,6 +81,7 @@ class ActionRunner:
         timeout_s: float,
         network: NetnsPair | None = None,
         lose_store_hook: Callable[[str], None] | None = None,
+        store_back_hook: Callable[[str], None] | None = None,
     ) -> None:
         self.run = run
         self.outcome = outcome
@@ -86,6 +89,7 @@ class ActionRunner:
         self.timeout_s = timeout_s
         self.network = network
         self.lose_store_hook = lose_store_hook
+        self.store_back_hook = store_back_hook
         self.stores = [
             _Store(s.display_name, s.resolved_uri(run.run_dir), dict(s.options)) for s in spec.spec.checkpoint.stores
         ]
@@ -160,6 +164,17 @@ class ActionRunner:
                 self.outcome.record(DrillEventKind.CHECKPOINT_DAMAGED, **damage.to_dict())
             case StoreLoss(store=index):
                 self._lose_store(self.stores[index])
+            case StoreBack(store=index):
+                self._store_back(self.stores[index])
+            case AwaitStoreFailure(store=index, prefix=prefix):
+                name = self.stores[index].name
+                since = min(self.outcome.times(DrillEventKind.FAULT_INJECTED), default=0.0)
+                self._wait(
+                    lambda: any(
+                        e.time >= since and e.get("store") == name and str(e.get("error") or "").startswith(prefix)
+                        for e in self._history().of(EventKind.STORE_FAILURE)
+                    )
+                )
             case RankKill(rank=rank):
                 pids = self._history().worker_pids(rank)
                 if pids:
@@ -213,21 +228,35 @@ class ActionRunner:
         kill_pids([p for p in pids if alive(p)], signal.SIGKILL)
 
     def _lose_store(self, store: _Store) -> None:
-        if not store.uri.startswith("file://"):
-            if self.lose_store_hook is None:
-                raise UnsupportedFeature(
-                    f"lose-store: store {store.name!r} is not a local path; pass a hook to stop it"
-                )
-            self.lose_store_hook(store.name)
-        else:
+        if not _remote(store, self.lose_store_hook, "lose-store", "stop it"):
             aside = make_store_unreachable(store.uri[len("file://") :])
             self.outcome.damage = {"store_name": store.name, "uri": store.uri, "moved_aside_to": aside}
         self._strike("lose-store", store=store.name)
+
+    def _store_back(self, store: _Store) -> None:
+        """Undo `_lose_store`: the store's path (or, through the hook, a remote store) answers again."""
+        if not _remote(store, self.store_back_hook, "lose-store-at-restart", "bring it back"):
+            aside = (self.outcome.damage or {}).get("moved_aside_to")
+            if aside is None:
+                raise UnsupportedFeature(f"store {store.name!r} was not made unreachable by this drill")
+            restore_store(store.uri[len("file://") :], aside)
+        # When it came back: the verdict wants the resume after this moment.
+        self.outcome.damage = {**(self.outcome.damage or {"store_name": store.name}), "back_at": time.time()}
 
     def _network(self) -> NetnsPair:
         if self.network is None:
             raise UnsupportedFeature("this drill's plan cuts a link but its nodes share one network")
         return self.network
+
+
+def _remote(store: _Store, hook: Callable[[str], None] | None, drill: str, what: str) -> bool:
+    """Call `hook` on a store that is not a local path (False for a local one, which the caller handles)."""
+    if store.uri.startswith("file://"):
+        return False
+    if hook is None:
+        raise UnsupportedFeature(f"{drill}: store {store.name!r} is not a local path; pass a hook to {what}")
+    hook(store.name)
+    return True
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ __all__ = [
     "AwaitProgress",
     "AwaitStandby",
     "AwaitStep",
+    "AwaitStoreFailure",
     "AwaitWorldSize",
     "DrillContext",
     "DrillEvent",
@@ -40,6 +41,7 @@ __all__ = [
     "Outcome",
     "Preempt",
     "RankKill",
+    "StoreBack",
     "StoreCorrupt",
     "StoreLoss",
     "fault_dicts",
@@ -67,6 +69,7 @@ class DrillOptions:
     pace_s: float = 0.05  # kill-node, partition: seconds every rank sleeps per step (0: no pacing)
     repeat: int = 1  # kill-worker: kills in a row, one after each checkpoint
     lose_store_hook: Callable[[str], None] | None = None  # lose-store: makes a non-file store unreachable
+    store_back_hook: Callable[[str], None] | None = None  # lose-store-at-restart: brings a non-file store back
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,22 @@ class StoreLoss:
 
 
 @dataclass(frozen=True)
+class StoreBack:
+    """Bring back store `store`, which a `StoreLoss` made unreachable, with what it held."""
+
+    store: int
+
+
+@dataclass(frozen=True)
+class AwaitStoreFailure:
+    """Wait until the job records a `store_failure` of store `store`, after the fault, whose error begins
+    with `prefix` (e.g. the restore giving up on a store it cannot list)."""
+
+    store: int
+    prefix: str
+
+
+@dataclass(frozen=True)
 class RankKill:
     """SIGKILL the live worker holding `rank`, from outside (a fault)."""
 
@@ -197,6 +216,8 @@ Action = (
     | AwaitWorldSize
     | StoreCorrupt
     | StoreLoss
+    | StoreBack
+    | AwaitStoreFailure
     | RankKill
     | NodeKill
     | Preempt

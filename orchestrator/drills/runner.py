@@ -119,6 +119,7 @@ def run_drill(scenario_name: str, spec: JobSpec, options: DrillOptions) -> Drill
             timeout_s=options.timeout_s,
             network=network,
             lose_store_hook=options.lose_store_hook,
+            store_back_hook=options.store_back_hook,
         )
         summary = supervise(run, runner, plan.actions, options.timeout_s)
         if scenario.resumes_after_preemption and not outcome.errors:

@@ -21,6 +21,7 @@ from orchestrator.drills.plan import (
     AwaitProgress,
     AwaitStandby,
     AwaitStep,
+    AwaitStoreFailure,
     AwaitWorldSize,
     DrillContext,
     DrillPlan,
@@ -31,6 +32,7 @@ from orchestrator.drills.plan import (
     NodeKill,
     Preempt,
     RankKill,
+    StoreBack,
     StoreCorrupt,
     StoreLoss,
 )
@@ -426,6 +428,89 @@ class LoseStore(_StoreScenario):
         return verdict
 
 
+class LoseStoreAtRestart(Scenario):
+    name = "lose-store-at-restart"
+    summary = (
+        "The job's only checkpoint store becomes unreachable and a worker is killed: the group restarts while "
+        "the store is gone; the store comes back later."
+    )
+    proves = (
+        "a store that cannot be read at restart is unknown, not empty: no step is re-trained from zero (the "
+        "restore waits, then stops retryably), and the job resumes from its newest checkpoint once the store "
+        "is back."
+    )
+    # checkpoint.ioTimeoutSeconds for the drill: the restore lists an unreachable store again for half of
+    # it before the rank gives up (exit 205) and the group restarts; a short one keeps the drill short.
+    io_timeout_s: ClassVar[float] = 20.0
+
+    def patch(self, spec: JobSpec, ctx: DrillContext) -> JobSpec:
+        # The only store: nothing else may hold a copy the restore could fall back on. The group restarts
+        # (in place the survivors keep the state and nothing would be restored): once for the kill, once
+        # for the rank that gives up on the store.
+        first = spec.spec.checkpoint.stores[0]
+        io_timeout = min(spec.spec.checkpoint.io_timeout_seconds, self.io_timeout_s)
+        spec = patch_section(spec, "checkpoint", stores=[first], io_timeout_seconds=io_timeout)
+        return patch_section(spec, "restarts", mode="restart", max=max(spec.spec.restarts.max, 3))
+
+    def faults(self, ctx: DrillContext) -> list[Fault]:
+        # The kill is the worker's own, at an exact step: the job cannot finish before it. The store is
+        # lost once the checkpoint before it is committed; the restarted ranks (new processes, torch, a
+        # process group: seconds) then meet the outage at their restore.
+        return [*_pace(ctx), Fault(kind="kill", rank=ctx.fault_rank, step=ctx.fault_step)]
+
+    def actions(self, spec: JobSpec, ctx: DrillContext) -> list[Action]:
+        from training.checkpoint.restore import RESTORE_GAVE_UP
+
+        return [
+            AwaitCommit(store=0, step=ctx.checkpoint_at_fault, required=True),
+            StoreLoss(store=0),
+            # The store stays away until a restarted rank has given up on it (so that path is taken too).
+            AwaitStoreFailure(store=0, prefix=RESTORE_GAVE_UP),
+            StoreBack(store=0),
+        ]
+
+    def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> Verdict:
+        from training.checkpoint.restore import RESTORE_GAVE_UP
+
+        verdict = super().judge(report, history, ctx)
+        return judge_store_at_restart(verdict, report, history, RESTORE_GAVE_UP)
+
+
+def judge_store_at_restart(verdict: Verdict, report: DrillReport, history: RunHistory, gave_up: str) -> Verdict:
+    """The checks of `lose-store-at-restart` beyond a restore's: the restart met the outage, waited for the
+    store instead of starting over from step 0, and resumed once it was back."""
+    damage = report.damage or {}
+    lost, back = damage.get("store_name"), damage.get("back_at")
+    t_fault = _fault_time(report) or 0.0
+    failures = [e for e in history.of(EventKind.STORE_FAILURE) if e.get("store") == lost and e.time >= t_fault]
+    listing = [e for e in failures if str(e.get("error") or "").startswith("list:")]
+    stopped = [e for e in failures if str(e.get("error") or "").startswith(gave_up)]
+    verdict.check(
+        "the restart found the store unreadable and stopped (retryably) instead of starting over",
+        bool(listing) and bool(stopped),
+        f"{len(listing)} failed listings of {lost}, {len(stopped)} restore(s) gave up on it",
+    )
+    expected = history.last_committed_before(t_fault) or 0
+    firsts = sorted(e.step for e in history.of(EventKind.FIRST_STEP) if e.time > t_fault and e.step is not None)
+    verdict.check(
+        "no step before the outage re-trained from zero",
+        bool(firsts) and firsts[0] > expected,
+        f"first steps after the outage {firsts[:6]}, committed before it {expected}",
+    )
+    restores = [e for e in history.restores_after(t_fault) if e.rank == 0]
+    first = restores[0].step if restores else None
+    verdict.check(
+        "resumed from the newest checkpoint once the store was back",
+        isinstance(back, (int, float))
+        and first is not None
+        and all(e.time >= back for e in restores)
+        and expected <= first <= (report.fault_step or first),
+        f"store back at {back}, restores after the outage (step, time) "
+        f"{[(e.step, round(e.time, 1)) for e in restores]}, committed before it {expected}",
+    )
+    return verdict
+
+
 def _pace(ctx: DrillContext) -> list[Fault]:
     """Every rank sleeps `pace_s` per step, so a small job lasts long enough to lose and regain a node."""
     pace = ctx.options.pace_s
@@ -666,6 +751,7 @@ SCENARIOS: dict[str, type[Scenario]] = {
         CrashDuringCheckpoint,
         CorruptCheckpoint,
         LoseStore,
+        LoseStoreAtRestart,
         Hang,
         Straggler,
         Partition,

@@ -89,6 +89,17 @@ def test_lose_store_keeps_training(tmp_path: Path) -> None:
     assert any(c.name == "store failure visible" and c.passed for c in report.checks)
 
 
+def test_lose_store_at_restart_waits_for_the_store_and_resumes(tmp_path: Path) -> None:
+    """The only store is gone when the group restarts: the restore lists it again, gives up (exit 205)
+    instead of training from step 0, the group restarts again, and once the store is back the job
+    resumes from the checkpoint it committed before the outage, bit-identical to the reference."""
+    report = _drill("lose-store-at-restart", tmp_path, seed=8, at_step=12, rank=1)
+    assert report.resumed_from_step == 10 and report.final_params_match_reference is True
+    assert report.damage is not None and "back_at" in report.damage
+    logs = "".join(p.read_text() for p in (Path(report.run_dir) / "logs").glob("*.log"))
+    assert "refusing to start over from step 0" in logs and "(exitcode: 205)" in logs
+
+
 @pytest.mark.slow
 def test_hang_is_detected_by_the_watchdog(tmp_path: Path) -> None:
     report = _drill("hang", tmp_path, seed=5, at_step=11, rank=1, hang_timeout_s=6.0)

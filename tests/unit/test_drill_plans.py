@@ -17,6 +17,7 @@ from orchestrator.drills.plan import (
     AwaitCommit,
     AwaitProgress,
     AwaitStep,
+    AwaitStoreFailure,
     AwaitWorldSize,
     DrillContext,
     DrillOptions,
@@ -26,6 +27,7 @@ from orchestrator.drills.plan import (
     NodeKill,
     Outcome,
     RankKill,
+    StoreBack,
     StoreCorrupt,
     StoreLoss,
     faults_env,
@@ -112,6 +114,46 @@ def test_lose_store_waits_for_a_commit_only_on_a_file_store() -> None:
     assert plan.actions == (AwaitCommit(store=1, step=20), StoreLoss(store=1))
     s3 = _spec('spec.checkpoint.stores=[{"uri": "file://./c"}, {"uri": "s3://b/p", "name": "s3"}]')
     assert get_scenario("lose-store").plan(s3, _ctx()).actions == (StoreLoss(store=1),)
+
+
+def test_lose_store_at_restart_keeps_one_store_kills_and_brings_the_store_back_after_a_give_up() -> None:
+    from training.checkpoint.restore import RESTORE_GAVE_UP
+
+    spec = _spec('spec.checkpoint.stores=[{"uri": "file://./c", "name": "c"}, {"uri": "file://./d"}]')
+    plan = get_scenario("lose-store-at-restart").plan(spec, _ctx())
+    ckpt, restarts = plan.spec.spec.checkpoint, plan.spec.spec.restarts
+    assert [s.display_name for s in ckpt.stores] == ["c"], "the only store: nothing to fall back on"
+    assert ckpt.io_timeout_seconds == 20.0 and restarts.mode == "restart" and restarts.max >= 3
+    assert [(f.kind, f.rank, f.step) for f in plan.faults if f.kind != "slow"] == [("kill", 1, 23)]
+    assert plan.actions == (
+        AwaitCommit(store=0, step=20, required=True),
+        StoreLoss(store=0),
+        AwaitStoreFailure(store=0, prefix=RESTORE_GAVE_UP),
+        StoreBack(store=0),
+    )
+
+
+def test_a_lost_store_comes_back_after_the_restore_gave_up_on_it(tmp_path: Path) -> None:
+    _committed(tmp_path / "a", 10)
+    run = FakeRun(tmp_path)
+    runner = _runner(tmp_path, run, "file://./a")
+    _append(tmp_path, {"time": 1.0, "event": "store_failure", "store": "a", "error": "gave up: before the fault"})
+    runner.run_all([StoreLoss(0)])
+    assert (tmp_path / "a").is_file()
+    # Not yet: the only store_failure that matches came before the store was lost.
+    runner.timeout_s = 0.3
+    runner.run_all([AwaitStoreFailure(0, "gave up")])
+    assert (tmp_path / "a").is_file()
+    _append(tmp_path, {"time": 4e9, "event": "store_failure", "store": "a", "error": "gave up: s0"})
+    runner.run_all([AwaitStoreFailure(0, "gave up"), StoreBack(0)])
+    assert (tmp_path / "a" / "step-00000010" / "manifest.json").exists()
+    assert runner.outcome.damage is not None and runner.outcome.damage["back_at"] > 0
+    back: list[str] = []
+    remote = _runner(tmp_path, FakeRun(tmp_path), "s3://bucket/p", store_back_hook=back.append)
+    remote.run_all([StoreBack(0)])
+    assert back == ["bucket_p"]
+    with pytest.raises(UnsupportedFeature, match="pass a hook"):
+        _runner(tmp_path, FakeRun(tmp_path), "s3://bucket/p").run_all([StoreBack(0)])
 
 
 def test_node_scenarios_pace_the_job_and_plan_kill_then_rejoin() -> None:

@@ -21,7 +21,15 @@ from orchestrator.drills.history import RunHistory
 from orchestrator.drills.plan import DrillContext, DrillOptions, Outcome
 from orchestrator.drills.report import DrillReport, plot_report
 from orchestrator.drills.runner import _fill_from_run, _pick_fault
-from orchestrator.drills.scenarios import SCENARIOS, Hang, KillNode, KillWorker, Straggler, get_scenario
+from orchestrator.drills.scenarios import (
+    SCENARIOS,
+    Hang,
+    KillNode,
+    KillWorker,
+    LoseStoreAtRestart,
+    Straggler,
+    get_scenario,
+)
 from orchestrator.drills.spec_patch import isolate_stores
 from orchestrator.errors import SpecError
 from orchestrator.loader import load_spec
@@ -266,6 +274,7 @@ def test_scenario_registry_and_unknown_name() -> None:
         "crash-during-checkpoint",
         "corrupt-checkpoint",
         "lose-store",
+        "lose-store-at-restart",
         "hang",
         "straggler",
         "partition",
@@ -655,3 +664,85 @@ def test_lost_steps_count_what_the_job_still_did_between_the_strike_and_its_end(
         sum(c.last_step - c.resumed_from for c in tl.outages if c.last_step is not None and c.resumed_from is not None)
         == 11
     )
+
+
+# -- lose-store-at-restart ------------------------------------------------------------------------------
+GAVE_UP = "restore: unreadable, refusing to start over"  # training.checkpoint.restore.RESTORE_GAVE_UP
+
+
+def _store_outage_run(
+    tmp_path: Path, *, fresh: bool = False, early_restore: bool = False, gave_up: bool = True
+) -> Path:
+    """Killed at step 12 (generation 0) after step 10 was committed, with the only store lost at t=10;
+    the restart lists it in vain, gives up (generation 1), and generation 2 resumes from step 10 once the
+    store is back (t=30). `fresh`: generation 1 started over from step 0 instead; `early_restore`: a
+    restore before the store was back (from some copy the drill did not take away)."""
+    tmp_path.mkdir()
+    events: list[dict[str, Any]] = [
+        {"time": 1.0, "event": "start", "rank": 0, "world_size": 2, "pid": 11, "generation": 0},
+        {"time": 8.0, "event": "checkpoint_committed", "step": 10, "rank": 0},
+        {"time": 11.0, "event": "fault", "kind": "kill", "rank": 1, "step": 12, "generation": 0},
+        {"time": 14.0, "event": "start", "rank": 0, "world_size": 2, "pid": 21, "generation": 1},
+    ]
+    if fresh:
+        events.append({"time": 15.0, "event": "first_step", "step": 1, "rank": 0, "generation": 1})
+    else:
+        events.append(
+            {"time": 15.0, "event": "store_failure", "store": "local", "error": "list: OSError: x", "rank": 0}
+        )
+        if gave_up:
+            events.append(
+                {"time": 25.0, "event": "store_failure", "store": "local", "error": f"{GAVE_UP}: x", "rank": 0}
+            )
+    restore_at = 20.0 if early_restore else 33.0
+    events += [
+        {"time": restore_at, "event": "restore", "step": 10, "store": "local", "rank": 0, "generation": 2},
+        {"time": restore_at + 1, "event": "first_step", "step": 11, "rank": 0, "generation": 2},
+    ]
+    _write_jsonl(tmp_path / "events.jsonl", sorted(events, key=lambda e: float(e["time"])))
+    _write_jsonl(tmp_path / "metrics.jsonl", [{"time": 40.0, "step": 30, "world_size": 2}])
+    return tmp_path
+
+
+def _judge_outage(run: Path) -> DrillReport:
+    history = RunHistory.load(run)
+    outcome = _outcome(fault_step=12)
+    outcome.record(DrillEventKind.FAULT_INJECTED, at=10.0, kind="lose-store", store="local", step=11)
+    outcome.damage = {"store_name": "local", "back_at": 30.0}
+    report = DrillReport("lose-store-at-restart", "local", 0)
+    _fill_from_run(report, Summary(status="succeeded", params_sha256="ab"), history, outcome)
+    report.events = _timeline(outcome)
+    report.reference_params_sha256 = "ab"
+    report.final_params_match_reference = True
+    report.add(LoseStoreAtRestart().judge(report, history, _ctx(scenario="lose-store-at-restart", fault_step=12)))
+    return report
+
+
+def _failed(report: DrillReport) -> list[str]:
+    return [c.name for c in report.checks if not c.passed]
+
+
+def test_lose_store_at_restart_verdict(tmp_path: Path) -> None:
+    report = _judge_outage(_store_outage_run(tmp_path / "ok"))
+    assert report.passed, report.checks
+    assert report.resumed_from_step == 10 and report.lost_steps == 2
+    # A generation that started over from step 0 while the store was gone fails the verdict, even though a
+    # later one restored step 10.
+    fresh = _judge_outage(_store_outage_run(tmp_path / "fresh", fresh=True))
+    assert "no step before the outage re-trained from zero" in _failed(fresh)
+    assert "the restart found the store unreadable and stopped (retryably) instead of starting over" in _failed(fresh)
+    # A restore while the store was still away restored something the drill did not mean to leave.
+    early = _judge_outage(_store_outage_run(tmp_path / "early", early_restore=True))
+    assert _failed(early) == ["resumed from the newest checkpoint once the store was back"]
+    # The restart must have met the outage and given up on it (retryably), not merely waited it out.
+    waited = _judge_outage(_store_outage_run(tmp_path / "waited", gave_up=False))
+    assert _failed(waited) == [
+        "the restart found the store unreadable and stopped (retryably) instead of starting over"
+    ]
+
+
+def test_lose_store_at_restart_gives_up_under_the_drills_marker() -> None:
+    """The verdict and the drill's wait read the restore's own marker: the two must not drift apart."""
+    from training.checkpoint.restore import RESTORE_GAVE_UP
+
+    assert GAVE_UP == RESTORE_GAVE_UP

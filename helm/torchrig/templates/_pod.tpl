@@ -50,8 +50,17 @@ the writable volumes, envFrom of the stores' Secrets, the health-check probes, t
 {{- if contains "://" .uri -}}{{- index (splitn "://" 2 .uri) "_1" -}}{{- else -}}{{- .uri -}}{{- end -}}
 {{- end -}}
 
+{{- /* torchrig.jobSecretVolume / torchrig.jobSecretMount: the job's secret, required and read-only (compile/_common.py job_secret_volume, job_secret_mount). Arg: the job. Returns JSON. */ -}}
+{{- define "torchrig.jobSecretVolume" -}}
+{{- toJson (dict "name" "torchrig-job-secret" "secret" (dict "secretName" (include "torchrig.jobSecretName" .) "optional" false "defaultMode" 288 "items" (list (dict "key" "job-secret" "path" "job-secret")))) -}}
+{{- end -}}
+
+{{- define "torchrig.jobSecretMount" -}}
+{"name":"torchrig-job-secret","mountPath":"/etc/torchrig-secret","readOnly":true}
+{{- end -}}
+
 {{- /*
-torchrig.volumes: volumes of the pod and mounts of the worker container: the spec ConfigMap, the writable
+torchrig.volumes: volumes of the pod and mounts of the worker container: the spec ConfigMap, the job's secret, the writable
 emptyDirs (run directory, /tmp, the cache, /dev/shm, the node-local directory unless it lies on
 /dev/shm), then per file store its PVC at its path (a relative path under the run directory), or an
 emptyDir at a pod-local absolute path no other mount holds. Arg: the job. Returns JSON {"volumes", "mounts"}.
@@ -61,11 +70,13 @@ emptyDir at a pod-local absolute path no other mount holds. Arg: the job. Return
 {{- $run := "/var/run/torchrig" -}}
 {{- $volumes := list
   (dict "name" "torchrig-spec" "configMap" (dict "name" (include "torchrig.configmapName" .) "items" (list (dict "key" "job.yaml" "path" "job.yaml"))))
+  (include "torchrig.jobSecretVolume" . | fromJson)
   (dict "name" "torchrig-run" "emptyDir" dict)
   (dict "name" "torchrig-tmp" "emptyDir" dict)
   (dict "name" "torchrig-cache" "emptyDir" dict) -}}
 {{- $mounts := list
   (dict "name" "torchrig-spec" "mountPath" "/etc/torchrig" "readOnly" true)
+  (include "torchrig.jobSecretMount" . | fromJson)
   (dict "name" "torchrig-run" "mountPath" $run)
   (dict "name" "torchrig-tmp" "mountPath" "/tmp")
   (dict "name" "torchrig-cache" "mountPath" "/home/torchrig/.cache") -}}
