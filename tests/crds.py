@@ -40,7 +40,13 @@ CRD_FILES: dict[tuple[str, str], str] = {
     ("monitoring.coreos.com/v1", "PrometheusRule"): "monitoring.coreos.com_prometheusrules.yaml",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "monitoring.coreos.com_servicemonitors.yaml",
 }
-CORE_KINDS = {("v1", "ConfigMap"), ("v1", "Service"), ("v1", "Pod")}
+CORE_KINDS = {
+    ("v1", "ConfigMap"),
+    ("v1", "Service"),
+    ("v1", "Pod"),
+    ("v1", "Secret"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
+}
 
 _DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")

@@ -1,10 +1,14 @@
 """The Kubernetes backend: creates the compiled objects with the official `kubernetes` client.
 
 `torchrig submit JOB.yaml --backend kubernetes` compiles the spec (`orchestrator.compile.compile`) into
-a ConfigMap, a PyTorchJob or TrainJob (per `spec.kubernetes.target`), and with `--monitoring` a
-PodMonitor. Every object is first sent as a server-side dry run (`dryRun=All`), so admission,
-schema and RBAC problems surface before anything exists; only then are they created for real
-(`--dry-run` stops after the server-side pass). Core kinds go through `CoreV1Api`, custom resources
+a ConfigMap, a NetworkPolicy, a PyTorchJob or TrainJob (per `spec.kubernetes.target`, a TrainJob with its
+TrainingRuntime), and with `--monitoring` a PodMonitor. It also creates the job's Secret `<name>-job-secret`
+(`orchestrator.compile._common.job_secret`: 32 random bytes, hex, that the job's processes share to sign
+their orders) unless it exists: a resubmit keeps it, as the pods of a running job must keep agreeing.
+Every object is first sent as a server-side dry run (`dryRun=All`), so admission, schema and RBAC problems
+surface before anything exists; only then are they created for real (`--dry-run` stops after the
+server-side pass). A TrainJob whose runtime this submit creates is dry-run once that runtime exists
+(`_schedule`). Core kinds go through `CoreV1Api`, custom resources
 through `CustomObjectsApi` (`utils.create_from_yaml` cannot create custom resources).
 
 Run ids are `kubernetes://<namespace>/<target>/<name>` (`<namespace>/<name>` is accepted too).
@@ -12,7 +16,9 @@ Run ids are `kubernetes://<namespace>/<target>/<name>` (`<namespace>/<name>` is 
 
 from __future__ import annotations
 
+import base64
 import json
+import secrets
 import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -32,13 +38,30 @@ from orchestrator.backends.kubernetes_api import (
     describe,
     new_client,
     pod_index,
+    read_object,
     resource_type,
     state_from_conditions,
     translate,
     unreachable,
 )
+from orchestrator.compile._common import JOB_SECRET_KEY, job_secret_name
 from orchestrator.errors import BackendError, SpecError
 from orchestrator.spec import JobSpec
+
+_RUNTIME_KINDS = ("TrainingRuntime", "ClusterTrainingRuntime")
+# What Trainer's webhook says of a TrainJob whose runtime it cannot read (pkg/runtime/core/trainingruntime.go).
+RUNTIME_MISSING = "must be created before the TrainJob is created"
+RUNTIME_SEEN_FIRST_DELAY_S = 0.25
+RUNTIME_SEEN_TIMEOUT_S = 8.0
+
+
+def _with_value(obj: dict[str, Any]) -> dict[str, Any]:
+    """A Secret of the job (`_common.job_secret`, no value) with 32 fresh random bytes, hex; else `obj`."""
+    if obj.get("kind") != "Secret" or "data" in obj:
+        return obj
+    value = secrets.token_hex(32).encode()
+    return {**obj, "data": {JOB_SECRET_KEY: base64.b64encode(value).decode()}}
+
 
 __all__ = ["JOB_LABEL", "MANAGED_BY_LABEL", "KubernetesBackend", "ResourceType", "resource_type"]
 
@@ -77,6 +100,7 @@ class KubernetesBackend(Backend):
             raise SpecError(f"spec.kubernetes.target: unsupported target {spec.spec.kubernetes.target!r}")
 
     def _dry_run(self, spec: JobSpec, options: SubmitOptions) -> list[dict[str, Any]]:
+        from orchestrator.compile import _common
         from orchestrator.compile import compile as compile_target
 
         manifests = compile_target(
@@ -84,7 +108,8 @@ class KubernetesBackend(Backend):
         )
         namespace = options.kubernetes.namespace
         out: list[dict[str, Any]] = []
-        for compiled in manifests:
+        # The job's Secret first, without its value: `_schedule` makes one only where none exists yet.
+        for compiled in [_common.job_secret(spec), *manifests]:
             obj: dict[str, Any] = json.loads(json.dumps(compiled))  # a private copy: never mutate the compiler's
             rtype = resource_type(obj)
             if rtype.namespaced and namespace:
@@ -93,17 +118,30 @@ class KubernetesBackend(Backend):
         return out
 
     def _schedule(self, dryrun: DryRun) -> RunHandle:
+        """Server-side dry run, then create: the job's Secret (kept when it exists), then the companions
+        (spec ConfigMap, NetworkPolicy, TrainingRuntime, monitoring), then the job.
+
+        A PyTorchJob is dry-run with the rest, so nothing is created unless every object would be. A
+        TrainJob whose runtime this submit creates can only be dry-run once that runtime exists: Trainer's
+        webhook reads it (kubeflow/trainer v2.3.0 `pkg/runtime/core/trainingruntime.go` ValidateObjects,
+        from `pkg/webhooks/trainjob_webhook.go`). So its dry run follows the runtime's creation, and a
+        refusal then removes what this submit created.
+        """
         manifests: list[dict[str, Any]] = dryrun.request
         api = self._client(dryrun.options.kubernetes.context)
         try:
             job = next(o for o in manifests if o["kind"] in TARGET_KINDS.values())
             namespace = job["metadata"].get("namespace") or self.namespace or "default"
             target = next(t for t, k in TARGET_KINDS.items() if k == job["kind"])
-            # Server-side dry run of everything first: nothing is created unless every object would be.
+            secrets = [o for o in manifests if o["kind"] == "Secret"]
+            companions = [o for o in manifests if o is not job and o["kind"] != "Secret"]
+            # Its runtime emitted here: the TrainJob's dry run must wait for the runtime's creation.
+            job_after = job["kind"] == "TrainJob" and any(o["kind"] in _RUNTIME_KINDS for o in companions)
+            new_secrets = [o for o in secrets if not read_object(api, o, namespace=namespace)]
             stale: list[dict[str, Any]] = []
-            for obj in manifests:
+            for obj in [*new_secrets, *companions, *([] if job_after else [job])]:
                 try:
-                    self._create(api, obj, dry_run=True)
+                    self._create(api, _with_value(obj), dry_run=True)
                 except BackendError as exc:
                     if "already exists" not in str(exc) or obj is job:
                         raise
@@ -119,17 +157,43 @@ class KubernetesBackend(Backend):
             if dryrun.options.dry_run:
                 handle.info["manifests"] = manifests
                 handle.info["replaced"] = [describe(o) for o in stale]
+                handle.info["kept"] = [describe(o) for o in secrets if not any(o is n for n in new_secrets)]
+                if job_after:
+                    handle.info["not_dry_run"] = [f"{describe(job)}: its runtime must exist first"]
                 return handle
-            created: list[str] = []
-            for obj in manifests:
-                if any(obj is s for s in stale):
+            created: list[dict[str, Any]] = []
+            try:
+                for obj in [*new_secrets, *companions]:
+                    if any(obj is s for s in stale):
+                        self._delete(api, obj)
+                    self._create(api, _with_value(obj), dry_run=False)
+                    created.append(obj)
+                if job_after:
+                    self._dry_run_when_runtime_seen(api, job)
+                self._create(api, job, dry_run=False)
+            except BackendError:
+                for obj in reversed(created):
                     self._delete(api, obj)
-                self._create(api, obj, dry_run=False)
-                created.append(describe(obj))
-            handle.info["created"] = created
+                raise
+            handle.info["created"] = [describe(o) for o in [*created, job]]
             return handle
         finally:
             api.close()
+
+    def _dry_run_when_runtime_seen(self, api: ApiClient, job: dict[str, Any]) -> None:
+        """Dry-run the TrainJob until Trainer's webhook sees its new runtime: the webhook reads runtimes
+        from its informer's cache, which may lag the creation by a moment."""
+        delay_s = RUNTIME_SEEN_FIRST_DELAY_S
+        deadline = time.monotonic() + RUNTIME_SEEN_TIMEOUT_S
+        while True:
+            try:
+                self._create(api, job, dry_run=True)
+                return
+            except BackendError as exc:
+                if RUNTIME_MISSING not in str(exc) or time.monotonic() + delay_s > deadline:
+                    raise
+            time.sleep(delay_s)
+            delay_s *= 2
 
     @staticmethod
     def _refuse_if_runtime_in_use(api: ApiClient, obj: dict[str, Any], namespace: str) -> None:
@@ -280,7 +344,8 @@ class KubernetesBackend(Backend):
             # that is gone while its workers still write checkpoints. Checkpoint stores are untouched.
             job = {"apiVersion": rtype.api_version, "kind": kind, "metadata": {"name": name, "namespace": namespace}}
             self._delete(api, job, missing_ok=False)
-            # The job's companions (spec ConfigMap, PodMonitor, PrometheusRule), so a re-submit starts clean.
+            # The job's companions (spec ConfigMap, PodMonitor, PrometheusRule, NetworkPolicy, its Secret), so a
+            # re-submit starts clean.
             core = client.CoreV1Api(api)
             maps = call(
                 f"listing ConfigMaps of {namespace}/{name}",
@@ -299,6 +364,19 @@ class KubernetesBackend(Backend):
                     "metadata": {"name": name, "namespace": namespace},
                 }
                 for k in ("PodMonitor", "PrometheusRule")
+            ]
+            # No pod of the job is left (Foreground), so none still needs the job's secret.
+            companions += [
+                {
+                    "apiVersion": "networking.k8s.io/v1",
+                    "kind": "NetworkPolicy",
+                    "metadata": {"name": name, "namespace": namespace},
+                },
+                {
+                    "apiVersion": "v1",
+                    "kind": "Secret",
+                    "metadata": {"name": job_secret_name(name), "namespace": namespace},
+                },
             ]
             for obj in companions:
                 self._delete(api, obj)

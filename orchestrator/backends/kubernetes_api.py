@@ -36,6 +36,7 @@ __all__ = [
     "describe",
     "new_client",
     "pod_index",
+    "read_object",
     "resource_type",
     "state_from_conditions",
     "translate",
@@ -74,6 +75,8 @@ TYPES: dict[str, ResourceType] = {
     t.kind: t
     for t in (
         ResourceType("ConfigMap", "", "v1", "configmaps"),
+        ResourceType("Secret", "", "v1", "secrets"),
+        ResourceType("NetworkPolicy", "networking.k8s.io", "v1", "networkpolicies"),
         ResourceType("PyTorchJob", "kubeflow.org", "v1", "pytorchjobs", install_hint="install the training operator"),
         ResourceType(
             "TrainJob", "trainer.kubeflow.org", "v1alpha1", "trainjobs", install_hint="install Kubeflow Trainer"
@@ -264,6 +267,11 @@ def create_object(api: ApiClient, obj: dict[str, Any], *, dry_run: bool, namespa
         core = client.CoreV1Api(api)
         result = call(what, core.create_namespaced_config_map, namespace, client.V1ConfigMap.from_dict(obj), **extra)
         return dict(api.sanitize_for_serialization(result))
+    if rtype.kind == "Secret":
+        core = client.CoreV1Api(api)
+        result = call(what, core.create_namespaced_secret, namespace, client.V1Secret.from_dict(obj), **extra)
+        # What comes back is never kept: the caller learns that it was created, not the value.
+        return {"kind": "Secret", "metadata": dict(api.sanitize_for_serialization(result.metadata))}
     custom = client.CustomObjectsApi(api)
     if rtype.namespaced:
         result = call(
@@ -291,6 +299,45 @@ def create_object(api: ApiClient, obj: dict[str, Any], *, dry_run: bool, namespa
     return dict(result)
 
 
+def read_object(api: ApiClient, obj: dict[str, Any], *, namespace: str) -> bool:
+    """Whether `obj` (its kind, namespace and name) exists; a Secret's data is not kept.
+
+    Raises:
+        BackendError: any answer but the object or a 404 of the object.
+    """
+    from kubernetes import client
+
+    rtype = resource_type(obj)
+    meta = obj.get("metadata", {})
+    namespace = meta.get("namespace") or namespace
+    what = f"reading {describe(obj)}"
+    try:
+        if rtype.kind == "Secret":
+            call(what, client.CoreV1Api(api).read_namespaced_secret, meta["name"], namespace)
+        elif rtype.kind == "ConfigMap":
+            call(what, client.CoreV1Api(api).read_namespaced_config_map, meta["name"], namespace)
+        elif rtype.namespaced:
+            custom = client.CustomObjectsApi(api)
+            call(
+                what,
+                custom.get_namespaced_custom_object,
+                rtype.group,
+                rtype.version,
+                namespace,
+                rtype.plural,
+                meta["name"],
+                rtype=rtype,
+            )
+        else:
+            custom = client.CustomObjectsApi(api)
+            call(what, custom.get_cluster_custom_object, rtype.group, rtype.version, rtype.plural, meta["name"])
+    except BackendError as exc:
+        if ": not found (" in str(exc):
+            return False
+        raise
+    return True
+
+
 def delete_object(api: ApiClient, obj: dict[str, Any], *, namespace: str, missing_ok: bool = True) -> None:
     """Delete one object (Foreground); a missing object or CRD is fine when `missing_ok`."""
     from kubernetes import client
@@ -303,6 +350,8 @@ def delete_object(api: ApiClient, obj: dict[str, Any], *, namespace: str, missin
     try:
         if rtype.kind == "ConfigMap":
             call(what, client.CoreV1Api(api).delete_namespaced_config_map, meta["name"], namespace)
+        elif rtype.kind == "Secret":
+            call(what, client.CoreV1Api(api).delete_namespaced_secret, meta["name"], namespace)
         elif rtype.namespaced:
             call(
                 what,

@@ -71,7 +71,9 @@ def compile(
     Args:
         spec: the validated job.
         target: `pytorchjob`, `trainjob` or `rayjob`.
-        monitoring: also emit a PodMonitor and a PrometheusRule (prometheus-operator).
+        monitoring: also emit a PodMonitor and a PrometheusRule (prometheus-operator). The job's
+            NetworkPolicy (`orchestrator.compile.networkpolicy`) comes unless `kubernetes.networkPolicy`
+            is false.
         fixed_size: run an elastic spec at `nodes.max` nodes on a fixed-size shape.
         allow_pod_local_stores: compile a multi-node job whose checkpoint stores are all pod-local
             (`check_target` returns the warning to print).
@@ -91,6 +93,10 @@ def compile(
         raise _unknown(target, list(MANIFEST_TARGETS))
     check_target(spec, target, fixed_size=fixed_size, allow_pod_local_stores=allow_pod_local_stores)
     objects: list[dict[str, Any]] = _load(MANIFEST_TARGETS[target])(spec, fixed_size=fixed_size)
+    from orchestrator.compile.networkpolicy import compile_network_policy
+
+    # Right after the spec ConfigMap: the policy is in force before the first pod starts.
+    objects[1:1] = compile_network_policy(spec, target)
     if monitoring:
         from orchestrator.compile.monitoring import compile_monitoring
 

@@ -16,6 +16,10 @@ from training.contract import Env
 from training.preemption import launcher_env
 
 __all__ = [
+    "JOB_SECRET_DIR",
+    "JOB_SECRET_FILE",
+    "JOB_SECRET_KEY",
+    "JOB_SECRET_VOLUME",
     "RUN_DIR",
     "SHM_PATH",
     "SPEC_DIR",
@@ -23,6 +27,10 @@ __all__ = [
     "SPEC_KEY",
     "WORKER_MODULE",
     "configmap_name",
+    "job_secret",
+    "job_secret_mount",
+    "job_secret_name",
+    "job_secret_volume",
     "labels",
     "metrics_ports",
     "object_meta",
@@ -40,6 +48,15 @@ RUN_DIR = "/var/run/torchrig"
 WORKER_MODULE = "training"
 SHM_PATH = "/dev/shm"
 PART_OF = "torchrig"
+# The job's own secret (`Env.JOB_SECRET_FILE`): a Secret `<job>-job-secret` whose key `job-secret` every
+# pod of the job mounts read-only here. `torchrig submit` creates it (a resubmit keeps it: the pods of a
+# running job must keep agreeing); `render` and the chart only name it, and no value is ever rendered.
+JOB_SECRET_KEY = "job-secret"
+JOB_SECRET_DIR = "/etc/torchrig-secret"
+JOB_SECRET_FILE = f"{JOB_SECRET_DIR}/{JOB_SECRET_KEY}"
+JOB_SECRET_VOLUME = "torchrig-job-secret"
+# Owner read, group read (the pods run as uid 1000 with fsGroup 1000; the kubelet owns the file by root).
+JOB_SECRET_MODE = 0o440
 
 
 def configmap_name(spec: JobSpec) -> str:
@@ -47,19 +64,51 @@ def configmap_name(spec: JobSpec) -> str:
     return f"{spec.name}-spec"
 
 
+def job_secret_name(job_name: str) -> str:
+    """Name of the Secret that holds the secret (`JOB_SECRET_KEY`) of the job `job_name`."""
+    return f"{job_name}-job-secret"
+
+
+def job_secret_volume(spec: JobSpec) -> dict[str, Any]:
+    """The pod volume of the job's secret: required (`optional: false`), so a pod whose Secret is missing
+    waits in ContainerCreating instead of running without it."""
+    items = [{"key": JOB_SECRET_KEY, "path": JOB_SECRET_KEY}]
+    secret = {
+        "secretName": job_secret_name(spec.name),
+        "optional": False,
+        "defaultMode": JOB_SECRET_MODE,
+        "items": items,
+    }
+    return {"name": JOB_SECRET_VOLUME, "secret": secret}
+
+
+def job_secret_mount() -> dict[str, Any]:
+    return {"name": JOB_SECRET_VOLUME, "mountPath": JOB_SECRET_DIR, "readOnly": True}
+
+
+def job_secret(spec: JobSpec) -> dict[str, Any]:
+    """The job's Secret as `submit` creates it, without its value (`submit` adds 32 random bytes, hex)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": object_meta(spec, "secret", job_secret_name(spec.name)),
+        "type": "Opaque",
+    }
+
+
+def _own_labels(spec: JobSpec, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": PART_OF,
+        "app.kubernetes.io/instance": spec.name,
+        "app.kubernetes.io/managed-by": PART_OF,
+        "app.kubernetes.io/component": component,
+        "torchrig.io/job": spec.name,
+    }
+
+
 def labels(spec: JobSpec, component: str) -> dict[str, str]:
     """Labels of every object: the user's `metadata.labels`, then torchrig's (which win)."""
-    out = dict(spec.metadata.labels)
-    out.update(
-        {
-            "app.kubernetes.io/name": PART_OF,
-            "app.kubernetes.io/instance": spec.name,
-            "app.kubernetes.io/managed-by": PART_OF,
-            "app.kubernetes.io/component": component,
-            "torchrig.io/job": spec.name,
-        }
-    )
-    return out
+    return {**spec.metadata.labels, **_own_labels(spec, component)}
 
 
 def selector_labels(spec: JobSpec) -> dict[str, str]:
@@ -79,9 +128,9 @@ def object_meta(spec: JobSpec, component: str, name: str | None = None, namespac
 
 
 def pod_labels(spec: JobSpec, component: str = "worker") -> dict[str, str]:
-    out = labels(spec, component)
-    out.update(spec.spec.kubernetes.pod_labels)
-    return out
+    """Labels of the job's pods: `metadata.labels`, `kubernetes.podLabels`, then torchrig's, which win:
+    the NetworkPolicy and the PodMonitor select the job's pods by them."""
+    return {**spec.metadata.labels, **spec.spec.kubernetes.pod_labels, **_own_labels(spec, component)}
 
 
 def pod_annotations(spec: JobSpec) -> dict[str, str]:
@@ -156,6 +205,7 @@ def worker_env(spec: JobSpec, *, torchrun: bool = True, standby: bool = False) -
     env: dict[str, str] = {
         Env.SPEC: SPEC_FILE,
         Env.RUN_DIR: RUN_DIR,
+        Env.JOB_SECRET_FILE: JOB_SECRET_FILE,
         # The agent's shared rendezvous TCPStore leaves stale keys behind after a restart and the new
         # worker group can hang in init_process_group (ENVIRONMENT.md); a store per group avoids it.
         Env.DISABLE_SHARED_RDZV_STORE: "1",

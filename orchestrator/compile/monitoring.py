@@ -20,6 +20,7 @@ __all__ = ["API_VERSION", "RULES_FILE", "compile_monitoring", "load_rule_groups"
 
 API_VERSION = "monitoring.coreos.com/v1"
 RULES_FILE = Path(__file__).resolve().parents[1] / "monitoring" / "rules.yaml"
+COMPONENT_LABEL = "app.kubernetes.io/component"
 
 
 def load_rule_groups(path: Path = RULES_FILE) -> list[dict[str, Any]]:
@@ -54,7 +55,9 @@ def compile_monitoring(spec: JobSpec) -> list[dict[str, Any]]:
         "kind": "PodMonitor",
         "metadata": c.object_meta(spec, "monitoring"),
         "spec": {
-            "selector": {"matchLabels": c.selector_labels(spec)},
+            # The workers only: KubeRay gives the Ray head a port named `metrics` too, Ray's own on 8080
+            # (kuberay common/pod.go, DefaultMetricsPort), which is no torchrig exporter.
+            "selector": {"matchLabels": {**c.selector_labels(spec), COMPONENT_LABEL: "worker"}},
             "namespaceSelector": {"matchNames": [spec.metadata.namespace]},
             "podMetricsEndpoints": endpoints,
         },

@@ -18,6 +18,20 @@ Ray's token authentication is on (`authOptions: {mode: token}`, KubeRay >= 1.5.1
 and gives it to every Ray container and the submitter, so the dashboard (the Jobs API, on 0.0.0.0 for
 the submitter) and the Ray Client port answer only to the token's holders. A KubeRay older than 1.5.1
 does not know the field and drops it: the cluster then runs without authentication.
+
+The submitter (K8sJobMode, KubeRay's default) runs from `submitterPodTemplate`: KubeRay takes a given
+template as it is (`common/job.go` GetSubmitterTemplate) and fills in only the command `ray job submit ...`
+when the container has none, the env (the token, the dashboard address) and its own labels
+(`rayjob_controller.go` getSubmitterTemplate, configureSubmitterContainer). So torchrig renders what the
+default lacks: the image pull Secrets, the restricted security context (its root filesystem stays
+writable: the Ray CLI is KubeRay's program, not torchrig's), Guaranteed resources, no ServiceAccount
+token, and no command. The submitter carries none of the labels that select the job's pods: it is no
+member of the job, and the NetworkPolicy lets it reach only the head's dashboard.
+
+After the job ends KubeRay deletes the Ray cluster (`shutdownAfterJobFinishes`) once
+`ttlSecondsAfterFinished` has passed (`rayjob_controller.go` handleShutdownAfterJobFinishes); until then
+its pods hold their nodes and GPUs. Unless the spec sets `kubernetes.ttlSecondsAfterFinished`, a RayJob
+waits `CLUSTER_TTL_S` (the RayJob and its submitter Job, with the driver's log, stay).
 """
 
 from __future__ import annotations
@@ -29,10 +43,35 @@ from orchestrator.compile import _pod as p
 from orchestrator.naming import RAY_WORKER_GROUP
 from orchestrator.spec import JobSpec
 
-__all__ = ["API_VERSION", "ENTRY_MODULE", "compile_rayjob", "entrypoint"]
+__all__ = [
+    "API_VERSION",
+    "CLUSTER_TTL_S",
+    "DASHBOARD_PORT",
+    "ENTRY_MODULE",
+    "SUBMITTER_CONTAINER",
+    "cluster_ttl_seconds",
+    "compile_rayjob",
+    "entrypoint",
+]
 
 API_VERSION = "ray.io/v1"
 ENTRY_MODULE = "orchestrator.backends.ray_entry"
+# The Ray cluster's life after its job ended, unless the spec says otherwise: long enough to read the
+# workers' logs, short enough not to bill a day of GPUs.
+CLUSTER_TTL_S = 600
+DASHBOARD_PORT = 8265  # the Jobs API, which the submitter and the operator call (KubeRay DefaultDashboardPort)
+SUBMITTER_CONTAINER = "ray-job-submitter"  # KubeRay's name for it (utils.SubmitterContainerName)
+# KubeRay's default submitter asks for 500m/200Mi up to 1 CPU/1Gi; requests = limits keep it Guaranteed.
+SUBMITTER_RESOURCES = {"cpu": "1", "memory": "1Gi"}
+
+
+def cluster_ttl_seconds(spec: JobSpec) -> int | None:
+    """`ttlSecondsAfterFinished` of the RayJob: the spec's when it sets one (null keeps the cluster),
+    else `CLUSTER_TTL_S` (the model's default suits the other targets, whose finished jobs hold no pods)."""
+    k = spec.spec.kubernetes
+    if "ttl_seconds_after_finished" in k.model_fields_set:
+        return k.ttl_seconds_after_finished
+    return CLUSTER_TTL_S
 
 
 def entrypoint(spec_path: str = c.SPEC_FILE) -> str:
@@ -82,6 +121,30 @@ def _pod(spec: JobSpec, component: str, container: dict[str, Any], *, needs_api:
     return {"metadata": meta, "spec": pod_spec}
 
 
+def _submitter(spec: JobSpec, image: str) -> dict[str, Any]:
+    """`submitterPodTemplate`: see the module docstring. No command: KubeRay writes `ray job submit`."""
+    k = spec.spec.kubernetes
+    security = {key: v for key, v in p.container_security_context().items() if key != "readOnlyRootFilesystem"}
+    container = {
+        "name": SUBMITTER_CONTAINER,
+        "image": image,
+        "imagePullPolicy": k.image_pull_policy,
+        "resources": {"requests": dict(SUBMITTER_RESOURCES), "limits": dict(SUBMITTER_RESOURCES)},
+        "securityContext": security,
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "restartPolicy": "Never",  # a Job's pod; KubeRay's Job retries the submission (backoffLimit)
+        "securityContext": p.pod_security_context(),
+        **p.automount(),
+        **c.pod_placement(spec),
+    }
+    pod_spec.pop("serviceAccountName", None)  # it calls the Jobs API only, never the Kubernetes API
+    selector = c.selector_labels(spec)
+    labels = {key: v for key, v in c.pod_labels(spec, "submitter").items() if key not in selector}
+    return {"metadata": {"labels": labels}, "spec": pod_spec}
+
+
 def compile_rayjob(spec: JobSpec, *, fixed_size: bool = False) -> list[dict[str, Any]]:
     """The ConfigMap and the RayJob, in apply order.
 
@@ -101,7 +164,7 @@ def compile_rayjob(spec: JobSpec, *, fixed_size: bool = False) -> list[dict[str,
         head_res["requests"]["ephemeral-storage"] = s.resources.ephemeral_storage
     head_ports = [
         {"name": "gcs", "containerPort": 6379, "protocol": "TCP"},
-        {"name": "dashboard", "containerPort": 8265, "protocol": "TCP"},
+        {"name": "dashboard", "containerPort": DASHBOARD_PORT, "protocol": "TCP"},
         {"name": "client", "containerPort": 10001, "protocol": "TCP"},
     ]
     head = {
@@ -143,13 +206,15 @@ def compile_rayjob(spec: JobSpec, *, fixed_size: bool = False) -> list[dict[str,
         meta["labels"]["ray.io/scheduler-name"] = "volcano"
         if k.queue:
             meta["labels"]["volcano.sh/queue-name"] = k.queue
+    ttl_s = cluster_ttl_seconds(spec)
     job_spec: dict[str, Any] = {
         "entrypoint": entrypoint(),
-        "shutdownAfterJobFinishes": k.ttl_seconds_after_finished is not None,
+        "shutdownAfterJobFinishes": ttl_s is not None,
         "rayClusterSpec": cluster,
+        "submitterPodTemplate": _submitter(spec, image),
     }
-    if k.ttl_seconds_after_finished is not None:
-        job_spec["ttlSecondsAfterFinished"] = k.ttl_seconds_after_finished
+    if ttl_s is not None:
+        job_spec["ttlSecondsAfterFinished"] = ttl_s
     if k.active_deadline_seconds is not None:
         job_spec["activeDeadlineSeconds"] = k.active_deadline_seconds
     if s.ray.runtime_env:

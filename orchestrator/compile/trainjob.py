@@ -7,9 +7,20 @@ runs depends on it, and replacing it for a resubmit touches no other job. The ru
 own `torch-distributed`: a JobSet with one replicatedJob named `node` labelled
 `trainer.kubeflow.org/trainjob-ancestor-step: trainer` and a container named `node`, into which the torch
 plugin injects `PET_NNODES`, `PET_NPROC_PER_NODE`, `PET_NODE_RANK`, `PET_MASTER_ADDR` and
-`PET_MASTER_PORT` (torchrun's defaults). What the job adds to any runtime (volumes, placement, env) goes
-into `runtimePatches`, so a user-supplied runtime gets it too. Trainer v2.2 removed elastic training:
-elastic specs are refused.
+`PET_MASTER_PORT` (torchrun's defaults). What the job adds to any runtime goes where Trainer takes it for
+any runtime, so a user-supplied runtime (`runtimeRef`) gets it too: the worker's environment into
+`spec.trainer.env` (the torch plugin merges it into the `node` container; Trainer's webhook refuses `env`
+on the `node` container in a runtimePatch, `pkg/runtime/framework/plugins/jobset/jobset.go` Validate, and
+the five `PET_*` variables it injects in `spec.trainer.env`, `plugins/torch/torch.go`), volumes, mounts and
+placement into `runtimePatches` (their `ContainerPatch` has no `envFrom`: a store's `secretRef` needs
+torchrig's own runtime). The runtime must exist before the TrainJob: Trainer's webhook refuses a TrainJob
+whose runtime it cannot read (`pkg/runtime/core/trainingruntime.go` ValidateObjects). Trainer v2.2 removed
+elastic training: elastic specs are refused.
+
+Volcano (`gang: volcano`): the runtime's `podGroupPolicy.volcano` makes Trainer create the PodGroup, whose
+queue it reads only from the JobSet template's annotation `scheduling.volcano.sh/queue-name`
+(`plugins/volcano/volcano.go` Build); the runtime's pods name `schedulerName: volcano`, which Trainer does
+not set.
 
 Failures (Kubeflow's exit-code convention, `training.contract.ExitCode`): the runtime's pods run with
 `restartPolicy: Never` and `backoffLimit: 0`, so a failed pod fails its Job and the JobSet restarts the
@@ -53,6 +64,8 @@ RUNTIME_KIND = "TrainingRuntime"  # of the runtime torchrig emits: namespaced, t
 MASTER_ADDR_ENV, MASTER_PORT_ENV = "PET_MASTER_ADDR", "PET_MASTER_PORT"
 # Batch's Job failure reason when a podFailurePolicy rule with action FailJob matched.
 PERMANENT_FAILURE_REASON = "PodFailurePolicy"
+# Where Trainer's volcano plugin reads a PodGroup's queue (volcano's QueueNameAnnotationKey).
+VOLCANO_QUEUE_ANNOTATION = "scheduling.volcano.sh/queue-name"
 
 
 def runtime_name(spec: JobSpec) -> str:
@@ -138,6 +151,8 @@ def _runtime(spec: JobSpec) -> dict[str, Any]:
     }
     if s.kubernetes.priority_class:
         pod_spec["priorityClassName"] = s.kubernetes.priority_class
+    if s.kubernetes.gang == "volcano":
+        pod_spec["schedulerName"] = "volcano"  # not patchable in runtimePatches
     pod_failure, rule = _failure_policies()
     jobset_spec: dict[str, Any] = {
         # JobSet restarts the whole group from the last checkpoint, at most restarts.max times, except
@@ -161,12 +176,12 @@ def _runtime(spec: JobSpec) -> dict[str, Any]:
             }
         ],
     }
-    runtime_spec: dict[str, Any] = {
-        "mlPolicy": {"numNodes": s.nodes.max, "torch": {}},
-        "template": {"spec": jobset_spec},
-    }
+    template: dict[str, Any] = {"spec": jobset_spec}
+    runtime_spec: dict[str, Any] = {"mlPolicy": {"numNodes": s.nodes.max, "torch": {}}, "template": template}
     if s.kubernetes.gang == "volcano":
         runtime_spec["podGroupPolicy"] = {"volcano": {}}
+        if s.kubernetes.queue:
+            template["metadata"] = {"annotations": {VOLCANO_QUEUE_ANNOTATION: s.kubernetes.queue}}
     return {
         "apiVersion": API_VERSION,
         "kind": RUNTIME_KIND,
@@ -183,7 +198,6 @@ def _runtime_patch(spec: JobSpec) -> dict[str, Any]:
         "containers": [
             {
                 "name": CONTAINER_NAME,
-                "env": c.worker_env(spec),
                 "volumeMounts": mounts,
                 "securityContext": p.container_security_context(),
             }
@@ -237,6 +251,7 @@ def compile_trainjob(spec: JobSpec, *, fixed_size: bool = False) -> list[dict[st
         "numNodes": s.nodes.max,
         "numProcPerNode": s.procs_per_node,
         "resourcesPerNode": c.resources(spec),
+        "env": c.worker_env(spec),
     }
     job_spec: dict[str, Any] = {
         "runtimeRef": {"apiGroup": "trainer.kubeflow.org", "kind": runtime_kind(spec), "name": runtime_name(spec)},

@@ -8,6 +8,7 @@ dashboard ConfigMap, checkpoint PVCs) have no compiler counterpart and are check
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import shutil
@@ -79,7 +80,8 @@ def comparable(obj: dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
-CHART_ONLY_KINDS = {"PersistentVolumeClaim"}
+# The job's Secret: the chart generates it (`lookup` keeps it across upgrades); `torchrig render` only names it.
+CHART_ONLY_KINDS = {"PersistentVolumeClaim", "Secret"}
 
 
 def assert_same_objects(helm_objs: list[dict[str, Any]], compiler_objs: list[dict[str, Any]]) -> None:
@@ -252,7 +254,9 @@ def test_one_node_job_has_its_agent_host_the_in_place_store_like_the_compiler(
     job = write_job(tmp_path, DIGITS, changes)
     objs = helm_template("-f", str(job))
     assert_same_objects(objs, compiled(job, target))
-    env = {e["name"]: e.get("value") for o in objs for c in _containers_of(o) for e in c.get("env", [])}
+    # A TrainJob's worker env is its trainer's (Trainer refuses env on the node container of a runtime patch).
+    trainers = [o["spec"]["trainer"] for o in objs if o["kind"] == "TrainJob"]
+    env = {e["name"]: e.get("value") for c in _containers_of(objs) + trainers for e in c.get("env", [])}
     assert env.get("TORCHRIG_INPLACE_STORE") == ("agent" if mode == "auto" else None)
 
 
@@ -316,7 +320,7 @@ def test_disabled_metrics_render_no_monitoring(tmp_path: Path) -> None:
     job = write_job(tmp_path, DIGITS, {"spec": {"metrics": {"enabled": False}}})
     objs = helm_template("-f", str(job), *MONITORING, "--set", "monitoring.dashboard.enabled=true")
     assert_same_objects(objs, compiled(job, "pytorchjob", monitoring=True))
-    assert {o["kind"] for o in objs} == {"ConfigMap", "PyTorchJob"}
+    assert {o["kind"] for o in objs} == {"ConfigMap", "PyTorchJob", "NetworkPolicy", "Secret"}
 
 
 def test_chart_defaults_render_the_default_job(tmp_path: Path) -> None:
@@ -469,3 +473,33 @@ def test_notes_tell_the_user_how_to_watch_the_job() -> None:
     ):
         assert line in notes, f"NOTES lack {line!r}:\n{notes}"
     assert "elastic on 2..4 nodes x 8 process(es)" in notes
+
+
+# -- the job's Secret and NetworkPolicy (issue 33.1) ---------------------------------------------------
+
+
+def test_chart_generates_the_job_secret_and_keeps_it_with_lookup() -> None:
+    """The pods mount `<job>-job-secret`; the chart makes it (64 random characters) and, on an upgrade, reuses
+    the value of the Secret it made before (`lookup`: no cluster answers `helm template`, so each render
+    here makes a new one)."""
+    first, second = (by_key(helm_template("-f", str(DIGITS))) for _ in range(2))
+    secret = first[("Secret", "digits-ddp-job-secret")]
+    value = base64.b64decode(secret["data"]["job-secret"]).decode()
+    assert len(value) == 64 and value.isalnum()
+    assert second[("Secret", "digits-ddp-job-secret")]["data"] != secret["data"]
+    assert secret["metadata"]["labels"]["torchrig.io/job"] == "digits-ddp"
+    kubernetes_validate.validate(secret, crds.K8S_VERSION, strict=True)
+    template = (CHART / "templates" / "secret.yaml").read_text()
+    assert 'lookup "v1" "Secret" $job.metadata.namespace $name' in template
+    assert 'index $existing.data "job-secret"' in template
+
+
+@pytest.mark.parametrize("target", ["pytorchjob", "trainjob"])
+def test_chart_network_policy_is_on_by_default_and_can_be_turned_off(target: str, tmp_path: Path) -> None:
+    job = write_job(tmp_path, DIGITS, {"spec": {"kubernetes": {"target": target}}})
+    objs = by_key(helm_template("-f", str(job), "--set", "fixedSize=true"))
+    policy = objs[("NetworkPolicy", "digits-ddp")]
+    assert policy == compiled(job, target, fixed_size=True)[1]
+    kubernetes_validate.validate(policy, crds.K8S_VERSION, strict=True)
+    off = write_job(tmp_path, DIGITS, {"spec": {"kubernetes": {"target": target, "networkPolicy": False}}})
+    assert not [k for k in by_key(helm_template("-f", str(off), "--set", "fixedSize=true")) if k[0] == "NetworkPolicy"]

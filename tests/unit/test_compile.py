@@ -109,7 +109,7 @@ def test_pytorchjob_single_node_omits_worker() -> None:
 def test_pytorchjob_pod_contract() -> None:
     s = spec("tinygpt-fsdp")
     objs = compile(s, "pytorchjob")
-    cm, job = objs
+    cm, _policy, job = objs
     assert cm["kind"] == "ConfigMap" and cm["metadata"]["name"] == "tinygpt-fsdp-spec"
     # The ConfigMap holds the resolved spec; reading it back gives the same job.
     assert JobSpec.model_validate(yaml.safe_load(cm["data"]["job.yaml"])) == s
@@ -170,8 +170,8 @@ def test_trainjob_refuses_elastic_with_alternatives() -> None:
 def test_trainjob_shape() -> None:
     objs = compile(spec("digits-ddp"), "trainjob", fixed_size=True)
     # A namespaced runtime of the job's own (issue 13 point 12), beside the TrainJob that alone uses it.
-    assert [o["kind"] for o in objs] == ["ConfigMap", "TrainingRuntime", "TrainJob"]
-    runtime, job = objs[1], objs[2]
+    assert [o["kind"] for o in objs] == ["ConfigMap", "NetworkPolicy", "TrainingRuntime", "TrainJob"]
+    runtime, job = objs[2], objs[3]
     assert runtime["metadata"]["name"] == "torchrig-digits-ddp"
     assert runtime["metadata"]["namespace"] == job["metadata"]["namespace"] == "default"
     (rjob,) = runtime["spec"]["template"]["spec"]["replicatedJobs"]
@@ -188,7 +188,10 @@ def test_trainjob_shape() -> None:
     assert job["spec"]["trainer"]["command"][: len(LAUNCH) + 3] == [*LAUNCH, "torchrun", "--nproc-per-node", "2"]
     (patch,) = job["spec"]["runtimePatches"]
     pod = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
-    assert env_of(container(pod))["TORCHRIG_SPEC"] == "/etc/torchrig/job.yaml"
+    # Trainer's webhook refuses env on the `node` container of a runtime patch (kubeflow/trainer v2.3.0
+    # pkg/runtime/framework/plugins/jobset/jobset.go Validate): the worker's environment is the trainer's.
+    assert "env" not in container(pod)
+    assert env_of(job["spec"]["trainer"])["TORCHRIG_SPEC"] == "/etc/torchrig/job.yaml"
     assert "podSpecOverrides" not in job["spec"] and "podTemplateOverrides" not in job["spec"]
 
 
@@ -198,10 +201,13 @@ def test_trainjob_runtime_ref_uses_existing_runtime() -> None:
         "trainjob",
         fixed_size=True,
     )
-    assert [o["kind"] for o in objs] == ["ConfigMap", "TrainJob"]
-    assert objs[1]["spec"]["runtimeRef"]["name"] == "torch-distributed"
+    assert [o["kind"] for o in objs] == ["ConfigMap", "NetworkPolicy", "TrainJob"]
+    assert objs[2]["spec"]["runtimeRef"]["name"] == "torch-distributed"
     # Trainer's own runtimes are cluster-wide: a bare runtimeRef still names a ClusterTrainingRuntime.
-    assert objs[1]["spec"]["runtimeRef"]["kind"] == "ClusterTrainingRuntime"
+    assert objs[2]["spec"]["runtimeRef"]["kind"] == "ClusterTrainingRuntime"
+    # A user runtime still gets the worker's environment (spec.trainer.env, merged into its `node`
+    # container by the torch plugin, plugins/torch/torch.go EnforceMLPolicy) and the job's secret.
+    assert env_of(objs[2]["spec"]["trainer"])["TORCHRIG_JOB_SECRET_FILE"] == "/etc/torchrig-secret/job-secret"
 
 
 def test_trainjob_volcano_with_runtime_ref_unsupported() -> None:
@@ -403,7 +409,7 @@ def test_prometheus_rule_carries_shared_rules() -> None:
 
 def test_metrics_disabled_means_no_monitoring_objects() -> None:
     objs = compile(spec("digits-ddp", "spec.metrics.enabled=false"), "pytorchjob", monitoring=True)
-    assert [o["kind"] for o in objs] == ["ConfigMap", "PyTorchJob"]
+    assert [o["kind"] for o in objs] == ["ConfigMap", "NetworkPolicy", "PyTorchJob"]
 
 
 def test_unknown_target_lists_valid_ones() -> None:

@@ -263,5 +263,5 @@ def test_trainjob_runtime_is_namespaced_and_its_own() -> None:
 def test_runtime_ref_names_either_kind(kind: str) -> None:
     spec = digits("spec.kubernetes.runtimeRef=rt", "spec.kubernetes.gang=none", f"spec.kubernetes.runtimeKind={kind}")
     objs = compile(spec, "trainjob", fixed_size=True)
-    assert [o["kind"] for o in objs] == ["ConfigMap", "TrainJob"]
-    assert objs[1]["spec"]["runtimeRef"] == {"apiGroup": "trainer.kubeflow.org", "kind": kind, "name": "rt"}
+    assert [o["kind"] for o in objs] == ["ConfigMap", "NetworkPolicy", "TrainJob"]
+    assert objs[2]["spec"]["runtimeRef"] == {"apiGroup": "trainer.kubeflow.org", "kind": kind, "name": "rt"}

@@ -7,6 +7,8 @@ clear line, and status/logs/cancel/list/delete_pod talk to the right endpoints.
 
 from __future__ import annotations
 
+import base64
+import json
 from pathlib import Path
 
 import pytest
@@ -48,11 +50,12 @@ def test_submit_dry_runs_every_object_server_side_before_creating_any(
 
     posts = k8s_fake_server.sent("POST")
     kinds = [r.body["kind"] for r in posts]
-    assert kinds == ["ConfigMap", "PyTorchJob", "PodMonitor", "PrometheusRule"] * 2
-    assert [r.dry_run for r in posts] == [True] * 4 + [False] * 4
+    # The job last: its companions exist before its pods start.
+    assert kinds == ["Secret", "ConfigMap", "NetworkPolicy", "PodMonitor", "PrometheusRule", "PyTorchJob"] * 2
+    assert [r.dry_run for r in posts] == [True] * 6 + [False] * 6
     # Strict field validation and a field manager on every write.
     assert all(r.query.get("fieldValidation") == "Strict" and r.query.get("fieldManager") == "torchrig" for r in posts)
-    assert posts[1].path == PYTORCHJOB and posts[0].path == CONFIGMAPS
+    assert posts[5].path == PYTORCHJOB and posts[1].path == CONFIGMAPS
     assert str(handle) == "kubernetes://default/pytorchjob/digits-ddp"
     assert k8s_fake_server.stored("pytorchjobs")[0]["metadata"]["labels"][JOB_LABEL] == "digits-ddp"
 
@@ -82,10 +85,17 @@ def test_dry_run_flag_stops_after_the_server_side_dry_run(
 ) -> None:
     handle = backend.submit(spec, SubmitOptions(dry_run=True))
     assert k8s_fake_server.sent("POST", dry_run=False) == []
-    assert len(k8s_fake_server.sent("POST", dry_run=True)) == 2
+    assert len(k8s_fake_server.sent("POST", dry_run=True)) == 4
     assert k8s_fake_server.objects == {}
-    assert [m["kind"] for m in handle.info["manifests"]] == ["ConfigMap", "PyTorchJob"]
-    assert handle.info["objects"] == ["ConfigMap default/digits-ddp-spec", "PyTorchJob default/digits-ddp"]
+    assert [m["kind"] for m in handle.info["manifests"]] == ["Secret", "ConfigMap", "NetworkPolicy", "PyTorchJob"]
+    assert handle.info["objects"] == [
+        "Secret default/digits-ddp-job-secret",
+        "ConfigMap default/digits-ddp-spec",
+        "NetworkPolicy default/digits-ddp",
+        "PyTorchJob default/digits-ddp",
+    ]
+    # What a dry run hands back names the Secret but holds no value.
+    assert "data" not in handle.info["manifests"][0]
 
 
 def test_missing_crd_is_one_clear_line_and_nothing_is_created(
@@ -158,7 +168,7 @@ def test_unknown_context(k8s_kubeconfig: Path, spec: JobSpec) -> None:
 
 def test_nothing_listening(tmp_path: Path, spec: JobSpec) -> None:
     config = write_kubeconfig(tmp_path / "kc", f"http://127.0.0.1:{free_port()}")
-    with pytest.raises(BackendError, match=r"digits-ddp-spec: cannot reach the Kubernetes API server"):
+    with pytest.raises(BackendError, match=r"digits-ddp-job-secret: cannot reach the Kubernetes API server"):
         KubernetesBackend(kubeconfig=str(config)).submit(spec)
 
 
@@ -320,3 +330,136 @@ def test_beside_a_store_only_master_worker_i_is_node_i(
     assert backend.delete_pod("default/pytorchjob/digits-ddp", 1) == "digits-ddp-worker-1"
     with pytest.raises(BackendError, match=r"no pod for node index 2"):
         backend.delete_pod("default/pytorchjob/digits-ddp", 2)
+
+
+SECRETS = "/api/v1/namespaces/default/secrets"
+TRAINJOBS = "/apis/trainer.kubeflow.org/v1alpha1/namespaces/default/trainjobs"
+
+
+def test_a_trainjob_is_dry_run_and_created_after_its_runtime(
+    backend: KubernetesBackend, spec: JobSpec, k8s_fake_server: FakeKubeAPI
+) -> None:
+    """Issue 40.2. Trainer's webhook (kubeflow/trainer v2.3.0 pkg/webhooks/trainjob_webhook.go ->
+    pkg/runtime/core/trainingruntime.go ValidateObjects) refuses a TrainJob, dry run included, whose
+    runtime does not exist yet; the fake answers so (tests/fixtures/k8s_fake.py). So the runtime is
+    created before the TrainJob's dry run, and the webhook's lagging cache is waited out."""
+    k8s_fake_server.runtime_lag = 2
+    backend.submit(_trainjob_spec(spec), SubmitOptions(fixed_size=True))
+    posts = [(r.body["kind"], r.dry_run) for r in k8s_fake_server.sent("POST")]
+    companions = ["Secret", "ConfigMap", "NetworkPolicy", "TrainingRuntime"]
+    assert posts == [
+        *[(k, True) for k in companions],
+        *[(k, False) for k in companions],
+        *[("TrainJob", True)] * 3,  # twice refused while the webhook's cache lags
+        ("TrainJob", False),
+    ]
+    assert [o["metadata"]["name"] for o in k8s_fake_server.stored("trainjobs")] == ["digits-tj"]
+
+
+def test_a_trainjob_the_webhook_refuses_leaves_nothing_behind(
+    backend: KubernetesBackend, spec: JobSpec, k8s_fake_server: FakeKubeAPI
+) -> None:
+    """A user runtime (runtimeRef) that does not exist: the webhook's one line, and what the submit created
+    before the TrainJob's turn (its Secret, ConfigMap, NetworkPolicy) is removed again."""
+    tj = _trainjob_spec(spec)
+    tj.spec.kubernetes.runtime_ref = "torch-distributed"
+    tj.spec.kubernetes.gang = "none"  # a user runtime's podGroupPolicy decides
+    with pytest.raises(BackendError) as err:
+        backend.submit(tj, SubmitOptions(fixed_size=True))
+    assert "specified clusterTrainingRuntime must be created before the TrainJob is created" in str(err.value)
+    assert str(err.value).startswith("dry run of TrainJob default/digits-tj: rejected by the API server")
+    assert k8s_fake_server.objects == {}
+    assert k8s_fake_server.sent("POST", dry_run=False) == []  # a runtimeRef job is dry-run with the rest
+    cluster_runtime = {"metadata": {"name": "torch-distributed"}, "spec": {}}
+    k8s_fake_server.add("trainer.kubeflow.org", "v1alpha1", "clustertrainingruntimes", cluster_runtime)
+    backend.submit(tj, SubmitOptions(fixed_size=True))
+    assert [o["metadata"]["name"] for o in k8s_fake_server.stored("trainjobs")] == ["digits-tj"]
+
+
+def test_a_refused_trainjob_rolls_back_the_runtime_it_created(
+    backend: KubernetesBackend, spec: JobSpec, k8s_fake_server: FakeKubeAPI
+) -> None:
+    k8s_fake_server.runtime_lag = 1000  # a webhook that never sees the runtime
+    with pytest.raises(BackendError, match=r"must be created before the TrainJob is created"):
+        backend.submit(_trainjob_spec(spec), SubmitOptions(fixed_size=True))
+    deleted = [r.path.rsplit("/", 2)[-2] for r in k8s_fake_server.sent("DELETE")]
+    assert deleted == ["trainingruntimes", "networkpolicies", "configmaps", "secrets"]
+    assert k8s_fake_server.objects == {}
+
+
+def test_dry_run_of_a_trainjob_says_which_object_it_could_not_dry_run(
+    backend: KubernetesBackend, spec: JobSpec, k8s_fake_server: FakeKubeAPI
+) -> None:
+    handle = backend.submit(_trainjob_spec(spec), SubmitOptions(fixed_size=True, dry_run=True))
+    assert handle.info["not_dry_run"] == ["TrainJob default/digits-tj: its runtime must exist first"]
+    assert [r.body["kind"] for r in k8s_fake_server.sent("POST")] == [
+        "Secret",
+        "ConfigMap",
+        "NetworkPolicy",
+        "TrainingRuntime",
+    ]
+    assert k8s_fake_server.objects == {}
+
+
+def test_the_fake_refuses_env_on_the_node_container_of_a_runtime_patch(
+    backend: KubernetesBackend, spec: JobSpec, k8s_fake_server: FakeKubeAPI
+) -> None:
+    """Issue 40.1, the fake's webhook rule (kubeflow/trainer v2.3.0 plugins/jobset/jobset.go Validate): what
+    torchrig rendered before (the worker env in the runtime patch) is refused; `spec.trainer.env` is not."""
+    from orchestrator.backends.kubernetes_api import create_object, new_client
+    from orchestrator.compile import compile as compile_target
+
+    tj = _trainjob_spec(spec)
+    objs = compile_target(tj, "trainjob", fixed_size=True)
+    api = new_client(str(backend.kubeconfig), None)
+    try:
+        for obj in objs[:-1]:
+            create_object(api, obj, dry_run=False, namespace="default")
+        job = objs[-1]
+        assert job["spec"]["trainer"]["env"]
+        create_object(api, job, dry_run=True, namespace="default")
+        patched = json.loads(json.dumps(job))
+        container = patched["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+        container = container["template"]["spec"]["template"]["spec"]["containers"][0]
+        container["env"] = job["spec"]["trainer"]["env"]
+        with pytest.raises(BackendError, match=r"must not have envs for the dataset-initializer, model-initializer"):
+            create_object(api, patched, dry_run=True, namespace="default")
+    finally:
+        api.close()
+
+
+def test_submit_creates_the_job_secret_once_and_a_resubmit_keeps_it(
+    backend: KubernetesBackend, spec: JobSpec, k8s_fake_server: FakeKubeAPI
+) -> None:
+    """Issue 33.1: 32 random bytes (hex) in a Secret of the job, created by submit only where none exists."""
+    backend.submit(spec)
+    (secret,) = k8s_fake_server.stored("secrets")
+    assert secret["metadata"]["name"] == "digits-ddp-job-secret"
+    assert secret["metadata"]["labels"][JOB_LABEL] == "digits-ddp"
+    value = base64.b64decode(secret["data"]["job-secret"]).decode()
+    assert len(value) == 64 and int(value, 16) >= 0
+    # A resubmit of a finished job (the PyTorchJob is gone, the Secret is not): the old secret stays.
+    k8s_fake_server.objects.pop(("kubeflow.org", "v1", "pytorchjobs", "default", "digits-ddp"))
+    backend.submit(spec)
+    assert [r.path for r in k8s_fake_server.sent("POST") if r.path == SECRETS] == [SECRETS, SECRETS]  # 1st submit
+    assert k8s_fake_server.stored("secrets") == [secret]
+    # Another job gets its own.
+    other = spec.model_copy(deep=True)
+    other.metadata.name = "other"
+    backend.submit(other)
+    values = {base64.b64decode(s["data"]["job-secret"]) for s in k8s_fake_server.stored("secrets")}
+    assert len(values) == 2
+
+
+def test_cancel_removes_the_network_policy_and_the_job_secret(
+    backend: KubernetesBackend, spec: JobSpec, k8s_fake_server: FakeKubeAPI
+) -> None:
+    backend.submit(spec)
+    assert {o["kind"] for o in k8s_fake_server.objects.values()} == {
+        "Secret",
+        "ConfigMap",
+        "NetworkPolicy",
+        "PyTorchJob",
+    }
+    backend.cancel("default/pytorchjob/digits-ddp")
+    assert k8s_fake_server.objects == {}

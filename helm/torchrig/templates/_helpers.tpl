@@ -113,10 +113,17 @@ Args: dict "job" "component". Returns JSON.
 {{- toJson $meta -}}
 {{- end -}}
 
-{{- /* torchrig.podLabels: object labels (component worker), then spec.kubernetes.podLabels. Arg: the job. Returns JSON. */ -}}
+{{- /* torchrig.podLabels: metadata.labels, spec.kubernetes.podLabels, then torchrig's own labels (component worker or .component), which win: the NetworkPolicy and the PodMonitor select the job's pods by them. Arg: the job, or dict "job" "component". Returns JSON. */ -}}
 {{- define "torchrig.podLabels" -}}
-{{- $labels := include "torchrig.labels" (dict "job" . "component" "worker") | fromJson -}}
-{{- toJson (mergeOverwrite $labels (deepCopy .spec.kubernetes.podLabels)) -}}
+{{- $job := .job | default . -}}
+{{- $merged := mergeOverwrite (deepCopy $job.metadata.labels) (deepCopy $job.spec.kubernetes.podLabels) -}}
+{{- $withPod := set (deepCopy $job) "metadata" (set (deepCopy $job.metadata) "labels" $merged) -}}
+{{- toJson (include "torchrig.labels" (dict "job" $withPod "component" (.component | default "worker")) | fromJson) -}}
+{{- end -}}
+
+{{- /* torchrig.jobSecretName: the Secret of the job's own secret (compile/_common.py job_secret_name). Arg: the job. */ -}}
+{{- define "torchrig.jobSecretName" -}}
+{{- printf "%s-job-secret" (include "torchrig.name" .) -}}
 {{- end -}}
 
 {{- /* torchrig.podAnnotations: metadata.annotations, Prometheus scrape hints, then podAnnotations. Arg: the job. Returns JSON. */ -}}
@@ -170,6 +177,7 @@ key order (Helm's maps are sorted; the compiler keeps the job file's order). Arg
 {{- $builtin := list
   (list "TORCHRIG_SPEC" "/etc/torchrig/job.yaml")
   (list "TORCHRIG_RUN_DIR" "/var/run/torchrig")
+  (list "TORCHRIG_JOB_SECRET_FILE" "/etc/torchrig-secret/job-secret")
   (list "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" "1")
   (list "PYTHONUNBUFFERED" "1") -}}
 {{- /* training.preemption.launcher_env: torchrun's shutdown timeout above the grace, the extra signal it forwards. */ -}}
