@@ -30,6 +30,7 @@ from orchestrator.errors import BackendError, SpecError, UnsupportedFeature
 from orchestrator.rundir import find_run_dirs, iter_rank_lines, new_run_dir, rank_of_line, run_state
 from orchestrator.spec import JobSpec
 from training.contract import RunFiles
+from training.contract.files import private_umask
 
 __all__ = ["RDZV_CONF", "LocalBackend", "LocalPlan", "LocalRun", "parse_run_ref"]
 
@@ -78,7 +79,8 @@ class LocalBackend(Backend):
     def _launch(self, dryrun: DryRun) -> LocalRun:
         """Start the plan of a dry run, supervised from this process (call `wait` on the run)."""
         plan = self._plan(dryrun)
-        preflight_here(dryrun.spec, plan.run_dir)
+        with private_umask():  # it creates the run directory and the stores: the run's user's alone
+            preflight_here(dryrun.spec, plan.run_dir)
         run = LocalRun(spec=dryrun.spec, plan=plan)
         run.start()
         return run
@@ -86,7 +88,8 @@ class LocalBackend(Backend):
     def _schedule(self, dryrun: DryRun) -> RunHandle:
         """Start the plan under a detached supervisor process and return at once (`torchrig submit`)."""
         plan = self._plan(dryrun)
-        preflight_here(dryrun.spec, plan.run_dir)
+        with private_umask():
+            preflight_here(dryrun.spec, plan.run_dir)
         return start_detached(dryrun, Path(plan.run_dir), plan.to_json())
 
     def request_from_json(self, data: Any) -> LocalPlan:
