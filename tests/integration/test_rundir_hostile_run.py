@@ -34,9 +34,9 @@ def test_garbage_in_events_while_it_runs_ends_nothing_and_the_run_is_private(tmp
     run_dir = tmp_path / "run"
     files = RunFiles(run_dir)
     env = {**os.environ, "STANDIN_STEP_S": "0.05"}
+    args = ["run", str(job), "--run-dir", str(run_dir), "--worker", STANDIN, "-o", "json"]
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from orchestrator.cli import main; main()", "run", str(job)]
-        + ["--run-dir", str(run_dir), "--worker", STANDIN, "-o", "json"],
+        [sys.executable, "-c", "from orchestrator.cli import main; main()", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
