@@ -9,10 +9,12 @@ how the kubelet tells a hung worker, and where credentials come from.
   /dev/shm, the node-local checkpoint directory and any pod-local absolute `file://` store.
 - No ServiceAccount token, unless `kubernetes.automountServiceAccountToken` asks for one (or KubeRay's
   autoscaler needs it on the head).
-- Startup and liveness probes run `python -m training.healthcheck` (the image's Docker HEALTHCHECK is
-  ignored by Kubernetes): healthy while local rank 0's exporter answers and a step completed within
-  `restarts.stepTimeoutSeconds`. No probe without an exporter (`metrics.enabled: false`) or when it
-  binds an address the probe cannot reach.
+- A liveness probe runs `python -m training.healthcheck` (the image's Docker HEALTHCHECK is ignored by
+  Kubernetes): healthy while local rank 0's exporter answers and a step completed within
+  `restarts.stepTimeoutSeconds`, before the first exporter for as long as a start may take, and while
+  the pod stands by. No startup or readiness probe: a pod is Ready from its container's start, so its
+  Service name resolves before the rendezvous that needs it (see `probes`). No probe without an
+  exporter (`metrics.enabled: false`) or when it binds an address the probe cannot reach.
 - Store credentials come from the Secrets named by `stores[].secretRef` (`envFrom`), never inline.
 """
 
@@ -62,7 +64,7 @@ LAUNCH_MODULE = "training.launch"
 HEALTHCHECK = ["python", "-m", "training.healthcheck"]
 # torchrun's rendezvous waits this long for its peers before the first worker (and exporter) starts.
 RDZV_JOIN_TIMEOUT_S = 600
-_PROBE_PERIOD_S = {"startup": 10, "liveness": 30}
+_LIVENESS_PERIOD_S = 30
 _PROBE_TIMEOUT_S = 10
 # Addresses a probe inside the pod reaches the exporter on (None: all interfaces).
 _PROBEABLE_BINDS = (None, "0.0.0.0", "::", "127.0.0.1", "localhost")
@@ -176,13 +178,19 @@ def env_from(spec: JobSpec) -> list[dict[str, Any]]:
 
 
 def probes(spec: JobSpec) -> dict[str, Any]:
-    """`startupProbe` and `livenessProbe` of a torchrun worker container (empty without an exporter).
+    """The `livenessProbe` of a torchrun worker container (empty without an exporter).
 
-    The startup probe allows torchrun's rendezvous (`RDZV_JOIN_TIMEOUT_S`) and then the longer of a step
-    timeout and the checkpoint I/O timeout (the restore) for the first step; the liveness probe lets the
-    exporter be down (a torchrun group restart) or report no step for about as long again before the
-    kubelet kills the container: the in-process step watchdog acts first, the probe catches what it
-    cannot (a process frozen whole).
+    Liveness only, on purpose. The operators' Services are headless and (PyTorchJob's) do not publish
+    not-ready addresses, so a pod's name resolves only once the pod is Ready; a startup probe that waits
+    for the exporter (which starts after torchrun's rendezvous) kept the rendezvous host unresolvable
+    until the rendezvous it hosts had completed: a fixed-size job deadlocked (issue 40). Without a startup
+    or readiness probe the pod is Ready as soon as its container runs. The health check itself grants
+    the start (`--start-budget-s`: torchrun's rendezvous, `RDZV_JOIN_TIMEOUT_S`, then the longer of a
+    step timeout and the checkpoint I/O timeout for the restore and the first step) from the container's
+    age, and a standby node (`restarts.spareNodes`) is healthy while it stands by without an exporter.
+    After that, the probe lets the exporter be down (a torchrun group restart) or report no step for about
+    as long again before the kubelet kills the container: the in-process step watchdog acts first, the
+    probe catches what it cannot (a process frozen whole).
     """
     m = spec.spec.metrics
     if not m.enabled or (m.bind_address or None) not in _PROBEABLE_BINDS:  # "" binds all, like None
@@ -190,16 +198,14 @@ def probes(spec: JobSpec) -> dict[str, Any]:
     # A restore or the final save may run up to checkpoint.ioTimeoutSeconds without a step (the worker's
     # watchdog and health check allow it): the probes must not kill what the watchdog still allows.
     timeout_s = max(spec.spec.restarts.step_timeout_seconds, spec.spec.checkpoint.io_timeout_seconds)
-    startup_period, live_period = _PROBE_PERIOD_S["startup"], _PROBE_PERIOD_S["liveness"]
-    return {
-        "startupProbe": _exec_probe(startup_period, math.ceil((RDZV_JOIN_TIMEOUT_S + timeout_s) / startup_period)),
-        "livenessProbe": _exec_probe(live_period, max(3, math.ceil(timeout_s / live_period))),
-    }
+    period = _LIVENESS_PERIOD_S
+    command = [*HEALTHCHECK, "--start-budget-s", str(math.ceil(RDZV_JOIN_TIMEOUT_S + timeout_s))]
+    return {"livenessProbe": _exec_probe(command, period, max(3, math.ceil(timeout_s / period)))}
 
 
-def _exec_probe(period_s: int, failure_threshold: int) -> dict[str, Any]:
+def _exec_probe(command: list[str], period_s: int, failure_threshold: int) -> dict[str, Any]:
     return {
-        "exec": {"command": list(HEALTHCHECK)},
+        "exec": {"command": command},
         "timeoutSeconds": _PROBE_TIMEOUT_S,
         "periodSeconds": period_s,
         "failureThreshold": failure_threshold,

@@ -168,4 +168,8 @@ def check_target(
         old_ray = ray_version_problem(spec)
         if old_ray:
             raise UnsupportedFeature(old_ray)
+    if target == "pytorchjob":
+        from orchestrator.compile.pytorchjob import init_container_warning
+
+        warnings += [w for w in [init_container_warning(spec, fixed_size=fixed_size)] if w]
     return warnings

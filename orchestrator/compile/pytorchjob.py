@@ -21,6 +21,16 @@ a training node's agent, that node's loss would take the rendezvous and the in-p
 the one node no standby could replace. The store pod exits 0 when the agents pass torchrun's exit barrier
 (the job succeeds with its Master), and with an agent's permanent code when one ends the job.
 
+Readiness (issue 40): the operator's Services are headless without `publishNotReadyAddresses`
+(`pkg/controller.v1/common/service.go`), so cluster DNS answers `<job>-master-0` (the fixed-size rendezvous
+endpoint, and what the Workers' `init-pytorch` waits for) and `<job>-worker-0` (the elastic one) only while
+that pod is Ready. The worker container therefore has no startup or readiness probe: it is Ready as soon
+as it runs, before the rendezvous it hosts. Its liveness probe (`_pod.probes`) covers the start itself
+(the health check's `--start-budget-s`, from the container's age) and a standby Worker (healthy while it
+stands by without an exporter). A startup probe that waits for the exporter, as rendered before, held the
+host unresolvable until after the rendezvous that needs it: the job never started. The Workers of a job
+with a Master get the operator's `init-pytorch` (no securityContext; `init_container_warning`).
+
 Every replica has `restartPolicy: ExitCode` (the operator runs the pods with `restartPolicy: Never` and
 reads the `pytorch` container's exit code, `pkg/controller.v1/common/pod.go` `ReconcilePods`): 128 and
 above (a signal: a lost node, an OOM kill, the liveness probe) recreates the pod; 1-127 fails the job at
@@ -51,6 +61,7 @@ __all__ = [
     "RDZV_PORT",
     "STORE_POD_LABEL",
     "compile_pytorchjob",
+    "init_container_warning",
     "spare_nodes",
     "store_command",
     "worker_command",
@@ -74,6 +85,27 @@ STORE_MODULE = "training.rendezvous_store"
 # The store pod: Guaranteed QoS (requests = limits), so it is among the last pods a node evicts; an idle
 # TCPStore server with torch imported holds ~300 MB.
 STORE_RESOURCES = {"cpu": "1", "memory": "1Gi"}
+
+
+def init_container_warning(spec: JobSpec, *, fixed_size: bool = False) -> str | None:
+    """The warning for a job whose Workers get the operator's `init-pytorch` (a Master and Workers), else None.
+
+    The Training Operator adds it to every Worker pod whenever a Master exists
+    (`pkg/controller.v1/pytorch/initcontainer.go` `setInitContainer`), from its built-in template: image
+    alpine:3.10, no securityContext. No field of the job turns it off; a namespace enforcing the Pod
+    Security Standard "restricted" refuses those Worker pods.
+    """
+    s = spec.spec
+    elastic = s.nodes.elastic and not fixed_size
+    if elastic or s.nodes.max + spare_nodes(spec, elastic=elastic) < 2:
+        return None
+    return (
+        "spec.nodes: this PyTorchJob has a Master and Workers; the Training Operator adds its init container "
+        "init-pytorch (alpine:3.10, no securityContext) to every Worker, which a namespace enforcing Pod Security "
+        '"restricted" refuses: give the operator the restricted template docs/operators/pytorch-init-container.yaml '
+        "(--pytorch-init-container-template-file), or run elastic (nodes.min < nodes.max, no --fixed-size, no "
+        "restarts.spareNodes), or label the namespace pod-security.kubernetes.io/enforce=baseline"
+    )
 
 
 def worker_command(spec: JobSpec, *, elastic: bool) -> list[str]:

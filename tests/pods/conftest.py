@@ -18,6 +18,10 @@ from tests.pods.kubelet import Pod
 from tests.pods.runtime import PodCluster
 from tests.pods.scenario import EXAMPLE, SCENARIO_SETS, TORCHRIG_ENV
 
+# Probe periods run 5 times faster than rendered (a 10 s period is probed every 2 s), so the scenarios
+# exercise the probes within their minutes; TORCHRIG_PODS_TIME_SCALE=1 runs them at the real pace.
+TIME_SCALE = float(os.environ.get("TORCHRIG_PODS_TIME_SCALE", "0.2"))
+
 
 @pytest.fixture(scope="session")
 def reference_result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
@@ -49,7 +53,7 @@ def pod_cluster(tmp_path: Path) -> Iterator[Callable[[list[dict[str, Any]], list
     made: list[PodCluster] = []
 
     def make(objects: list[dict[str, Any]], pods: list[Pod]) -> PodCluster:
-        cluster = PodCluster(tmp_path / f"cluster{len(made)}", objects, pods)
+        cluster = PodCluster(tmp_path / f"cluster{len(made)}", objects, pods, time_scale=TIME_SCALE)
         made.append(cluster)
         return cluster.__enter__()
 

@@ -5,6 +5,11 @@ recreated, or the job failed, as `operator.operator_action` says for the pod's r
 `backoffLimit` counts container restarts (Training Operator pkg/core/job.go PastBackoffLimit:
 failed when the restarts reach the limit). The job succeeds when `succeeded(states)` says so.
 `on_tick` runs every poll, for scenario actions (killing a pod at the right moment).
+
+Before any pod starts, the rendered objects go through the operators' admission webhooks
+(admission.py): a refused object ends the job `Refused` with the webhook's message, as `kubectl apply`
+would. Pods start the way the kubelet starts them (init containers first, probes, readiness-gated
+DNS: runtime.py `start(wait=False)` and `tick`).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tests.pods.admission import admit
 from tests.pods.kubelet import restart_delay
 from tests.pods.operators import operator_action
 from tests.pods.runtime import PodCluster, PodState
@@ -23,7 +29,7 @@ __all__ = ["JobOutcome", "pytorchjob_succeeded", "run_job", "trainjob_succeeded"
 
 @dataclass
 class JobOutcome:
-    status: str  # Succeeded | Failed | Timeout
+    status: str  # Succeeded | Failed | Timeout | Refused (by an admission webhook)
     reason: str
     wall_s: float
     events: list[str] = field(default_factory=list)
@@ -69,13 +75,20 @@ def run_job(
     def note(msg: str) -> None:
         events.append(f"{time.monotonic() - start:7.1f}s {msg}")
 
+    refused = admit(cluster.objects)
+    if refused:
+        return JobOutcome("Refused", "\n".join(refused), 0.0, [])
     pending: dict[str, float] = {}  # pod -> when to (re)start it
     recreated = 0
     for name in cluster.pods:
-        cluster.start(name)
+        cluster.start(name, wait=False)
         note(f"start {name}")
     outcome: tuple[str, str] | None = None
     while outcome is None:
+        cluster.tick()
+        for state in cluster.pods.values():
+            while state.events:
+                note(state.events.pop(0))
         if time.monotonic() - start > timeout_s:
             outcome = ("Timeout", f"no end within {timeout_s:.0f} s")
             break
@@ -116,8 +129,8 @@ def run_job(
         for name, when in list(pending.items()):
             if time.monotonic() >= when:
                 del pending[name]
-                cluster.start(name)
-                note(f"restart {name} (start #{cluster.pods[name].starts})")
+                cluster.start(name, wait=False)
+                note(f"restart {name} (start #{cluster.pods[name].starts + 1})")
         if on_tick is not None and outcome is None:
             on_tick(cluster, events)
         time.sleep(0.2)

@@ -18,7 +18,19 @@ what the API server, the Job controller and the kubelet then add, each rule with
 - the pod's own `/etc/hosts` line: `<podIP> <hostname>.<subdomain>.<ns>.svc.<domain> <hostname>` when
   `subdomain` is set, else `<podIP> <hostname>` (`pkg/kubelet/kubelet_pods.go` `managedHostsFileContent`);
   the hostname is `spec.hostname`, else the pod name (`GeneratePodHostNameAndDomain`, same file).
-- init containers run one after the other to completion before the main container starts.
+- init containers run one after the other to completion before the main container starts; one that
+  fails is restarted (with the back-off below) under `restartPolicy: OnFailure|Always`, and fails the pod
+  under `Never` (`pkg/kubelet/kuberuntime/kuberuntime_manager.go` `computePodActions`).
+- cluster DNS: a pod's Service names resolve only while the pod is Ready, unless the Service sets
+  `publishNotReadyAddresses` (`pkg/controller/endpointslice` puts not-ready pods in the slice with
+  `ready: false`; CoreDNS `plugin/kubernetes` answers headless names only from ready endpoints unless the
+  Service publishes not-ready addresses). The harness models it in each pod's /etc/hosts (runtime.py).
+- probes (`pkg/kubelet/prober/worker.go` `doProbe`, `prober_manager.go` `UpdatePodStatus`): while a
+  startupProbe has not succeeded, neither readiness nor liveness runs and the container is neither
+  Started nor Ready; a probe runs every `periodSeconds` (default 10) after `initialDelaySeconds`, fails
+  after `timeoutSeconds` (default 1); `failureThreshold` (default 3) consecutive failures of the startup
+  or liveness probe kill the container (then `restartPolicy` applies); a container without a
+  readinessProbe is Ready once Started. `probe_spec` gives a probe's fields with those defaults.
 - container restarts under `restartPolicy: OnFailure|Always`: in place (same pod, IP, emptyDirs),
   the first at once, then after 10 s doubling to 300 s (`pkg/kubelet/kubelet.go` `backOffPeriod = 10s`,
   `MaxContainerBackOff = 300s`); `Never`: the pod ends Failed and only its controller can replace it.
@@ -44,6 +56,7 @@ __all__ = [
     "Pod",
     "container_argv",
     "expand",
+    "probe_spec",
     "resolve_env",
     "secret_data",
     "service_names",
@@ -87,6 +100,10 @@ class Pod:
             `controller`), or None.
         dns_names: names that resolve to this pod's IP in the cluster (its Services, its FQDN).
         role: short label for logs and tests ("master-0", "worker-1", "node-0", "head", "submitter").
+        init_containers: `spec.initContainers`, operator-added ones included.
+        controller: the owning controller's failure rules (JobSet pods).
+        publish_not_ready: whether `dns_names` resolve while the pod is not Ready
+            (the Service's `publishNotReadyAddresses`).
     """
 
     name: str
@@ -103,6 +120,9 @@ class Pod:
     role: str = ""
     init_containers: list[dict[str, Any]] = field(default_factory=list)
     controller: dict[str, Any] = field(default_factory=dict)  # the owning controller's failure rules
+    # Whether the Services behind `dns_names` publish not-ready addresses (else they resolve only while
+    # the pod is Ready).
+    publish_not_ready: bool = True
 
     def own_hosts_names(self) -> list[str]:
         """The names the kubelet writes for the pod itself in its /etc/hosts."""
@@ -259,3 +279,19 @@ def restart_delay(restarts_so_far: int) -> float:
     if restarts_so_far <= 0:
         return 0.0
     return min(BACKOFF_BASE_S * 2 ** (restarts_so_far - 1), BACKOFF_MAX_S)
+
+
+# pkg/apis/core/v1/defaults.go SetDefaults_Probe.
+PROBE_DEFAULTS = {"initialDelaySeconds": 0, "periodSeconds": 10, "timeoutSeconds": 1, "failureThreshold": 3}
+
+
+def probe_spec(container: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    """The container's `<kind>Probe` (kind: startup, readiness, liveness) with the API defaults, or None.
+
+    Only `exec` probes are emulated (the ones torchrig and the operators render)."""
+    probe = container.get(f"{kind}Probe")
+    if not probe:
+        return None
+    if "exec" not in probe:
+        raise NotImplementedError(f"{kind}Probe: only exec probes are emulated")
+    return {**PROBE_DEFAULTS, **probe}

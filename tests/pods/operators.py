@@ -33,6 +33,7 @@ __all__ = [
     "RayJobPods",
     "go_quote",
     "operator_action",
+    "pt_init_containers",
     "pytorchjob_pods",
     "rayjob_pods",
     "trainjob_pods",
@@ -132,7 +133,7 @@ def _pt_operator_env(job: dict[str, Any], rtype: str, index: int) -> list[dict[s
     return env
 
 
-def pytorchjob_pods(objects: list[dict[str, Any]]) -> list[Pod]:
+def pytorchjob_pods(objects: list[dict[str, Any]], init_template: str | None = None) -> list[Pod]:
     """The pods of a rendered PyTorchJob, master first.
 
     - names: `<job>-<replica type lowercase>-<index>` (TO common/pod.go createNewPod ->
@@ -143,13 +144,20 @@ def pytorchjob_pods(objects: list[dict[str, Any]]) -> list[Pod]:
     - restart: the replica's restartPolicy is copied to the pod, except `ExitCode` -> pod `Never`
       (TO pkg/core/pod.go SetRestartPolicy); the operator then reacts to a Failed pod
       (common/pod.go ReconcilePods, see `operator_action`);
-    - workers of a job with a Master get an init container that waits until the master name resolves
-      (pytorch/initcontainer.go); the harness resolves names from the start, so it is not run.
+    - the Services are headless without `publishNotReadyAddresses` (common/service.go CreateNewService:
+      ClusterIP None, nothing else set), so a pod's names resolve only while it is Ready;
+    - Workers of a job with a Master get the init container `init-pytorch` (pytorch/initcontainer.go
+      setInitContainer, called from pytorchjob_controller.go SetClusterSpec for every pod): `nslookup
+      <job>-master-0` every 2 s, up to `--pytorch-init-container-max-tries` (100) times, image
+      `--pytorch-init-container-image` (alpine:3.10), no securityContext; the operator's
+      `--pytorch-init-container-template-file` (/etc/config/initContainer.yaml) replaces the template
+      when it exists. No init container without a Master (elastic jobs), and none on the Master.
     """
     job = _one(objects, "PyTorchJob")
     name, ns = job["metadata"]["name"], job["metadata"].get("namespace", "default")
     replicas = job["spec"]["pytorchReplicaSpecs"]
     pods: list[Pod] = []
+    init = pt_init_containers(name, init_template) if "Master" in replicas else []
     for rtype in ("Master", "Worker"):  # pytorch_defaults.go setPyTorchTypeNamesToCamelCase
         if rtype not in replicas:
             continue
@@ -183,9 +191,47 @@ def pytorchjob_pods(objects: list[dict[str, Any]]) -> list[Pod]:
                     replica_policy=policy,
                     dns_names=service_names(pod_name, ns),
                     role=f"{rtype.lower()}-{index}",
+                    init_containers=[
+                        *copy.deepcopy(template["spec"].get("initContainers", [])),
+                        *(copy.deepcopy(init) if rtype == "Worker" else []),
+                    ],
+                    publish_not_ready=False,
                 )
             )
     return pods
+
+
+PT_INIT_IMAGE = "alpine:3.10"  # TO pkg/config/config.go PyTorchInitContainerImageDefault
+PT_INIT_MAX_TRIES = 100  # ibid. PyTorchInitContainerMaxTriesDefault
+
+
+def pt_init_containers(job_name: str, template: str | None = None) -> list[dict[str, Any]]:
+    """TO pytorch/initcontainer.go GetInitContainer for `replicaName(job, Master, 0)`: the built-in
+    initContainerTemplate, or `template` (the text of the operator's --pytorch-init-container-template-file)
+    with its `{{.MasterAddr}}`, `{{.InitContainerImage}}` and `{{.MaxTries}}` filled in."""
+    master = f"{job_name}-master-0"
+    if template is not None:
+        import yaml
+
+        values = {".MasterAddr": master, ".InitContainerImage": PT_INIT_IMAGE, ".MaxTries": str(PT_INIT_MAX_TRIES)}
+        text = template
+        for key, value in values.items():
+            text = text.replace("{{" + key + "}}", value)
+        found: list[dict[str, Any]] = yaml.safe_load(text)
+        return found
+    script = (
+        f"err=1;for i in $(seq {PT_INIT_MAX_TRIES}); do if nslookup {master}; then err=0 && break; fi;"
+        "echo waiting for master; sleep 2; done; exit $err"
+    )
+    return [
+        {
+            "name": "init-pytorch",
+            "image": PT_INIT_IMAGE,
+            "imagePullPolicy": "IfNotPresent",
+            "resources": {"limits": {"cpu": "100m", "memory": "20Mi"}, "requests": {"cpu": "50m", "memory": "10Mi"}},
+            "command": ["sh", "-c", script],
+        }
+    ]
 
 
 def operator_action(pod: Pod, exit_code: int) -> str:
@@ -374,6 +420,9 @@ def trainjob_pods(objects: list[dict[str, Any]]) -> list[Pod]:
                         controller=controller,
                         dns_names=[fqdn, f"{fqdn}.{ns}", f"{fqdn}.{ns}.svc", f"{fqdn}.{ns}.svc.{CLUSTER_DOMAIN}"],
                         role=f"{rjob['name']}-{index}",
+                        init_containers=copy.deepcopy(template["spec"].get("initContainers", [])),
+                        # JS jobset_controller.go constructService: PublishNotReadyAddresses defaults to true.
+                        publish_not_ready=bool((jobset.get("network") or {}).get("publishNotReadyAddresses", True)),
                     )
                 )
     return pods
@@ -693,6 +742,8 @@ def rayjob_pods(objects: list[dict[str, Any]]) -> RayJobPods:
     own_secret = auth_secret is not None and not cspec["authOptions"].get("secretName")
     made = [_auth_secret(cluster, ns, auth_secret)] if own_secret and auth_secret else []
     head = _ray_pod(rj, cluster, cspec["headGroupSpec"], "head", 0, fqdn_head, auth_secret)
+    # Both head Services are headless with publishNotReadyAddresses (KR common/service.go
+    # BuildServiceForHeadPod, which BuildHeadServiceForRayJob calls too): the Pod default holds.
     head.dns_names = [*service_names(head_svc, ns), *service_names(f"{name}-head-svc", ns)]
     workers = []
     for group in cspec.get("workerGroupSpecs", []):

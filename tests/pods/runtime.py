@@ -5,18 +5,33 @@ lives in a namespace of its own (nothing is added to the host's network namespac
 come from a /24 in 10.214.0.0/16 that only these namespaces hold. `start(pod)` runs the pod's init
 containers, then its container through podinit.py (new mount/UTS/IPC/PID namespaces) with:
 
-- /etc/hosts: the kubelet's line for the pod itself plus the cluster DNS names of every pod of the
-  job (the harness's stand-in for cluster DNS); /etc/resolv.conf pointing at 127.0.0.1 (nothing
+- /etc/hosts: the kubelet's line for the pod itself plus the cluster DNS names of the other pods of
+  the job (the harness's stand-in for cluster DNS): a pod's names appear there only while it is
+  Ready, or always when its Services publish not-ready addresses (`Pod.publish_not_ready`; kubelet.py).
+  Each name's line sits at a fixed offset and is switched on and off by rewriting its first byte (`#`),
+  so a resolver never reads a half-written file. /etc/resolv.conf points at 127.0.0.1 (nothing
   answers, so no lookup ever leaves the namespace);
+- the init containers' `nslookup` is tests/pods/bin/nslookup, which resolves through that file (the
+  operators' init containers run busybox's, against cluster DNS);
 - each volumeMount bound at its mountPath: a ConfigMap volume is a read-only directory with its
   items (from the rendered ConfigMap), an emptyDir a directory of the pod (kept across container
-  restarts, new when the pod is recreated; `medium: Memory` a tmpfs of its sizeLimit, fresh at
+  restarts, new when the pod is recreated; a Secret volume a read-only directory of the Secret's keys
+  (from a Secret among `objects`); `medium: Memory` a tmpfs of its sizeLimit, fresh at
   each start), a PVC a directory shared by every pod that claims it;
 - /dev/shm a 64 MiB tmpfs unless a volume is mounted there; /tmp a new directory per start (the
   container's writable layer) unless `readOnlyRootFilesystem`, which makes the root read-only;
 - the image replaced by this repository's virtualenv: PATH starts with its bin/, the rest of the
   image's ENV, HOME and WORKDIR as images/cpu/Dockerfile sets them (IMAGE_ENV);
 - processes run as root: `runAsUser`/`fsGroup` are not applied (the interpreter lives under /root).
+
+With `start(name, wait=False)` and `tick()` (what jobs.py `run_job` does) a pod's init containers run
+one after the other while the other pods run, and the kubelet's probes (kubelet.py `probe_spec`) run
+as exec probes inside the container's namespaces (mount, PID, network, UTS, IPC, with the container's
+env): the startup probe first, then readiness and liveness; Ready switches the pod's DNS names on; a
+startup or liveness probe past its failureThreshold SIGKILLs the container (its exit, 137, is left to
+`poll`, and the restart policy decides). `time_scale` multiplies every probe's `periodSeconds` and
+`initialDelaySeconds` (default 1, or TORCHRIG_PODS_TIME_SCALE): at 0.2 a 10 s period is probed every
+2 s. `timeoutSeconds` and whatever a probe command measures itself are not scaled (real seconds).
 
 Env from `secretKeyRef` is read from the Secrets among `objects` (the rendered ones plus those an
 operator makes, such as KubeRay's auth token Secret; kubelet.py `secret_data`).
@@ -40,9 +55,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.pods.kubelet import Pod, container_argv, resolve_env, secret_data
+from tests.pods.kubelet import Pod, container_argv, probe_spec, resolve_env, restart_delay, secret_data
 
-__all__ = ["IMAGE_ENV", "NS_PREFIX", "PodCluster", "PodState", "netns_reason"]
+__all__ = ["IMAGE_ENV", "INIT_FAILED", "NS_PREFIX", "PodCluster", "PodState", "netns_reason"]
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = REPO / ".venv" / "bin"
@@ -63,6 +78,23 @@ IMAGE_ENV = {
     "RAY_AUTH_MODE": "disabled",
 }
 DEFAULT_SHM = "64m"  # the container runtime's default /dev/shm
+SHIMS = Path(__file__).with_name("bin")  # the harness's stand-ins for the init images' tools (nslookup)
+# A pod that failed before its main container ran has no exit code for it: the Training Operator reads
+# its magic default (TO pkg/controller.v1/common/pod.go ReconcilePods `exitCode = 0xbeef`), >= 128.
+INIT_FAILED = 0xBEEF
+PROBE_KINDS = ("startup", "readiness", "liveness")
+
+
+@dataclass
+class ProbeState:
+    """One probe of the running container (kubelet prober worker): when it runs next, its run in flight."""
+
+    spec: dict[str, Any]
+    due: float
+    failures: int = 0
+    succeeded: bool = False
+    proc: subprocess.Popen[bytes] | None = None
+    deadline: float = 0.0
 
 
 def netns_reason() -> str | None:
@@ -100,6 +132,17 @@ class PodState:
     exit_codes: list[int] = field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = None
     killed: bool = False
+    init_index: int = 0  # the init container running (with `init_proc`), or about to
+    init_proc: subprocess.Popen[bytes] | None = None
+    init_restarts: int = 0
+    init_due: float | None = None  # when a crashed init container restarts (its back-off)
+    init_failed: bool = False  # an init container failed under restartPolicy Never (reported by `poll` once)
+    inits_done: int = -1  # the incarnation whose init containers all succeeded
+    env: dict[str, str] = field(default_factory=dict)  # the main container's env (what exec probes get)
+    probes: dict[str, ProbeState] = field(default_factory=dict)
+    ready: bool = False
+    published: bool = False
+    events: list[str] = field(default_factory=list)  # probe results and kills, for the test's report
 
     @property
     def log(self) -> Path:
@@ -115,9 +158,14 @@ class PodState:
 class PodCluster:
     """The pods of one rendered job, as processes. Use as a context manager (always cleans up)."""
 
-    def __init__(self, root: Path, objects: list[dict[str, Any]], pods: list[Pod]) -> None:
+    def __init__(
+        self, root: Path, objects: list[dict[str, Any]], pods: list[Pod], time_scale: float | None = None
+    ) -> None:
         self.root = root
         self.objects = objects
+        scale = os.environ.get("TORCHRIG_PODS_TIME_SCALE", "1")
+        self.time_scale = time_scale if time_scale is not None else float(scale)
+        self._hosts_offsets: dict[str, list[tuple[Path, int, str]]] = {}
         self.prefix = f"{NS_PREFIX}{uuid.uuid4().hex[:5]}"
         self.octet = uuid.uuid4().int % 250 + 1
         self.hub = f"{self.prefix}-hub"
@@ -133,6 +181,8 @@ class PodCluster:
             for state in self.pods.values():
                 self._pod_dirs(state)
             self._hosts()
+            for state in self.pods.values():
+                self._publish(state, state.pod.publish_not_ready)
             self._mount_points()
         except BaseException:
             self.close()
@@ -173,8 +223,20 @@ class PodCluster:
                 path.mkdir(parents=True, exist_ok=True)
             elif "persistentVolumeClaim" in vol:
                 (self.root / "pvc" / vol["persistentVolumeClaim"]["claimName"]).mkdir(parents=True, exist_ok=True)
+            elif "secret" in vol:
+                # The kubelet does not start a pod whose non-optional Secret volume is missing.
+                ref = vol["secret"]
+                data = secret_data(self.objects).get(ref["secretName"])
+                if data is None and not ref.get("optional"):
+                    raise ValueError(f"{state.pod.name}: volume {vol['name']}: Secret {ref['secretName']} not found")
+                path.mkdir(parents=True, exist_ok=True)
+                items = ref.get("items") or [{"key": k, "path": k} for k in (data or {})]
+                for item in items:
+                    if item["key"] in (data or {}):
+                        (path / item["path"]).write_text((data or {})[item["key"]])
+                        os.chmod(path / item["path"], int(item.get("mode", ref.get("defaultMode", 0o644))))
             else:
-                raise NotImplementedError(f"volume {vol['name']!r}: only configMap, emptyDir and PVC are emulated")
+                raise NotImplementedError(f"volume {vol['name']!r}: only configMap, secret, emptyDir, PVC are emulated")
 
     def _configmap(self, name: str) -> dict[str, Any]:
         for obj in self.objects:
@@ -184,15 +246,34 @@ class PodCluster:
 
     def _hosts(self) -> None:
         for state in self.pods.values():
-            lines = ["# Kubernetes-managed hosts file (pods harness).", "127.0.0.1\tlocalhost"]
-            lines.append("\t".join([state.ip, *state.pod.own_hosts_names(), *state.pod.dns_names]))
+            head = ["# Kubernetes-managed hosts file (pods harness).", "127.0.0.1\tlocalhost"]
+            head.append("\t".join([state.ip, *state.pod.own_hosts_names()]))
+            text = "\n".join(head) + "\n"
             for other in self.pods.values():
                 if other is not state and other.pod.dns_names:
-                    lines.append("\t".join([other.ip, *other.pod.dns_names]))
-            (state.dir / "hosts").write_text("\n".join(lines) + "\n")
+                    line = "\t".join([other.ip, *other.pod.dns_names])
+                    self._hosts_offsets.setdefault(other.pod.name, []).append((state.dir / "hosts", len(text), line[0]))
+                    text += "#" + line[1:] + "\n"  # off until the pod is published (`_publish`)
+            (state.dir / "hosts").write_text(text)
             (state.dir / "resolv.conf").write_text(
                 f"nameserver 127.0.0.1\nsearch {state.pod.namespace}.svc.cluster.local svc.cluster.local\n"
             )
+
+    def _publish(self, state: PodState, on: bool) -> None:
+        """Switch the pod's cluster-DNS names on or off in every other pod's /etc/hosts (one byte each)."""
+        if state.published == on:
+            return
+        for path, offset, first in self._hosts_offsets.get(state.pod.name, []):
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.pwrite(fd, (first if on else "#").encode(), offset)
+            finally:
+                os.close(fd)
+        state.published = on
+
+    def resolvable(self, name: str) -> bool:
+        """Whether the pod's Service names resolve in the other pods now."""
+        return self.pods[name].published
 
     def _mount_points(self) -> None:
         """Create on the host the mount points that neither exist nor lie inside an earlier mount
@@ -246,7 +327,7 @@ class PodCluster:
                 src = self.root / "pvc" / vol["persistentVolumeClaim"]["claimName"]
                 mounts.append({"type": "bind", "src": str(src), "dst": m["mountPath"], "ro": m.get("readOnly")})
             else:
-                ro = m.get("readOnly") or "configMap" in vol
+                ro = m.get("readOnly") or "configMap" in vol or "secret" in vol
                 mounts.append({"type": "bind", "src": str(base / m["name"]), "dst": m["mountPath"], "ro": ro})
         # The "image" is this checkout and its venv: mounted last, read-only, at its own path, so that a
         # volume over one of its parents (the /tmp emptyDir of a read-only root, with the clone under
@@ -259,7 +340,12 @@ class PodCluster:
         tmp.mkdir(parents=True, exist_ok=True)
         env = resolve_env(state.pod, state.ip, container, secret_data(self.objects))
         argv = container_argv(state.pod, env, container)
-        full_env = {**IMAGE_ENV, "HOSTNAME": state.pod.hostname, **dict(env)}
+        image_env = dict(IMAGE_ENV)
+        if container is not state.pod.container:  # an init container: its image's tools are the shims
+            image_env["PATH"] = f"{SHIMS}:{image_env['PATH']}"
+        full_env = {**image_env, "HOSTNAME": state.pod.hostname, **dict(env)}
+        if container is state.pod.container:
+            state.env = full_env
         cfg = {
             "mounts": self._mounts(state, container, tmp),
             "readonly_root": _readonly_root(container),
@@ -283,9 +369,19 @@ class PodCluster:
         env = resolve_env(state.pod, state.ip, secrets=secret_data(self.objects))
         return container_argv(state.pod, env), dict(env)
 
-    def start(self, name: str, init_timeout_s: float = 120) -> None:
-        """Run the pod's init containers to completion, then start its container."""
+    def start(self, name: str, init_timeout_s: float = 120, *, wait: bool = True) -> None:
+        """Run the pod's init containers to completion, then start its container.
+
+        With `wait=False` the first init container (or the container) is started and `tick` runs the
+        rest while the caller goes on, as the kubelet does."""
         state = self.pods[name]
+        if not wait:
+            # A container restarted in place does not rerun the init containers; a new pod does.
+            done = state.inits_done == state.incarnation
+            state.init_index = len(state.pod.init_containers) if done else 0
+            state.init_restarts, state.init_due = 0, None
+            self._next_init(state)
+            return
         for i, init in enumerate(state.pod.init_containers):
             proc = self._launch(state, init, f"init{i}-{init['name']}-{state.incarnation}-{state.starts}")
             try:
@@ -296,13 +392,136 @@ class PodCluster:
                 raise TimeoutError(f"{name}: init container {init['name']} did not finish") from None
             if code != 0:
                 raise RuntimeError(f"{name}: init container {init['name']} exited {code}\n{state.logs()}")
+        self._start_main(state)
+
+    def _start_main(self, state: PodState) -> None:
         state.starts += 1
         state.killed = False
+        self._set_ready(state, False)
         state.proc = self._launch(state, state.pod.container, f"{state.pod.container['name']}-{state.starts}")
+        now = time.monotonic()
+        state.probes = {}
+        for kind in PROBE_KINDS:
+            spec = probe_spec(state.pod.container, kind)
+            if spec is not None:
+                state.probes[kind] = ProbeState(spec, now + spec["initialDelaySeconds"] * self.time_scale)
+        if not state.probes:
+            self._set_ready(state, True)  # no probe: Started, and Ready with it
+
+    def _next_init(self, state: PodState) -> None:
+        """Start init container `init_index`, or the main container once every init container succeeded."""
+        if state.init_index >= len(state.pod.init_containers):
+            state.inits_done = state.incarnation
+            self._start_main(state)
+            return
+        init = state.pod.init_containers[state.init_index]
+        tag = f"init{state.init_index}-{init['name']}-{state.incarnation}-{state.starts}-{state.init_restarts}"
+        state.init_proc = self._launch(state, init, tag)
+
+    def _set_ready(self, state: PodState, ready: bool) -> None:
+        state.ready = ready
+        self._publish(state, ready or state.pod.publish_not_ready)
+
+    def tick(self) -> None:
+        """One pass of the kubelet over every pod: advance init containers, run the probes that are due."""
+        now = time.monotonic()
+        for state in self.pods.values():
+            if state.init_due is not None and now >= state.init_due:
+                state.init_due = None
+                self._next_init(state)
+            if state.init_proc is not None:
+                code = state.init_proc.poll()
+                if code is not None:
+                    self._init_exited(state, code)
+            if state.proc is not None and state.proc.poll() is None:
+                self._probe(state, now)
+
+    def _init_exited(self, state: PodState, code: int) -> None:
+        init = state.pod.init_containers[state.init_index]
+        state.init_proc = None
+        state.events.append(f"{state.pod.name}: init container {init['name']} exited {code}")
+        if code == 0:
+            state.init_index += 1
+            self._next_init(state)
+        elif state.pod.restart_policy == "Never":
+            state.exit_codes.append(INIT_FAILED)  # the pod is Failed; its container never ran
+            state.init_failed = True
+        else:
+            state.init_due = time.monotonic() + restart_delay(state.init_restarts + 1)
+            state.init_restarts += 1
+
+    def _container_pid(self, state: PodState) -> int | None:
+        """The host PID of the container's PID 1 (podinit's only child)."""
+        assert state.proc is not None
+        try:
+            children = Path(f"/proc/{state.proc.pid}/task/{state.proc.pid}/children").read_text().split()
+        except OSError:
+            return None
+        return int(children[0]) if children else None
+
+    def _probe(self, state: PodState, now: float) -> None:
+        """kubelet prober: startup until it succeeds, then readiness and liveness, each on its period."""
+        started = "startup" not in state.probes or state.probes["startup"].succeeded
+        for kind, probe in state.probes.items():
+            if kind != "startup" and not started:
+                continue
+            if kind == "startup" and probe.succeeded:
+                continue
+            if probe.proc is not None:
+                code = probe.proc.poll()
+                if code is None and now < probe.deadline:
+                    continue
+                if code is None:  # timeoutSeconds: a failure
+                    probe.proc.kill()
+                    probe.proc.wait()
+                probe.proc = None
+                self._probe_result(state, kind, probe, code == 0)
+                if state.killed:
+                    return
+                started = "startup" not in state.probes or state.probes["startup"].succeeded
+                continue
+            if now < probe.due:
+                continue
+            probe.due = now + probe.spec["periodSeconds"] * self.time_scale
+            pid = self._container_pid(state)
+            if pid is None:
+                continue
+            cmd = ["nsenter", "-t", str(pid), "-m", "-p", "-n", "-u", "-i", "--", *probe.spec["exec"]["command"]]
+            log = (state.dir / "logs" / f"probe-{kind}.log").open("ab")
+            try:
+                probe.proc = subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=state.env
+                )
+            finally:
+                log.close()
+            probe.deadline = now + probe.spec["timeoutSeconds"]
+
+    def _probe_result(self, state: PodState, kind: str, probe: ProbeState, ok: bool) -> None:
+        if ok:
+            probe.failures = 0
+            if not probe.succeeded:
+                state.events.append(f"{state.pod.name}: {kind} probe succeeded")
+            probe.succeeded = True
+        else:
+            probe.failures += 1
+            if kind == "readiness":
+                probe.succeeded = False
+        if kind in ("startup", "liveness") and probe.failures >= probe.spec["failureThreshold"]:
+            state.events.append(f"{state.pod.name}: {kind} probe failed {probe.failures} times: container killed")
+            self._kill(state)
+            self._set_ready(state, False)
+            return
+        started = "startup" not in state.probes or state.probes["startup"].succeeded
+        readiness = state.probes.get("readiness")
+        self._set_ready(state, started and (readiness is None or readiness.succeeded))
 
     def poll(self, name: str) -> int | None:
-        """The container's exit code once it has exited (recorded once), else None."""
+        """The container's exit code once it has exited (recorded once), else None; `INIT_FAILED` once
+        for a pod whose init container failed under `restartPolicy: Never`."""
         state = self.pods[name]
+        if state.init_failed:
+            state.init_failed = False
+            return INIT_FAILED
         if state.proc is None:
             return None
         code = state.proc.poll()
@@ -314,9 +533,22 @@ class PodCluster:
         code = 137 if state.killed else (128 - code if code < 0 else code)
         state.exit_codes.append(code)
         state.proc = None
+        self._stop_probes(state)
+        self._set_ready(state, False)
         return code
 
+    def _stop_probes(self, state: PodState) -> None:
+        for probe in state.probes.values():
+            if probe.proc is not None and probe.proc.poll() is None:
+                probe.proc.kill()
+                probe.proc.wait()
+        state.probes = {}
+
     def _kill(self, state: PodState) -> None:
+        if state.init_proc is not None and state.init_proc.poll() is None:
+            state.init_proc.kill()
+            state.init_proc.wait()
+        state.init_proc, state.init_due = None, None
         if state.proc is not None and state.proc.poll() is None:
             state.killed = True
             state.proc.send_signal(signal.SIGKILL)  # podinit's PID 1 dies with it (PDEATHSIG)
@@ -333,6 +565,8 @@ class PodCluster:
         state = self.pods[name]
         self._kill(state)
         self.poll(name)
+        state.init_failed = False
+        self._set_ready(state, False)
         state.incarnation += 1
         state.restarts = 0
         self._pod_dirs(state)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import base64
+import secrets
 from typing import Any
 
 from orchestrator.compile import compile as compile_manifests
+from orchestrator.compile._common import JOB_SECRET_KEY, job_secret
 from orchestrator.loader import load_spec
 from tests.fixtures.common import REPO
 
@@ -17,9 +20,12 @@ TORCHRIG_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "TO
 
 
 def render(target: str, *extra_sets: str, fixed_size: bool = False) -> list[dict[str, Any]]:
-    """The scenario spec with `extra_sets`, compiled for `target` (what `torchrig render` prints)."""
+    """The scenario spec with `extra_sets`, compiled for `target` (what `torchrig render` prints), after
+    the job's Secret with a value (what `torchrig submit` creates first: orchestrator/backends/kubernetes.py)."""
     spec = load_spec(EXAMPLE, [*SCENARIO_SETS, *extra_sets])
-    return compile_manifests(spec, target, fixed_size=fixed_size)
+    secret = job_secret(spec)
+    secret["data"] = {JOB_SECRET_KEY: base64.b64encode(secrets.token_hex(32).encode()).decode()}
+    return [secret, *compile_manifests(spec, target, fixed_size=fixed_size)]
 
 
 def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:

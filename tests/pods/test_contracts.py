@@ -216,3 +216,59 @@ def test_trainjob_failures_follow_pod_failure_policy_then_jobset_restarts() -> N
     max_restarts = jobset["failurePolicy"]["maxRestarts"]
     assert all(operator_action(pod, code) == "fail-job" for code in permanent)
     assert [operator_action(pod, 137) for _ in range(max_restarts + 1)] == ["restart-all"] * max_restarts + ["fail-job"]
+
+
+def test_webhooks_admit_the_rendered_jobs_and_refuse_what_their_source_refuses() -> None:
+    """admission.py, each rule from the webhook's source (see its docstring for the files)."""
+    import copy
+
+    from tests.pods.admission import admit
+
+    pj = render("pytorchjob", fixed_size=True)
+    ray = render("rayjob", "spec.nodes.max=1")
+    assert admit(pj) == [] and admit(render("pytorchjob")) == [] and admit(ray) == []
+
+    bad = copy.deepcopy(pj)
+    replicas = one(bad, "PyTorchJob")["spec"]["pytorchReplicaSpecs"]
+    replicas["Master"]["replicas"] = 2
+    replicas["Worker"]["template"]["spec"]["containers"][0]["name"] = "trainer"
+    found = "\n".join(admit(bad))
+    assert "pytorchReplicaSpecs[Master].replicas: Forbidden: must be 1" in found
+    assert "must have at least one container with name pytorch" in found
+
+    tj = render("trainjob", "spec.nodes.min=2")
+    runtime_first = [o for o in tj if o["kind"] != "TrainJob"] + [one(tj, "TrainJob")]
+    patched = copy.deepcopy(runtime_first)
+    patch = one(patched, "TrainJob")["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]
+    node = patch["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    node.setdefault("containers", [{"name": "node"}])[0]["env"] = [{"name": "A", "value": "1"}]
+    assert "must not have envs for the dataset-initializer, model-initializer, node containers" in "\n".join(
+        admit(patched)
+    )
+    without_runtime = [o for o in tj if not o["kind"].endswith("TrainingRuntime")]
+    assert "must be created before the TrainJob is created" in "\n".join(admit(without_runtime))
+    reserved = copy.deepcopy(runtime_first)
+    one(reserved, "TrainJob")["spec"].setdefault("trainer", {}).setdefault("env", []).append(
+        {"name": "PET_NNODES", "value": "3"}
+    )
+    assert "must not have reserved envs" in "\n".join(admit(reserved))
+
+    long_ray = copy.deepcopy(ray)
+    one(long_ray, "RayJob")["metadata"]["name"] = "r" * 48
+    group = one(long_ray, "RayJob")["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+    group["minReplicas"], group["maxReplicas"] = 3, 2
+    found = "\n".join(admit(long_ray))
+    assert "no more than 47 chars" in found and "minReplicas 3 > maxReplicas 2" in found
+
+
+def test_workers_of_a_job_with_a_master_wait_for_its_name_in_the_operators_init_container() -> None:
+    """TO pytorch/initcontainer.go: `init-pytorch` on every Worker when a Master exists, none otherwise; and
+    the operator's Services publish no not-ready addresses (common/service.go)."""
+    fixed = pytorchjob_pods(render("pytorchjob", fixed_size=True))
+    master, worker = fixed
+    assert master.init_containers == [] and not master.publish_not_ready
+    (init,) = worker.init_containers
+    assert init["name"] == "init-pytorch" and init["image"] == "alpine:3.10" and "securityContext" not in init
+    assert "nslookup digits-ddp-master-0;" in init["command"][2] and "seq 100" in init["command"][2]
+    assert all(not p.init_containers for p in pytorchjob_pods(render("pytorchjob")))
+    assert all(p.publish_not_ready for p in trainjob_pods(render("trainjob", "spec.nodes.min=2")))

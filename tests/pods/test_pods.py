@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.pods.admission import check_admitted
 from tests.pods.jobs import JobOutcome, pytorchjob_succeeded, run_job, trainjob_succeeded
 from tests.pods.kubelet import Pod
 from tests.pods.operators import KR_AUTH_HEADER, pytorchjob_pods, rayjob_pods, trainjob_pods
@@ -68,11 +69,13 @@ def _why(outcome: JobOutcome, cluster: PodCluster) -> str:
     return f"{outcome}\n" + "\n".join(f"--- {n}\n{s.logs()[-4000:]}" for n, s in cluster.pods.items())
 
 
-def _run_pytorchjob(make: MakeCluster, objects: list[dict[str, Any]], **kw: Any) -> tuple[PodCluster, JobOutcome]:
+def _run_pytorchjob(
+    make: MakeCluster, objects: list[dict[str, Any]], timeout_s: float = JOB_TIMEOUT_S, **kw: Any
+) -> tuple[PodCluster, JobOutcome]:
     job = one(objects, "PyTorchJob")
     cluster = make(objects, pytorchjob_pods(objects))
     backoff = job["spec"].get("runPolicy", {}).get("backoffLimit")
-    outcome = run_job(cluster, pytorchjob_succeeded(job), timeout_s=JOB_TIMEOUT_S, backoff_limit=backoff, **kw)
+    outcome = run_job(cluster, pytorchjob_succeeded(job), timeout_s=timeout_s, backoff_limit=backoff, **kw)
     return cluster, outcome
 
 
@@ -108,6 +111,58 @@ def test_pytorchjob_fixed_master_and_worker_train_like_torchrig_run(
     assert (result["steps"], result["world_size"]) == (40, 4)
     assert result["params_sha256"] == reference_result["params_sha256"]
     assert {n: s.exit_codes for n, s in cluster.pods.items()} == {n: [0] for n in cluster.pods}
+
+
+ELASTIC_MIN_2 = ("spec.nodes.min=2", "spec.nodes.max=3")
+
+
+def test_pytorchjob_elastic_job_of_at_least_two_nodes_trains(pod_cluster: MakeCluster) -> None:
+    """`nodes.min: 2` (of 3): every Worker's torchrun must reach `<job>-worker-0` (PET_RDZV_ENDPOINT) before
+    the rendezvous can complete, so worker-0's name must resolve before worker-0 trains (issue 40 point 3)."""
+    objects = render("pytorchjob", *ELASTIC_MIN_2)
+    assert one(objects, "PyTorchJob")["spec"]["elasticPolicy"]["minReplicas"] == 2
+    cluster, outcome = _run_pytorchjob(pod_cluster, objects)
+    assert outcome.status == "Succeeded", _why(outcome, cluster)
+    result = _result(cluster)
+    assert result["steps"] == 40 and result["world_size"] in (4, 6), result
+
+
+def _gate_readiness_on_the_rendezvous(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The probes torchrig rendered before issue 40: a startup probe that passes only once rank 0's
+    exporter answers (after torchrun's rendezvous), 240 x 10 s, then liveness."""
+    job = one(objects, "PyTorchJob")
+    for replica in job["spec"]["pytorchReplicaSpecs"].values():
+        container = replica["template"]["spec"]["containers"][0]
+        exec_ = {"command": ["python", "-m", "training.healthcheck"]}
+        container["startupProbe"] = {"exec": exec_, "timeoutSeconds": 10, "periodSeconds": 10, "failureThreshold": 240}
+        container["livenessProbe"] = {"exec": exec_, "timeoutSeconds": 10, "periodSeconds": 30, "failureThreshold": 3}
+    return objects
+
+
+@pytest.mark.parametrize("shape", ["fixed size", "elastic, min 2"])
+def test_readiness_gated_on_the_rendezvous_deadlocks_a_multi_node_pytorchjob(
+    pod_cluster: MakeCluster, shape: str
+) -> None:
+    """Issue 40 point 3, the defect the harness once hid: the operator's Services do not publish not-ready
+    addresses, so the rendezvous host's name resolves only once its pod is Ready, and a startup probe that
+    waits for the exporter keeps it not Ready until after the rendezvous it hosts. Fixed size: the
+    Worker's `init-pytorch` waits on `<job>-master-0` and its trainer never starts; elastic with
+    `min >= 2`: worker-1's torchrun cannot resolve `<job>-worker-0`. No step is ever taken."""
+    if shape == "fixed size":
+        objects = _gate_readiness_on_the_rendezvous(render("pytorchjob", fixed_size=True))
+        host, waiter = "digits-ddp-master-0", "digits-ddp-worker-0"
+    else:
+        objects = _gate_readiness_on_the_rendezvous(render("pytorchjob", *ELASTIC_MIN_2))
+        host, waiter = "digits-ddp-worker-0", "digits-ddp-worker-1"
+    cluster, outcome = _run_pytorchjob(pod_cluster, objects, timeout_s=90)
+    assert outcome.status != "Succeeded", _why(outcome, cluster)
+    assert not [e for e in _events(cluster) if e.kind is EventKind.CHECKPOINT_COMMITTED], _why(outcome, cluster)
+    assert not [e for e in outcome.events if f"{host}: startup probe succeeded" in e], _why(outcome, cluster)
+    logs = cluster.pods[waiter].logs()
+    if shape == "fixed size":
+        assert cluster.pods[waiter].starts == 0 and "waiting for master" in logs, _why(outcome, cluster)
+    else:
+        assert host in logs, _why(outcome, cluster)
 
 
 def test_pytorchjob_elastic_workers_train_like_torchrig_run(
@@ -350,6 +405,7 @@ class RayJobRun:
 def rayjob_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayJobRun]:
     """The RayJob's head, worker group and submitter, run once for the module's tests (1 worker pod)."""
     objects = render("rayjob", "spec.nodes.max=1")
+    check_admitted(objects)  # KubeRay's webhook and validation (admission.py), as run_job does for the others
     ray = rayjob_pods(objects)
     assert "ray start --head" in ray.head.container["args"][0] and len(ray.workers) == 1
     assert ray.auth_token, "the RayJob renders no authOptions token mode"

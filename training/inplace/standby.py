@@ -48,6 +48,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from training.contract import Env, ExitCode
+from training.healthcheck import clear_standby, mark_standby
 from training.inplace import BEAT_S, HOST_LOST_S, InPlace, store_client
 
 __all__ = ["JOIN", "Round", "exit_barrier_passed", "round_store", "run_standby", "standby_wanted"]
@@ -424,6 +425,7 @@ def _stand_by(launch: Launch, raw: Any, found: Round, env: MutableMapping[str, s
         flush=True,
     )
     standby.start_hosts()
+    mark_standby()  # the liveness probe: no exporter here until this node takes a lost node's ranks
     store, inplace = standby.store, standby.inplace
     world, nproc = found.nodes * launch.nproc, launch.nproc
     # A node silent for BEHIND_LOST_S whose ranks never joined the generation the others are forming is
@@ -483,12 +485,14 @@ def _stand_by(launch: Launch, raw: Any, found: Round, env: MutableMapping[str, s
             if lost and standby.ready:
                 for node in lost:
                     if standby.take(node, watch.seen[node][0]):
+                        clear_standby()  # a node now: its exporter answers the liveness probe
                         store.add(inplace.standbys_key(), -1)
                         standby.ready = False
                         break
             time.sleep(POLL_S)
         return 128 + stopping[0]
     finally:
+        clear_standby()
         if standby.taken is None:
             if standby.ready:
                 with contextlib.suppress(Exception):

@@ -124,18 +124,19 @@ emptyDir at a pod-local absolute path no other mount holds. Arg: the job. Return
 {{- end -}}
 
 {{- /*
-torchrig.probes: startup and liveness probes running the worker's health check, when an exporter the
-probe can reach runs (metrics.enabled, bindAddress unset or local). Startup allows torchrun's rendezvous
-(600 s) and the longer of a step timeout and the checkpoint I/O timeout; liveness about as long again. Arg: the job. Returns JSON.
+torchrig.probes: the liveness probe running the worker's health check, when an exporter the probe can
+reach runs (metrics.enabled, bindAddress unset or local); no startup or readiness probe, so the pod is
+Ready (its Service name resolves) before the rendezvous (orchestrator/compile/_pod.py probes). The check
+grants torchrun's rendezvous (600 s) and the longer of a step timeout and the checkpoint I/O timeout
+(--start-budget-s); liveness then about as long again. Arg: the job. Returns JSON.
 */ -}}
 {{- define "torchrig.probes" -}}
 {{- $m := .spec.metrics -}}
 {{- $out := dict -}}
 {{- if and $m.enabled (has ($m.bindAddress | default "") (list "" "0.0.0.0" "::" "127.0.0.1" "localhost")) -}}
   {{- $timeout := max (.spec.restarts.stepTimeoutSeconds | float64) (.spec.checkpoint.ioTimeoutSeconds | float64) | float64 -}}
-  {{- $exec := dict "command" (list "python" "-m" "training.healthcheck") -}}
-  {{- $_ := set $out "startupProbe" (dict "exec" $exec "timeoutSeconds" 10 "periodSeconds" 10 "failureThreshold" (ceil (divf (addf 600 $timeout) 10) | int)) -}}
-  {{- $_ := set $out "livenessProbe" (dict "exec" (deepCopy $exec) "timeoutSeconds" 10 "periodSeconds" 30 "failureThreshold" (max 3 (ceil (divf $timeout 30) | int))) -}}
+  {{- $exec := dict "command" (list "python" "-m" "training.healthcheck" "--start-budget-s" (ceil (addf 600 $timeout) | int | toString)) -}}
+  {{- $_ := set $out "livenessProbe" (dict "exec" $exec "timeoutSeconds" 10 "periodSeconds" 30 "failureThreshold" (max 3 (ceil (divf $timeout 30) | int))) -}}
 {{- end -}}
 {{- toJson $out -}}
 {{- end -}}
