@@ -255,3 +255,51 @@ def test_bytes_appended_to_any_run_file_never_raise_and_never_lose_the_summary(
         assert run_state(files.root)[0] in (RunState.SUCCEEDED, RunState.FAILED, RunState.PREEMPTED)
         result = CliRunner().invoke(cli, ["report", str(files.root), "-o", "json"], catch_exceptions=False)
         assert result.exit_code == 0, result.output
+
+
+# -- the detached supervisor: whatever ends its loop, summary.json is written ----------------------
+class _RunThatBreaks:
+    def request_cancel(self, reason: str = "") -> None:
+        pass
+
+    def wait(self) -> Summary:
+        raise RecursionError("maximum recursion depth exceeded while decoding a JSON array")
+
+
+class _Backend:
+    name = "local"
+
+    def request_from_json(self, data: Any) -> Any:
+        return data
+
+    def launch_dry_run(self, dryrun: Any) -> _RunThatBreaks:
+        return _RunThatBreaks()
+
+
+def test_the_detached_supervisor_writes_a_summary_when_its_loop_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dataclasses
+    import signal
+
+    from orchestrator import backends
+    from orchestrator.backends import supervise
+    from orchestrator.backends.base import SubmitOptions
+    from orchestrator.errors import EXIT_FAILED
+    from tests.fixtures.common import REPO
+
+    files = RunFiles(tmp_path / "run")
+    files.logs.mkdir(parents=True)
+    files.job.write_text((REPO / "examples" / "digits-ddp.yaml").read_text())
+    launch = {"backend": "local", "options": dataclasses.asdict(SubmitOptions()), "request": {}}
+    files.launch.write_text(json.dumps(launch))
+    monkeypatch.setattr(backends, "get_backend", lambda name: _Backend())
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert supervise.main([str(files.root)]) == EXIT_FAILED
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    summary = Summary.read(files.summary)
+    assert summary is not None and summary.status == "failed"
+    assert summary.reason is not None and "RecursionError" in summary.reason
