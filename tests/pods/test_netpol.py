@@ -12,9 +12,15 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from orchestrator.chart import values_document
+from orchestrator.compile import compile as compile_manifests
 from orchestrator.compile.networkpolicy import compile_network_policy
-from orchestrator.loader import load_spec
+from orchestrator.errors import UnsupportedFeature
+from orchestrator.loader import load_spec, validate_document
+from tests.fixtures import spec_variants
 from tests.pods.kubelet import Pod
 from tests.pods.netpol import Endpoint, admits, selects
 from tests.pods.operators import pytorchjob_pods, rayjob_pods, trainjob_pods
@@ -121,3 +127,41 @@ def test_opting_out_renders_no_policy() -> None:
     spec = load_spec(EXAMPLE, [*SCENARIO_SETS, "spec.kubernetes.networkPolicy=false"])
     assert compile_network_policy(spec, "pytorchjob") == []
     assert _policies(render("pytorchjob", "spec.kubernetes.networkPolicy=false", fixed_size=True)) == []
+
+
+_VARIANTS = spec_variants.variants(values_document())
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(variant=st.sampled_from(_VARIANTS), target=st.sampled_from(["pytorchjob", "trainjob", "rayjob"]))
+def test_any_spec_variant_admits_its_own_pods_and_prometheus_only(variant: spec_variants.Variant, target: str) -> None:
+    """Over the model's one-field variants (tests/fixtures/spec_variants.py): the operators' pods of the job
+    are exactly the selected ones, reach each other, and an outsider reaches none of them; Prometheus
+    reaches exactly the exporters' ports."""
+    spec = validate_document(variant.apply(values_document()))
+    try:
+        objs = compile_manifests(spec, target, fixed_size=True)
+        if target == "pytorchjob":
+            members, others = pytorchjob_pods(objs), []
+        elif target == "trainjob":
+            members, others = trainjob_pods(objs), []
+        else:
+            ray = rayjob_pods(objs)
+            members, others = [ray.head, *ray.workers], [ray.submitter]
+    except (UnsupportedFeature, NotImplementedError):
+        return
+    policies = _policies(objs)
+    if not spec.spec.kubernetes.network_policy:
+        assert policies == []
+        return
+    (policy,) = policies
+    exporters = (
+        {spec.spec.metrics.port + r for r in range(spec.spec.procs_per_node)} if spec.spec.metrics.enabled else set()
+    )
+    for dst in members:
+        assert selects(policy["spec"]["podSelector"], dst.labels)
+        for port in [GLOO_PORT, *exporters]:
+            assert not admits(policies, _endpoint(dst), OUTSIDER, port)
+            assert admits(policies, _endpoint(dst), _endpoint(members[-1]), port)
+            assert admits(policies, _endpoint(dst), PROMETHEUS, port) == (port in exporters)
+    assert not any(selects(policy["spec"]["podSelector"], p.labels) for p in others)
