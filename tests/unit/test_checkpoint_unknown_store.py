@@ -135,6 +135,21 @@ def test_a_file_store_whose_path_is_no_longer_a_directory_is_unknown(tmp_path: P
     assert _manager(tmp_path, store, generation=2).restore(make_state(0)) is None  # absent: fresh, on purpose
 
 
+def test_a_file_under_a_step_name_is_a_bad_step_not_an_unknown_store(tmp_path: Path) -> None:
+    """Only an I/O error leaves a manifest unknown: a file where a step directory should be is junk, and a
+    job whose store holds nothing else starts fresh, saves and keeps its checkpoints beside it."""
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / step_dir(7)).write_text("junk")
+    (row,) = list_checkpoints(open_storage(str(store)))
+    assert not row.unreadable and not row.committed and "not a checkpoint" in str(row.error)
+    mgr = _manager(tmp_path, str(store), keep=1)
+    assert mgr.restore(make_state(0)) is None
+    save_steps(mgr, [1, 2])
+    mgr.close()
+    assert sorted(p.name for p in store.iterdir()) == ["fences", step_dir(2), step_dir(7)]
+
+
 def test_an_unreadable_manifest_makes_the_store_unknown_not_empty(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -172,7 +172,8 @@ class Fence:
         found: set[int] = set()
         for name in store.list_dir(""):
             if parse_step_dir(name) is not None:
-                found.update(g for g in (parse_gen_dir(n) for n in store.list_dir(name)) if g is not None)
+                with contextlib.suppress(NotADirectoryError):  # a file under a step's name holds no shards
+                    found.update(g for g in (parse_gen_dir(n) for n in store.list_dir(name)) if g is not None)
         return sorted(found)
 
     def acquire(self, stores: list[CheckpointStorage]) -> int | None:

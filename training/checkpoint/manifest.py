@@ -313,6 +313,8 @@ def list_checkpoints(storage: CheckpointStorage, *, key: bytes | None = None) ->
             out.append(
                 CheckpointListing(step, None, error=str(exc), untrusted=True, claimed_job=_claimed_job(storage, step))
             )
+        except (NotADirectoryError, IsADirectoryError) as exc:  # a file where the step directory should be
+            out.append(CheckpointListing(step, None, error=f"not a checkpoint: {exc}"))
         except OSError as exc:  # the read failed (a timeout, a reset): nothing is known of this manifest
             out.append(CheckpointListing(step, None, error=f"unreadable: {type(exc).__name__}: {exc}", unreadable=True))
         except ValueError as exc:

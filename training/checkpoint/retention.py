@@ -72,7 +72,11 @@ def attribute(
                 c = dataclasses.replace(c, owner=job if exclusive else "")
             out.append(c)
             continue
-        gens = [g for g in (parse_gen_dir(n) for n in store.list_dir(step_dir(c.step))) if g is not None]
+        try:
+            names = store.list_dir(step_dir(c.step))
+        except NotADirectoryError:  # a file under a step's name: no writer generation owns it
+            names = []
+        gens = [g for g in (parse_gen_dir(n) for n in names) if g is not None]
         owners = {job_of_generation(store, g) for g in gens}
         known = owners - {None}
         if known == {job} and (None not in owners or exclusive):
