@@ -248,3 +248,29 @@ def test_a_large_shard_goes_up_as_a_multipart_upload_and_restores_verified(tmp_p
     result = CheckpointManager(cfg, _ctx(tmp_path, 1)).restore(target)
     assert result is not None and (result.step, result.store) == (7, "s3")
     assert torch.equal(target["model"]["w"], weights) and target["step"] == 7
+
+
+def test_an_s3_store_down_at_restart_stops_the_rank_instead_of_starting_over(
+    tmp_path: Path, s3_server: S3Server
+) -> None:
+    """The only store is S3 and it is down when the job restarts (connection refused): before, the
+    failed listing was skipped and the job started over from step 0 over its own checkpoints. Now the
+    restore lists it again for half of `checkpoint.ioTimeoutSeconds`, then stops retryably, naming it."""
+    import time
+
+    from training.checkpoint.results import CheckpointStoreUnavailableError
+
+    stores = [{"uri": s3_server.uri(), "name": "s3", "options": s3_server.options}]
+    cfg = CheckpointConfig.model_validate({"every": {"steps": 1}, "stores": stores, "ioTimeoutSeconds": 4})
+    mgr = CheckpointManager(cfg, _ctx(tmp_path, 0))
+    for step in (1, 2):
+        mgr.save(step, _state(step))
+        mgr.wait()
+    mgr.close()
+    s3_server.stop()
+    restorer = CheckpointManager(cfg, _ctx(tmp_path, 1))
+    start = time.monotonic()
+    with pytest.raises(CheckpointStoreUnavailableError, match=r"store s3 \(list: .*refusing to start over"):
+        restorer.restore(_state(-1))
+    took = time.monotonic() - start
+    assert took < 60, f"the restore gave up after {took:.1f} s"
