@@ -324,3 +324,26 @@ def test_random_manifest_bytes_are_one_bad_step_never_an_exception(tmp_path_fact
     for key in (None, KEY.encode()):
         (row,) = list_checkpoints(open_storage(str(root)), key=key)
         assert row.step == 1 and row.manifest is None and row.error
+
+
+def test_the_worker_exits_205_with_one_line_naming_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import training.__main__ as worker
+    import training.worker
+
+    def unavailable(*_: Any, **__: Any) -> None:
+        raise CheckpointStoreUnavailableError("job 'job': ... store s3 (list: OSError: timeout) ...", {"s3": "x"})
+
+    monkeypatch.setattr(training.worker, "run_worker", unavailable)
+    doc = {
+        "apiVersion": "torchrig/v1",
+        "kind": "TrainingJob",
+        "metadata": {"name": "job"},
+        "spec": {"task": {"entrypoint": "training.examples.digits:task"}, "training": {"steps": 1}},
+    }
+    (tmp_path / "job.yaml").write_text(json.dumps(doc))
+    code = worker.main(["--spec", str(tmp_path / "job.yaml"), "--run-dir", str(tmp_path / "run")])
+    assert code == ExitCode.STORE_UNAVAILABLE == 205
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["torchrig: error: job 'job': ... store s3 (list: OSError: timeout) ..."]
