@@ -34,14 +34,17 @@ class RunRecords(Protocol):
 
 def _job_name(run_dir: Path) -> str:
     """metadata.name from the run's job.yaml (the run directory's name when it cannot be read)."""
-    import yaml
+    from orchestrator.errors import SpecError
+    from orchestrator.loader import MAX_SPEC_BYTES, read_yaml
+    from training.contract.files import read_text
 
+    # Bounded in size and depth: a run directory's files are untrusted (`[[[[...` made yaml recurse).
+    text = read_text(RunFiles(run_dir).job, max_bytes=MAX_SPEC_BYTES)
     try:
-        doc = yaml.safe_load(RunFiles(run_dir).job.read_text())
-        name = doc["metadata"]["name"]
-    except (OSError, yaml.YAMLError, KeyError, TypeError):
-        return run_dir.name
-    return str(name)
+        name = read_yaml(text)["metadata"]["name"] if text is not None else None
+    except (SpecError, KeyError, TypeError):
+        name = None
+    return run_dir.name if name is None else str(name)
 
 
 def _describe(run_dir: Path, summary: Summary | None, tl: RunTimeline) -> str:

@@ -303,3 +303,13 @@ def test_the_detached_supervisor_writes_a_summary_when_its_loop_fails(
     summary = Summary.read(files.summary)
     assert summary is not None and summary.status == "failed"
     assert summary.reason is not None and "RecursionError" in summary.reason
+
+
+def test_the_plot_title_survives_a_job_yaml_of_brackets(tmp_path: Path) -> None:
+    from orchestrator.plot import _job_name
+
+    files = _healthy_run(tmp_path / "run")
+    files.job.write_bytes(BRACKETS + b"]" * 100_000)
+    assert _job_name(files.root) == "run"
+    files.job.write_text("metadata: {name: digits}\n")
+    assert _job_name(files.root) == "digits"

@@ -54,6 +54,7 @@ __all__ = [
     "private_umask",
     "read_json",
     "read_jsonl",
+    "read_text",
     "write_json",
 ]
 
@@ -369,6 +370,21 @@ def _parse_lines(lines: list[bytes], skipped: Skipped) -> list[dict[str, Any]]:
         else:
             out.append(obj)
     return out
+
+
+def read_text(path: str | os.PathLike[str], *, max_bytes: int) -> str | None:
+    """A regular file's text (undecodable bytes replaced), or None when it is missing, unreadable, not a
+    regular file or over `max_bytes` (job.yaml for a reader that is no worker: the plot's title)."""
+    skipped = Skipped()
+    fh = _open_regular(path, skipped)
+    if fh is None:
+        return None
+    try:
+        with fh:
+            data = fh.read(max_bytes + 1)
+    except OSError:
+        return None
+    return None if len(data) > max_bytes else data.decode("utf-8", "replace")
 
 
 def read_json(path: str | os.PathLike[str], *, max_bytes: int = MAX_JSON_BYTES) -> dict[str, Any] | None:
