@@ -60,7 +60,7 @@ def _failing_listing(monkeypatch: pytest.MonkeyPatch, root: str, failures: int |
         if self.root == os.path.abspath(root) and rel == "":
             calls.append(1)
             if failures is None or len(calls) <= failures:
-                raise OSError("Read timeout on endpoint URL")
+                raise OSError("Read timeout on endpoint URL\n" + "(details) " * 100)
         return original(self, rel)
 
     monkeypatch.setattr(FsspecStorage, "list_dir", list_dir)
@@ -80,6 +80,7 @@ def test_a_listing_that_raises_stops_the_rank_retryably_instead_of_starting_over
     with pytest.raises(CheckpointStoreUnavailableError, match=r"s0 .*OSError: Read timeout") as info:
         mgr.restore(make_state(0))
     assert "refusing to start over from step 0" in str(info.value) and "resume: never" in str(info.value)
+    assert "\n" not in str(info.value) and len(str(info.value)) < 800, "one bounded line"
     assert len(calls) >= 2, "the listing was not retried"
     assert sink.failures and all(store_name == "s0" for store_name, _ in sink.failures)
     assert int(ExitCode.STORE_UNAVAILABLE) >= 128 and ExitCode.STORE_UNAVAILABLE.retryable

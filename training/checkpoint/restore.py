@@ -74,8 +74,9 @@ log = logging.getLogger(__name__)
 # again: the restore runs under that limit (the watchdog's, and the other ranks' wait in the broadcast),
 # so the rest is left for loading what the listing finds once the store is back.
 LIST_RETRY_SHARE = 0.5
-LIST_RETRY_FIRST_S = 0.5  # the first pause between listings; doubled each time, up to the next
+LIST_RETRY_FIRST_S = 0.5  # the first pause between listings, doubled after each one up to the maximum
 LIST_RETRY_MAX_S = 30.0
+WHY_MAX_CHARS = 300  # a store's error, as the rank's one last line names it
 # How the `store_failure` event of a store the restore gave up on begins (drills look for it).
 RESTORE_GAVE_UP = "restore: unreadable, refusing to start over"
 
@@ -376,7 +377,7 @@ class RestoreSearch:
         for c in listing:
             m = c.manifest
             if c.unreadable:  # no verdict on this step: it may be this job's newest checkpoint
-                self._unlisted.setdefault(store.name, f"step {c.step}: {c.error}")
+                self._unlisted.setdefault(store.name, _one_line(f"step {c.step}: {c.error}"))
             if m is None and c.untrusted and self.owner is not None and c.claimed_job == self.owner:
                 self._wrongly_signed[store.name].append(c.step)
             if m is None:
@@ -424,7 +425,7 @@ class RestoreSearch:
                 listing = list_checkpoints(store, key=self.key)
             except Exception as exc:
                 # A store that did not answer may hold a good copy: unknown, not empty (see `restore`).
-                self._unlisted[store.name] = f"list: {type(exc).__name__}: {exc}"
+                self._unlisted[store.name] = _one_line(f"list: {type(exc).__name__}: {exc}")
                 log.warning("cannot list checkpoint store %s: %s", store.name, exc)
                 self.sink.on_store_failure(store.name, f"list: {type(exc).__name__}: {exc}")
                 continue
@@ -517,6 +518,12 @@ def _final_failure(exc: BaseException) -> bool:
     integrity (a file missing, of the wrong size or digest: `VerifyError`, `FileNotFoundError`) or a state
     that does not fit it (`StateMismatch`), rather than an error that may pass (I/O, a peer)."""
     return all(isinstance(c, (VerifyError, FileNotFoundError, StateMismatch)) for c in _causes(exc))
+
+
+def _one_line(text: str) -> str:
+    """`text` on one bounded line (a store's error may span lines: the rank's last line must not)."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= WHY_MAX_CHARS else flat[: WHY_MAX_CHARS - 3] + "..."
 
 
 def _steps(steps: list[int]) -> str:
