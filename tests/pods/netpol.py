@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Endpoint", "admits", "selects"]
+__all__ = ["Endpoint", "admits", "peer_matches", "policy_types", "selects"]
 
 
 @dataclass(frozen=True)
@@ -54,13 +54,13 @@ def selects(selector: dict[str, Any] | None, labels: dict[str, str]) -> bool:
     return True
 
 
-def _policy_types(spec: dict[str, Any]) -> list[str]:
+def policy_types(spec: dict[str, Any]) -> list[str]:
     if spec.get("policyTypes"):
         return list(spec["policyTypes"])
     return ["Ingress", *(["Egress"] if spec.get("egress") else [])]
 
 
-def _peer_matches(peer: dict[str, Any], policy_ns: str, src: Endpoint) -> bool:
+def peer_matches(peer: dict[str, Any], policy_ns: str, src: Endpoint) -> bool:
     if "ipBlock" in peer:
         raise NotImplementedError("ipBlock peers are not modelled")
     pods, namespaces = peer.get("podSelector"), peer.get("namespaceSelector")
@@ -86,7 +86,7 @@ def admits(policies: list[dict[str, Any]], dst: Endpoint, src: Endpoint, port: i
         p
         for p in policies
         if p["metadata"].get("namespace", "default") == dst.namespace
-        and "Ingress" in _policy_types(p["spec"])
+        and "Ingress" in policy_types(p["spec"])
         and selects(p["spec"].get("podSelector"), dst.labels)
     ]
     if not applying:
@@ -95,7 +95,7 @@ def admits(policies: list[dict[str, Any]], dst: Endpoint, src: Endpoint, port: i
         ns = policy["metadata"].get("namespace", "default")
         for rule in policy["spec"].get("ingress") or []:
             peers, ports = rule.get("from") or [], rule.get("ports") or []
-            if peers and not any(_peer_matches(peer, ns, src) for peer in peers):
+            if peers and not any(peer_matches(peer, ns, src) for peer in peers):
                 continue
             if ports and not any(_port_matches(p, dst, port, protocol) for p in ports):
                 continue
