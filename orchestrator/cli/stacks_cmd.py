@@ -22,7 +22,16 @@ import click
 
 from orchestrator.errors import SpecError
 from training.contract import Env, EventKind, RunFiles, read_events, read_json
-from training.contract.stacks import DUMP_SIGNAL, Frame, header, innermost_frames, ranks_apart, read_stack_dumps
+from training.contract.files import make_private_dirs, open_private_append
+from training.contract.stacks import (
+    DUMP_SIGNAL,
+    Frame,
+    header,
+    innermost_frames,
+    ranks_apart,
+    read_stack_dumps,
+    read_stack_file,
+)
 
 __all__ = ["LiveRank", "StacksReport", "live_ranks", "report_stacks", "request_stacks", "stacks_hint"]
 
@@ -116,7 +125,7 @@ def _py_spy(exe: str, pid: int, path: Path, rank: int, generation: int) -> None:
         text = proc.stdout + (f"\n[py-spy exit {proc.returncode}]\n{proc.stderr}" if proc.returncode else "")
     except (OSError, subprocess.TimeoutExpired) as exc:
         text = f"[py-spy failed: {exc}]\n"
-    with path.open("a") as fh:
+    with open_private_append(path) as fh:
         fh.write(header(rank=rank, generation=generation, reason="py-spy") + text)
 
 
@@ -135,8 +144,8 @@ def request_stacks(run_dir: str | os.PathLike[str], *, wait_s: float = WAIT_S) -
     opened: dict[int, int] = {}
     for live in ranks:
         path = files.stack_file(generation, live.rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as fh:  # the worker appends after this line (its file is O_APPEND too)
+        make_private_dirs(path.parent, levels=2)  # stack dumps are private, like the worker's own (0700 / 0600)
+        with open_private_append(path) as fh:  # the worker appends after this line (its file is O_APPEND too)
             fh.write(header(rank=live.rank, generation=generation, reason="request"))
         opened[live.rank] = path.stat().st_size
         try:
@@ -163,7 +172,7 @@ def request_stacks(run_dir: str | os.PathLike[str], *, wait_s: float = WAIT_S) -
             report.files[rank] = files.stack_file(generation, rank)
         else:
             report.missing.append(rank)
-    dumps = {rank: path.read_text(errors="replace") for rank, path in report.files.items()}
+    dumps = {rank: read_stack_file(path) for rank, path in report.files.items()}  # bounded: the newest dumps
     report.frames = innermost_frames(dumps)
     report.apart = ranks_apart(dumps)
     return report

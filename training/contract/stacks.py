@@ -42,6 +42,7 @@ __all__ = [
     "parse_threads",
     "ranks_apart",
     "read_stack_dumps",
+    "read_stack_file",
     "training_thread",
 ]
 
@@ -200,7 +201,7 @@ _RANK_FILE_RE = re.compile(r"^rank-(\d+)\.txt$")
 MAX_STACK_READ_BYTES = 4 << 20  # a stack file's newest bytes read: its newest dumps (a dump is ~10-100 KiB)
 
 
-def _read_newest(path: Path) -> str:
+def read_stack_file(path: str | os.PathLike[str]) -> str:
     """The last `MAX_STACK_READ_BYTES` of a regular file as text ("" for anything else): a stack file
     gains a section per dump and is written by the workers, so it is read bounded and never blocks."""
     try:
@@ -237,7 +238,7 @@ def read_stack_dumps(run_dir: str | os.PathLike[str], generation: int) -> dict[i
         m = _RANK_FILE_RE.match(path.name)
         if not m:
             continue
-        text = _read_newest(path)
+        text = read_stack_file(path)
         if text.strip():
             out[int(m.group(1))] = text
     return out
