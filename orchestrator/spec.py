@@ -387,6 +387,14 @@ class KubernetesConfig(Model):
                 )
             if name in USER_ENV:
                 continue
+            if name.startswith(_OPERATOR_ENV_PREFIX):
+                raise _error_at(
+                    (name,),
+                    f"{_OPERATOR_ENV_PREFIX}* are torchrun's arguments, which the Kubeflow operators set on every pod "
+                    "(PyTorchJob and TrainJob) and which override the spec's value without a word; the backend sets "
+                    "torchrun's arguments from spec.nodes and spec.procsPerNode",
+                    val,
+                )
             if name.startswith(Env.PREFIX) or name in _LAUNCHER_ENV:
                 raise _error_at(
                     (name,),
@@ -401,14 +409,6 @@ class RayConfig(Model):
     """Ray placement: a local embedded cluster, or an existing one through the Ray Jobs API."""
 
     address: str | None = Field(
-            if name.startswith(_OPERATOR_ENV_PREFIX):
-                raise _error_at(
-                    (name,),
-                    f"{_OPERATOR_ENV_PREFIX}* are torchrun's arguments, which the Kubeflow operators set on every pod "
-                    "(PyTorchJob and TrainJob) and which override the spec's value without a word; the backend sets "
-                    "torchrun's arguments from spec.nodes and spec.procsPerNode",
-                    val,
-                )
         default=None,
         description="Ray dashboard address (`http://HOST:8265`) to submit to; null starts a local Ray.",
     )
@@ -548,6 +548,7 @@ class JobSpec(Model):
         if s.kubernetes.runtime_kind != "ClusterTrainingRuntime" and not s.kubernetes.runtime_ref:
             out.append("spec.kubernetes.runtimeKind: has no effect without runtimeRef")
         out += _shared_credential_warnings(s)
+        out += [finding.warning() for finding in inline_secrets(self)]  # only a local run accepts them
         out += _in_memory_warnings(s)
         out += _spare_node_warnings(s)
         out += [
@@ -562,7 +563,6 @@ class JobSpec(Model):
             out.append("spec.training.lrSchedule.minLrRatio: has no effect with decay constant")
         return out
 
-        out += [finding.warning() for finding in inline_secrets(self)]  # only a local run accepts them
 
 def _in_memory_warnings(body: JobSpecBody) -> list[str]:
     """`checkpoint.inMemory.every` serves only FSDP/HSDP recovering in place (`training.inplace.replica`)."""
