@@ -10,6 +10,15 @@
 set -euo pipefail
 venv=${1:-.venv}
 bin="$venv/bin"
+# One Debian package, as root or through passwordless sudo.
+apt_install() {
+  if [ "$(id -u)" -eq 0 ]; then
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$1" >/dev/null
+  else
+    sudo -n apt-get update -qq && sudo -n DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$1" >/dev/null
+  fi
+}
 HELM_SHA256=210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9
 
 if [ ! -x "$bin/helm" ] || ! echo "$HELM_SHA256  $bin/helm" | sha256sum -c --status; then
@@ -26,34 +35,16 @@ fi
 "$bin/helm" version --short
 
 if ! command -v promtool >/dev/null || ! [ -x /usr/bin/prometheus ]; then
-  if [ "$(id -u)" -eq 0 ]; then
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends prometheus >/dev/null
-  else
-    sudo -n apt-get update -qq && sudo -n apt-get install -y -qq --no-install-recommends prometheus >/dev/null
-  fi
+  apt_install prometheus
 fi
 /usr/bin/prometheus --version 2>&1 | head -1
 
 if ! command -v chromium-headless-shell >/dev/null && ! command -v chromium >/dev/null; then
-  if [ "$(id -u)" -eq 0 ]; then
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends chromium-headless-shell >/dev/null
-  else
-    sudo -n apt-get update -qq && sudo -n apt-get install -y -qq --no-install-recommends chromium-headless-shell >/dev/null
-  fi
+  apt_install chromium-headless-shell
 fi
 { chromium-headless-shell --version 2>/dev/null || chromium --version; } | head -1
 
 if ! command -v nft >/dev/null; then
-  if [ "$(id -u)" -eq 0 ]; then
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends nftables >/dev/null
-  else
-    sudo -n apt-get update -qq && sudo -n apt-get install -y -qq --no-install-recommends nftables >/dev/null
-  fi
+  apt_install nftables
 fi
 nft --version
