@@ -8,7 +8,9 @@
   (`--allow-pod-local-stores`; the chart's `allowPodLocalStores`);
 - credentials written into `stores[].options` or `initFrom.options`: they would be stored in the spec
   ConfigMap and the job object, readable by anyone who can read those; `stores[].secretRef` names a
-  Secret instead;
+  Secret instead (the chart checks these with the same message); and any other credential
+  `orchestrator.credentials` finds in the job (env, Ray's runtime env, a URI's userinfo), which the loader
+  refuses already, for a `JobSpec` built in Python;
 - a RayJob whose `spec.ray.rayVersion` is older than Ray's token authentication (2.52): the RayJob
   turns it on (`authOptions`), and KubeRay refuses token mode on an older Ray. Refused rather than
   rendered without `authOptions`: the Jobs API of such a cluster would run anyone's code.
@@ -24,6 +26,7 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from orchestrator.credentials import inline_secrets
 from orchestrator.errors import UnsupportedFeature
 from orchestrator.naming import target_name_rule
 from orchestrator.spec import JobSpec
@@ -164,6 +167,10 @@ def check_target(
     credentials = inline_credentials_problem(spec)
     if credentials:
         raise UnsupportedFeature(credentials)
+    # Everywhere else in the job (env, Ray's runtime env, URIs, task args): what the loader refuses, for a
+    # JobSpec built through the Python API too (`orchestrator.credentials`).
+    for finding in inline_secrets(spec):
+        raise UnsupportedFeature(finding.error())
     if target == "rayjob":
         old_ray = ray_version_problem(spec)
         if old_ray:

@@ -339,3 +339,20 @@ def test_torchrun_arguments_in_kubernetes_env_are_refused(name: str) -> None:
         load_spec(DIGITS, [f"spec.kubernetes.env.{name}=c10d"])
     (problem,) = info.value.problems
     assert problem.startswith(f"spec.kubernetes.env.{name}: PET_* are torchrun's arguments")
+
+
+@pytest.mark.parametrize("target", ["pytorchjob", "trainjob", "rayjob"])
+def test_compile_refuses_a_job_built_in_python_with_an_inline_secret(target: str) -> None:
+    """The Python API (`orchestrator.api`) builds a JobSpec without the loader: the Kubernetes compilers
+    refuse what the loader would, so a secret never reaches a ConfigMap or `env: value:` that way either."""
+    from orchestrator.compile import compile as compile_target
+    from orchestrator.errors import UnsupportedFeature
+    from orchestrator.spec import JobSpec
+
+    doc = yaml.safe_load(DIGITS.read_text())
+    doc["spec"]["nodes"] = {"min": 2, "max": 2}
+    doc["spec"].setdefault("kubernetes", {})["env"] = {"HF_TOKEN": "hf_" + "a1" * 20}
+    spec = JobSpec.model_validate(doc)
+    with pytest.raises(UnsupportedFeature) as info:
+        compile_target(spec, target, allow_pod_local_stores=True)
+    assert str(info.value).startswith("spec.kubernetes.env.HF_TOKEN: ") and "a1a1" not in str(info.value)
