@@ -145,3 +145,23 @@ def test_a_store_without_atomic_create_reads_its_fence_back_and_warns_once(
         warnings
         == ["checkpoint store gcs-like cannot create objects atomically: the writer fence is best effort there"] * 2
     )
+
+
+def test_a_fence_of_nested_brackets_is_an_unreadable_fence_not_a_recursion_error(tmp_path: Path) -> None:
+    """A fence object is the store's, hence anyone's with write access to the bucket: 64 KiB of `[` nests
+    deeper than the JSON parser goes (RecursionError, which no reader caught), and must read as the
+    unreadable fence it is; the next writer still takes a generation above it and commits."""
+    from training.checkpoint.fence import FENCE_MAX_BYTES, damaged_owners, fence_path
+
+    a = str(tmp_path / "a")
+    save_steps(CheckpointManager(config(a), launch(tmp_path, generation=0)), [1])
+    store = open_storage(a)
+    hostile = Path(a) / fence_path(5)
+    hostile.write_bytes(b"[" * (FENCE_MAX_BYTES - 1))
+    assert Fence(launch(tmp_path, generation=1)).record(store, 5) is None
+    assert damaged_owners(store, 1) == {"job"}
+    mgr = CheckpointManager(config(a), launch(tmp_path, generation=1))
+    assert (mgr.restore(make_state(999)) or pytest.fail("no restore")).step == 1
+    save_steps(mgr, [2])
+    mgr.close()
+    assert committed_steps(a)[0] == 2

@@ -72,7 +72,8 @@ def damaged_owners(store: CheckpointStorage, step: int) -> set[str]:
         objects += [fence_path(gen) for gen in gens if gen is not None]
     jobs: set[str] = set()
     for rel in objects:
-        with contextlib.suppress(OSError, ValueError, AttributeError):
+        # RecursionError: 64 KiB of `[` nests deeper than the JSON parser goes.
+        with contextlib.suppress(OSError, ValueError, AttributeError, RecursionError):
             limit = FENCE_MAX_BYTES if rel.startswith(FENCE_DIR) else SMALL_OBJECT_MAX_BYTES
             job = json.loads(store.read_bytes(rel, max_bytes=limit)).get("job")
             if isinstance(job, str) and job:
@@ -127,7 +128,7 @@ class Fence:
             rec = FenceRecord(**{k: raw[k] for k in FenceRecord.__dataclass_fields__ if k in raw})
         except FileNotFoundError:
             return None
-        except (ValueError, TypeError, KeyError) as exc:
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:
             # Not cached: with O_EXCL on a filesystem without hard links the content follows the name.
             log.warning("store %s: fence %s is unreadable (%s); ignored", store.name, fence_path(generation), exc)
             return None
