@@ -12,21 +12,30 @@ hosts its own, several nodes share the c10d rendezvous store) and, after each c1
 every agent of that round shares (`export_rendezvous_round`). `training.launch` runs this module in place
 of a `torchrun` command; the local backend's agents (`orchestrator.backends._local_agent`) call
 `export_rendezvous_round` too.
+
+Every order in that store is signed with the job's secret (`Env.JOB_SECRET_FILE`,
+`training.contract.orders`). An agent that hosts the store on 127.0.0.1 for one node makes a secret of its
+own when the launch gave none (a `torchrun` target, a pod rendered without the job's Secret): only its
+workers read it. Several nodes need the job's secret: without one they recover by group restarts, with
+a one-line warning.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
-import json
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import uuid
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 from training.contract import Env
+from training.contract.orders import SECRET_FILE, SecretError, Signer, create_job_secret, load_job_secret
 
 __all__ = [
     "ROUND_KEY",
@@ -34,7 +43,7 @@ __all__ = [
     "export_rendezvous_round",
     "host_inplace_store",
     "main",
-    "record_permanent_exit",
+    "record_job_end",
     "run_agent",
     "stand_by_first",
     "stop_restarting_on_permanent_exit",
@@ -62,16 +71,32 @@ def host_inplace_store(env: MutableMapping[str, str] | None = None, argv: Sequen
     Returns the store this process hosts, or None."""
     env = os.environ if env is None else env
     wanted = env.get(Env.INPLACE_STORE)
+    if wanted not in (Env.INPLACE_STORE_RDZV, Env.INPLACE_STORE_AGENT):
+        return None
+    try:
+        secret = load_job_secret(env)
+    except SecretError as exc:
+        log.warning("in-place recovery is off, the group restarts instead: %s", exc)
+        del env[Env.INPLACE_STORE]
+        return None
     if wanted == Env.INPLACE_STORE_RDZV:
-        endpoint = _rdzv_endpoint(list(argv))
+        endpoint = _rdzv(list(argv))
         if endpoint is None:
             log.warning("in-place recovery needs the c10d rendezvous on several nodes; this launch restarts the group")
             del env[Env.INPLACE_STORE]
+        elif secret is None:
+            # The rendezvous store is reachable from every node: unsigned orders there could come from anyone.
+            log.warning(
+                "in-place recovery on several nodes needs the job's secret (%s, the job's Secret); this launch "
+                "restarts the group instead",
+                Env.JOB_SECRET_FILE,
+            )
+            del env[Env.INPLACE_STORE]
         else:
-            env[Env.INPLACE_STORE] = endpoint
+            env[Env.INPLACE_STORE] = endpoint[0]
         return None
-    if wanted != Env.INPLACE_STORE_AGENT:
-        return None
+    if secret is None:
+        env[Env.JOB_SECRET_FILE] = _private_secret()
     from torch._C._distributed_c10d import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)
@@ -79,8 +104,17 @@ def host_inplace_store(env: MutableMapping[str, str] | None = None, argv: Sequen
     return store
 
 
-def _rdzv_endpoint(argv: list[str]) -> str | None:
-    """`host:port` of the c10d rendezvous store of torchrun's arguments `argv` (torch's own parser, so
+def _private_secret() -> str:
+    """A secret of this agent's own for the store it hosts on 127.0.0.1 (a launch that gave none): in a
+    directory only this user can enter (`mkdtemp`: 0700), removed when the agent exits. Other users of the
+    machine reach 127.0.0.1 too, so the store's orders are signed all the same."""
+    folder = tempfile.mkdtemp(prefix="torchrig-secret-")
+    atexit.register(shutil.rmtree, folder, True)
+    return create_job_secret(os.path.join(folder, SECRET_FILE))
+
+
+def _rdzv(argv: list[str]) -> tuple[str, str] | None:
+    """(`host:port`, run id) of the c10d rendezvous of torchrun's arguments `argv` (torch's own parser, so
     `PET_RDZV_BACKEND` / `PET_RDZV_ENDPOINT` count as they do for torchrun), or None for another backend."""
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
     from torch.distributed.run import parse_args
@@ -92,7 +126,7 @@ def _rdzv_endpoint(argv: list[str]) -> str | None:
     if args.rdzv_backend != "c10d" or not args.rdzv_endpoint:
         return None
     host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
-    return f"{host}:{port}"
+    return f"{host}:{port}", str(args.rdzv_id)
 
 
 def export_rendezvous_round() -> None:
@@ -127,16 +161,18 @@ def export_rendezvous_round() -> None:
 def _publish_round(handler: Any, info: Any, token: str) -> None:
     """Record the round this agent runs in the rendezvous store, outside every round's prefix
     (`InPlace.round_record_key`): a standby node (`training.inplace.standby`) finds the round's key space,
-    its size and its exit barrier there. Every agent of the round writes the same token and round."""
+    its size and its exit barrier there. Every agent of the round writes the same token and round, signed
+    with the job's secret (none: nothing is recorded, and no standby stands by without one)."""
     from training.inplace import InPlace
+    from training.inplace.standby import Round
 
-    record = {
-        "token": token,
-        "round": int(handler._state_holder.state.round),
-        "nodes": int(info.world_size),
-    }
+    record = Round(token=token, round=int(handler._state_holder.state.round), nodes=int(info.world_size))
     try:
-        handler._store.set(InPlace.round_record_key(handler._settings.run_id), json.dumps(record))
+        secret = load_job_secret()
+        if secret is None:
+            return
+        key = InPlace.round_record_key(handler._settings.run_id)
+        handler._store.set(key, Signer(secret).sign(key, record.to_json()))
     except Exception as exc:  # no standby can find this round; the job itself is unaffected
         log.warning("in-place recovery: could not record the rendezvous round for standby nodes: %s", exc)
 
@@ -240,7 +276,7 @@ def stand_by_first(args: list[str]) -> int | None:
     code = run_standby(launch)
     if code != JOIN:
         if 1 <= code <= 127:  # a standby that took a node and failed there ends the job like a member
-            record_permanent_exit(args, code)
+            record_job_end(args, code)
         return code
     for sig in (signal.SIGTERM, signal.SIGINT):  # torchrun installs its own
         signal.signal(sig, signal.SIG_DFL)
@@ -258,28 +294,43 @@ def run_agent(torchrun_main: Any, args: list[str]) -> int:
     except Exception as exc:
         code = exit_code_of(exc)
         if code is None or 1 <= code <= 127:
-            record_permanent_exit(args, 1 if code is None else code)
+            record_job_end(args, 1 if code is None else code)
         if code is None:
             raise
         return code
+    record_job_end(args, 0)  # torchrun returns once every agent of the round passed its exit barrier
     return 0
 
 
-def record_permanent_exit(args: list[str], code: int, env: Mapping[str, str] | None = None) -> bool:
+def record_job_end(args: list[str], code: int, env: Mapping[str, str] | None = None) -> bool:
     """Tell a store-only rendezvous pod (`Env.STORE_POD`, `training.rendezvous_store`) that this agent ends
-    the job with permanent code `code`, so that pod ends with it instead of serving a failed job's kept
-    pods. Best effort, a few seconds at most; returns whether it was recorded."""
+    the job: 0 once it passed torchrun's exit barrier, else the permanent code it ends it with; that pod
+    ends with the job instead of serving a failed job's kept pods. Signed with the job's secret (without
+    one, nothing is recorded: the pod trusts no unsigned record). Best effort, a few seconds at most;
+    returns whether it was recorded."""
     env = os.environ if env is None else env
     if env.get(Env.STORE_POD) != "1":
         return False
-    endpoint = _rdzv_endpoint(args)
-    if endpoint is None:
+    rdzv = _rdzv(args)
+    if rdzv is None:
         return False
     from training.inplace import store_client
-    from training.rendezvous_store import FAILED_KEY
+    from training.inplace.standby import job_finished
+    from training.rendezvous_store import failed_key, succeeded_key
 
+    endpoint, run_id = rdzv
+    key = succeeded_key(run_id) if code == 0 else failed_key(run_id)
     try:
-        store_client(endpoint, timeout_s=STORE_RECORD_TIMEOUT_S).set(FAILED_KEY, str(code))
+        secret = load_job_secret(env)
+        if secret is None:
+            raise SecretError(f"{Env.JOB_SECRET_FILE} is not set")
+        store = store_client(endpoint, timeout_s=STORE_RECORD_TIMEOUT_S)
+        if code == 0 and not job_finished(store, run_id, secret):
+            # torchrun returns 0 even when its exit barrier timed out (a node still running): only a
+            # barrier every agent passed is the job's end.
+            log.warning("torchrun's exit barrier did not pass; the job's end is not recorded")
+            return False
+        store.set(key, Signer(secret).sign(key, str(code)))
     except Exception as exc:
         log.warning("could not record this agent's exit %d in the rendezvous store: %s", code, exc)
         return False

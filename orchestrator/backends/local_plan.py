@@ -23,6 +23,7 @@ from orchestrator.backends.base import NodePlacement, SubmitOptions
 from orchestrator.errors import BackendError
 from orchestrator.spec import JobSpec
 from training.contract import Env, RunFiles
+from training.contract.orders import SECRET_FILE
 from training.preemption import launcher_env
 
 __all__ = ["LOG_LINE_PREFIX", "RDZV_CONF", "LocalPlan", "create_local_plan", "pick_port_block", "placement_from_json"]
@@ -213,6 +214,8 @@ def create_local_plan(spec: JobSpec, options: SubmitOptions, run_dir: Path, *, r
     worker_args = [worker] if worker.endswith(".py") else ["-m", worker]
     env = {
         Env.RUN_DIR: str(run_dir.resolve()),
+        # The run's secret (`LocalRun` creates it, mode 0600): orders in the rendezvous store are signed with it.
+        Env.JOB_SECRET_FILE: str(run_dir.resolve() / SECRET_FILE),
         Env.METRICS_BIND: "127.0.0.1",
         # Elastic's shared rendezvous store leaves stale keys that hang restarts (pytorch#135712).
         Env.DISABLE_SHARED_RDZV_STORE: "1",

@@ -29,6 +29,7 @@ from orchestrator.rundir import build_summary, error_line, latest_failure_log
 from orchestrator.spec import JobSpec
 from training.contract import Env, Result, RunFiles, Summary, read_events, write_json
 from training.contract.files import private_umask
+from training.contract.orders import SecretError, create_job_secret
 from training.preemption import torchrun_shutdown_timeout
 
 __all__ = ["DEFAULT_GRACE_S", "LocalRun"]
@@ -113,6 +114,11 @@ class LocalRun:
             stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(files.summary.stat().st_mtime))
             os.replace(files.summary, files.archived_summary(stamp))
         files.job.write_text(dump_spec(self.spec))
+        if secret := self.plan.env.get(Env.JOB_SECRET_FILE):
+            try:  # a resumed run keeps its secret (processes of before may still read the store)
+                create_job_secret(secret)
+            except (SecretError, OSError) as exc:
+                raise BackendError(f"the run's secret: {exc}") from None
 
     def _spawn(
         self, cmd: list[str], *, node: str, log: Path, env: dict[str, str] | None = None
@@ -126,8 +132,9 @@ class LocalRun:
         with contextlib.suppress(FileNotFoundError):
             port_file.unlink()
         cmd = [*self.plan.placement(0).prefix, sys.executable, "-m", "orchestrator.backends._local_store"]
+        secret = {k: v for k, v in self.plan.env.items() if k == Env.JOB_SECRET_FILE}
         self._store = self._spawn(
-            [*cmd, str(port_file), self.plan.store_host], node=_STORE_NODE, log=self.files.store_log
+            [*cmd, str(port_file), self.plan.store_host], node=_STORE_NODE, log=self.files.store_log, env=secret
         )
 
     def _await_store_port(self) -> None:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from training.contract import ExitCode
+from training.contract import Env, ExitCode
+from training.contract.orders import create_job_secret
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -68,11 +69,12 @@ def test_a_retryable_worker_exit_spends_the_restarts(tmp_path: Path) -> None:
 class _StorePod:
     """`python -m training.rendezvous_store` on a free port (read from its first line)."""
 
-    def __init__(self, run_id: str) -> None:
+    def __init__(self, run_id: str, secret_file: str) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "training.rendezvous_store", "--port", "0", "--run-id", run_id],
             stderr=subprocess.PIPE,
             text=True,
+            env={**os.environ, Env.JOB_SECRET_FILE: secret_file},  # it trusts only records signed with it
         )
         assert self.proc.stderr is not None
         line = self.proc.stderr.readline()
@@ -119,7 +121,7 @@ def test_an_agent_that_loses_its_rendezvous_store_exits_retryable(tmp_path: Path
     """The pod hosting the store dies (a PyTorchJob's Master): torchrun would exit 1, which a PyTorchJob
     takes as permanent (the job fails); torchrig's exits STORE_LOST, so the pod is recreated and the job
     restarts from its checkpoint."""
-    store = _StorePod("job")
+    store = _StorePod("job", create_job_secret(tmp_path / "secret"))
     agent = _agent(tmp_path, store.port, "120")
     deadline = time.monotonic() + 60
     while not (tmp_path / "starts").exists() and time.monotonic() < deadline:
@@ -138,8 +140,9 @@ def test_the_store_pod_ends_with_the_job(tmp_path: Path, code: int) -> None:
     """A store-only Master exits 0 once the agents passed torchrun's exit barrier (the PyTorchJob
     succeeds with it), or with the permanent code an agent ended the job with (so it does not outlive a
     failed job's kept pods)."""
-    store = _StorePod("job")
-    agent = _agent(tmp_path, store.port, "0", str(code), env={"TORCHRIG_STORE_POD": "1"})
+    secret = create_job_secret(tmp_path / "secret")
+    store = _StorePod("job", secret)
+    agent = _agent(tmp_path, store.port, "0", str(code), env={Env.STORE_POD: "1", Env.JOB_SECRET_FILE: secret})
     _, agent_err = agent.communicate(timeout=90)
     assert agent.returncode == code, agent_err[-3000:]
     rc, err = store.finish(60)

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from typing import Any
@@ -20,6 +21,7 @@ import yaml
 from tests.unit.test_spec_rules import BASE, problems
 from training.config import WorkerSpec, load_worker_spec
 from training.contract import Env, Event, EventKind
+from training.contract.orders import create_job_secret
 from training.inplace import InPlace
 from training.inplace.group import RecoveryFailed, is_peer_failure
 from training.inplace.host import _Child, _Promoted, claim_spare
@@ -31,7 +33,31 @@ def _worker_spec(**restarts: Any) -> WorkerSpec:
     return load_worker_spec(yaml.safe_dump(doc))
 
 
-LAUNCHED = {Env.INPLACE_STORE: "127.0.0.1:1234", Env.RUN_ID: "job-1", Env.WORLD_SIZE: "2", Env.GROUP_RANK: "1"}
+def _secret_file() -> str:
+    """A job secret for the module's launches (`Env.JOB_SECRET_FILE`: in-place recovery signs its orders)."""
+    folder = tempfile.mkdtemp(prefix="torchrig-test-")
+    return create_job_secret(os.path.join(folder, "secret"))
+
+
+SECRET_FILE = _secret_file()
+# A rank's launcher variables as torchrun sets them (what a host hands its spare).
+IDENTITY = {
+    Env.RANK: "0",
+    Env.WORLD_SIZE: "2",
+    Env.LOCAL_RANK: "0",
+    Env.LOCAL_WORLD_SIZE: "2",
+    Env.GROUP_RANK: "0",
+    Env.GROUP_WORLD_SIZE: "1",
+    Env.RESTART_COUNT: "0",
+    Env.RUN_ID: "r",
+}
+LAUNCHED = {
+    Env.INPLACE_STORE: "127.0.0.1:1234",
+    Env.RUN_ID: "job-1",
+    Env.WORLD_SIZE: "2",
+    Env.GROUP_RANK: "1",
+    Env.JOB_SECRET_FILE: SECRET_FILE,
+}
 
 
 def test_restarts_fields_are_validated_with_one_line_per_field() -> None:
@@ -105,16 +131,16 @@ def test_a_claimed_spare_gets_the_rank_and_the_next_generation(store: Any, monke
     )
     client = settings.connect()
     client.add(settings.spawned_key, 2)  # spare 0 is ready; spare 1 is still starting (or hung)
-    client.set(settings.spare_key(0, "ready"), "4242")
-    client.set(settings.rank_gen_key(1), "3")  # the dead trainer had joined generation 3
-    for name, value in {Env.RANK: "1", Env.WORLD_SIZE: "2", Env.LOCAL_RANK: "1", Env.RUN_ID: "r"}.items():
+    settings.write(client, settings.spare_key(0, "ready"), "4242")
+    settings.write(client, settings.rank_gen_key(1), "3")  # the dead trainer had joined generation 3
+    for name, value in {**IDENTITY, Env.RANK: "1", Env.LOCAL_RANK: "1"}.items():
         monkeypatch.setenv(name, value)
     assert claim_spare(settings, client, 1, None) == 4242
-    assignment = json.loads(client.get(settings.spare_key(0, "assign")))
+    assignment = json.loads(settings.read(client, settings.spare_key(0, "assign")) or "")
     assert assignment["generation"] == 4
     assert assignment["env"][Env.RANK] == "1" and assignment["env"][Env.LOCAL_RANK] == "1"
-    assert client.get(settings.spare_key(0, "claim")) == b"1"
-    assert client.get(settings.owner_key(1)) == b"4242", "rank 1 is the spare's now"
+    assert settings.read(client, settings.spare_key(0, "claim")) == "1"
+    assert settings.read(client, settings.owner_key(1)) == "4242", "rank 1 is the spare's now"
     # The next claim finds no spare 1 ready in time: the caller falls back to the group restart.
     quick = InPlace(**{**settings.__dict__, "timeout_s": 0.2})
     assert claim_spare(quick, client, 1, None) is None
@@ -161,7 +187,9 @@ def test_a_promoted_spare_is_watched_until_its_exit_code_is_published(store: Any
     os.kill(proc.pid, signal.SIGTERM)
     proc.wait()
     assert watched.poll() is None, "dead, but its exit code is not published yet"
-    client.set(settings.exit_key(proc.pid), str(128 + signal.SIGTERM))
+    client.set(settings.exit_key(proc.pid), "0")  # forged: ignored (it would make the host exit 0)
+    assert watched.poll() is None
+    settings.write(client, settings.exit_key(proc.pid), str(128 + signal.SIGTERM))
     deadline = time.monotonic() + 5
     code = None
     while code is None and time.monotonic() < deadline:
@@ -217,8 +245,9 @@ def test_one_node_torchrun_targets_have_their_agent_host_the_in_place_store() ->
     def pod_env(spec: Any, target: str) -> dict[str, str]:
         out: dict[str, str] = {}
         for obj in compile_manifests(spec, target):
-            for container in _containers(obj):
-                out.update({e["name"]: e.get("value") for e in container.get("env", [])})
+            # A TrainJob's variables are `spec.trainer.env` (its runtime's node container may have none).
+            for holder in [*_containers(obj), obj.get("spec", {}).get("trainer") or {}]:
+                out.update({e["name"]: e.get("value") for e in holder.get("env", [])})
         return out
 
     one_node = spec_of("spec.nodes.max=1", "spec.procsPerNode=2")
@@ -303,9 +332,13 @@ def test_several_nodes_share_the_c10d_rendezvous_store(
 
     for name, value in pet.items():
         monkeypatch.setenv(name, value)
-    env = {Env.INPLACE_STORE: Env.INPLACE_STORE_RDZV}
+    env = {Env.INPLACE_STORE: Env.INPLACE_STORE_RDZV, Env.JOB_SECRET_FILE: SECRET_FILE}
     assert host_inplace_store(env, argv) is None, "nothing hosted here: the rendezvous host's agent serves it"
     assert env.get(Env.INPLACE_STORE) == expected
+    # Without the job's secret, several nodes recover by group restarts: the store is reachable from
+    # every node, and orders nobody can check could come from anyone.
+    unsigned = {Env.INPLACE_STORE: Env.INPLACE_STORE_RDZV}
+    assert host_inplace_store(unsigned, argv) is None and Env.INPLACE_STORE not in unsigned
 
 
 _AGENT = """
@@ -443,7 +476,7 @@ def test_a_silent_node_whose_ranks_never_joined_the_new_generation_is_lost_soone
     beats = [_Beat(replace(settings, node_rank=node), store) for node in range(2)]
     assert nodes_behind(store, settings, 4, 2) == set(), "no rank has joined anything yet"
     for rank, generation in enumerate((3, 3, 2, 3)):
-        store.set(settings.rank_gen_key(rank), str(generation))
+        settings.write(store, settings.rank_gen_key(rank), str(generation))
     assert nodes_behind(store, settings, 4, 2) == set(), "rank 3 of node 1 joined generation 3"
     assert nodes_behind(store, settings, 4, 2, generation=4) == {0, 1}
     watch = NodeWatch(store, settings, 2, lost_after_s=30.0, behind=lambda: nodes_behind(store, settings, 4, 2))
@@ -459,7 +492,9 @@ def test_a_silent_node_whose_ranks_never_joined_the_new_generation_is_lost_soone
 
     beats[1].tick()
     assert silent_node_1_lost_after(BEHIND_LOST_S + 1.0) is None, "one of its ranks is in the newest generation"
-    store.set(settings.rank_gen_key(3), "2")  # now every rank of node 1 is behind
+    store.set(settings.rank_gen_key(3), "2")  # forged: ignored (counts as the newest generation)
+    assert silent_node_1_lost_after(BEHIND_LOST_S + 1.0) is None
+    settings.write(store, settings.rank_gen_key(3), "2")  # now every rank of node 1 is behind
     assert silent_node_1_lost_after(1.0) is not None, "silent for over BEHIND_LOST_S already"
     assert nodes_behind(store, settings, 4, 2) == {1}
 
@@ -475,7 +510,8 @@ def test_a_member_gives_up_on_a_generation_once_a_watcher_found_a_node_lost(stor
     )
     identity = WorkerIdentity(rank=1, world_size=4, local_rank=1, local_world_size=2, node_rank=0, num_nodes=2)
     group = InPlaceGroup(settings, identity, "gloo")
-    settings.connect().set(settings.nodes_lost_key(2), "node(s) [1] stopped beating for 3 s (lost or cut off)")
+    lost = settings.nodes_lost_key(2)
+    settings.write(settings.connect(), lost, "node(s) [1] stopped beating for 3 s (lost or cut off)")
     started = time.monotonic()
     with pytest.raises(RecoveryFailed, match=r"^generation 2: node\(s\) \[1\] stopped beating .*back in place$"):
         group.form(2)
@@ -583,14 +619,17 @@ def test_a_standby_host_waits_for_its_orders_without_polling_the_store(
         def sleep(self, timeout_s: float) -> None:
             time.sleep(timeout_s)
 
-    monkeypatch.setenv("TORCHRIG_TEST_ORDERS", "unset")
-    orders = {"env": {"TORCHRIG_TEST_ORDERS": "node 1, rank 3"}, "node": 1, "next_spare": 4}
+    for name, value in IDENTITY.items():
+        monkeypatch.setenv(name, value)
+    identity = {**IDENTITY, Env.RANK: "3", Env.LOCAL_RANK: "1", Env.GROUP_RANK: "1", Env.WORLD_SIZE: "4"}
+    identity[Env.GROUP_WORLD_SIZE] = "2"
+    orders = {"env": identity, "node": 1, "next_spare": 4}
     ordered_at: list[float] = []
 
     def order() -> None:
         time.sleep(1.0)
         ordered_at.append(time.monotonic())
-        settings.connect().set(settings.promote_key(1), json.dumps(orders))
+        settings.write(settings.connect(), settings.promote_key(1), json.dumps(orders))
 
     import threading
 
@@ -598,7 +637,7 @@ def test_a_standby_host_waits_for_its_orders_without_polling_the_store(
     promoted = _await_promotion(settings, counting, 1, Spare(), lambda: False)  # type: ignore[arg-type]
     assert promoted is not None and promoted[0].node_rank == 1 and promoted[1] == 4
     assert time.monotonic() - ordered_at[0] < POLL_S + 0.3
-    assert os.environ["TORCHRIG_TEST_ORDERS"] == "node 1, rank 3"
+    assert os.environ[Env.RANK] == "3"
     assert counting.calls <= 2, f"{counting.calls} requests over 1 s of standing by (polling sends ~50)"
     # (the orders themselves are read once, after the wait)
 
@@ -660,7 +699,8 @@ def test_a_process_whose_rank_was_given_to_another_stands_down_instead_of_joinin
     identity = WorkerIdentity(rank=3, world_size=4, local_rank=1, local_world_size=2, node_rank=1, num_nodes=2)
     group = InPlaceGroup(settings, identity, "gloo")
     client = settings.connect()
-    client.set(settings.owner_key(3), str(os.getpid() + 1))
+    client.set(settings.owner_key(3), str(os.getpid()))  # forged (this pid: it would let it in): ignored
+    settings.write(client, settings.owner_key(3), str(os.getpid() + 1))
     with pytest.raises(
         RecoveryFailed, match=r"^generation 2: rank 3 is held by pid \d+ now; this process stands down$"
     ):
@@ -695,10 +735,10 @@ def test_a_used_spare_is_replaced_once_the_recovery_has_stepped_unless_a_host_wa
 
     monkeypatch.setattr(forked, "start", start)
     pool = host.SparePool(settings, client, ["python"], [], first_trainer=7)
-    client.set(settings.stepped_key(7), "1")
+    settings.write(client, settings.stepped_key(7), "1")
     pool.tick()
     assert len(started) == 1, "the first spare starts once training runs"
-    client.set(settings.spare_key(0, "claim"), "1")  # rank 1 died and took spare 0
+    settings.write(client, settings.spare_key(0, "claim"), "1")  # rank 1 died and took spare 0
     client.add(settings.lost_key, 1)
     pool.tick()
     assert len(started) == 1, "a spare started while the group re-forms"
@@ -735,7 +775,7 @@ def test_closing_the_pool_kills_an_unclaimed_spare_that_ignores_sigterm(
     monkeypatch.setattr(forked, "start", start)
     monkeypatch.setattr(host, "SPARE_TERM_GRACE_S", 0.5)
     pool = host.SparePool(settings, client, ["python"], [], first_trainer=7)
-    client.set(settings.stepped_key(7), "1")
+    settings.write(client, settings.stepped_key(7), "1")
     pool.tick()
     assert len(started) == 1 and started[0].stdout is not None
     assert started[0].stdout.readline() == b"up\n"  # its SIGTERM handler is in place
@@ -743,7 +783,7 @@ def test_closing_the_pool_kills_an_unclaimed_spare_that_ignores_sigterm(
     pool.close()
     assert time.monotonic() - begun < 10
     assert started[0].returncode == -signal.SIGKILL
-    assert client.get(settings.exit_key(started[0].pid)) == str(128 + signal.SIGKILL).encode()
+    assert settings.read(client, settings.exit_key(started[0].pid)) == str(128 + signal.SIGKILL)
 
 
 def test_a_finished_run_does_not_wait_forever_for_its_last_replica_exchange(caplog: pytest.LogCaptureFixture) -> None:
@@ -783,10 +823,10 @@ def test_a_spare_stuck_before_ready_is_killed_and_no_longer_counts_as_the_pools_
         for index, (proc, age) in enumerate(zip(procs, (30.0, 30.0, 0.0), strict=True)):
             pool.procs[proc.pid] = (index, proc)
             pool.started[proc.pid] = time.monotonic() - age
-        store.set(settings.spare_key(1, "ready"), str(procs[1].pid))
+        settings.write(store, settings.spare_key(1, "ready"), str(procs[1].pid))
         assert pool._end_stuck(10.0)
         assert procs[0].wait(timeout=10) == -signals.SIGKILL
-        assert store.get(settings.spare_key(0, "claim")) == b"stuck"
+        assert settings.read(store, settings.spare_key(0, "claim")) == "stuck"
         assert procs[1].poll() is None and procs[2].poll() is None, "ready or young: kept"
         assert not pool._end_stuck(10.0), "nothing more to end"
         pool.tick(spawn=False)

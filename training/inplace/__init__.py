@@ -33,11 +33,12 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from training.contract import Env
+from training.contract.orders import IDENTITY_ENV, OrderError, SecretError, Signer, forged, load_job_secret
 
 if TYPE_CHECKING:
     from training.config import WorkerSpec
@@ -45,8 +46,10 @@ if TYPE_CHECKING:
 __all__ = [
     "BEAT_S",
     "BEHIND_LOST_S",
+    "FORGED_RETRY_S",
     "HOST_LOST_S",
     "IDENTITY_ENV",
+    "MAX_SPARES",
     "ROLE_SPARE",
     "ROLE_TRAINER",
     "STANDBY_GRACE_S",
@@ -68,17 +71,13 @@ BEHIND_LOST_S = 1.0
 # a lost node up: a standby, which watches the beats all along, takes it first.
 STANDBY_GRACE_S = 3.0
 ROLE_SPARE = "spare"
-# What a host hands its spare: the launcher variables that make up a `WorkerIdentity`.
-IDENTITY_ENV = (
-    Env.RANK,
-    Env.WORLD_SIZE,
-    Env.LOCAL_RANK,
-    Env.LOCAL_WORLD_SIZE,
-    Env.GROUP_RANK,
-    Env.GROUP_WORLD_SIZE,
-    Env.RESTART_COUNT,
-    Env.RUN_ID,
-)
+T = TypeVar("T")
+# A key that holds a forged order is read again this often, until the order of this job overwrites it.
+FORGED_RETRY_S = 0.05
+# A spare's index past this is no spare of ours: `spawned_key` is a counter (`add`), which carries no MAC,
+# so a forged one could make every claim scan millions of keys. 4,096 spares started on one node within
+# one rendezvous round is far past any real run (each recovery starts one).
+MAX_SPARES = 4096
 
 
 @dataclass(frozen=True)
@@ -94,6 +93,8 @@ class InPlace:
         timeout_s: `restarts.inPlaceTimeoutSeconds`.
         round_token: The c10d rendezvous round's token (`Env.INPLACE_ROUND`), shared by every node's
             agent; when set it names the key space instead of `restart_count`.
+        secret: The job's secret (`Env.JOB_SECRET_FILE`): every order this launch writes to the store
+            carries a MAC made with it, and an order without a good one is ignored (`read`).
     """
 
     store_addr: str
@@ -103,6 +104,7 @@ class InPlace:
     spares: int
     timeout_s: float
     round_token: str = ""
+    secret: bytes = field(default=b"", repr=False, compare=False)
 
     @classmethod
     def from_spec(cls, spec: WorkerSpec, env: Mapping[str, str] | None = None) -> InPlace | None:
@@ -122,6 +124,17 @@ class InPlace:
         world_size = int(env.get(Env.WORLD_SIZE, "1") or 1)
         if not addr or not run_id or world_size < 2:
             return None
+        try:
+            secret = load_job_secret(env)
+        except SecretError as exc:  # set but unusable: say so whatever the mode (the user meant it to work)
+            log.warning("in-place recovery is off, the group restarts instead: %s", exc)
+            return None
+        if secret is None:
+            # Orders in the store must be signed (docs/operations.md, "Trust boundary"): every launcher of
+            # torchrig provides a secret (the local run's file, the job's Secret in a pod, one the agent
+            # makes for the store it hosts on 127.0.0.1); none here means a launch by hand.
+            _not_in_place(restarts.mode, f"no job secret ({Env.JOB_SECRET_FILE}) to sign its orders with")
+            return None
         round_token = env.get(Env.INPLACE_ROUND, "")
         if int(env.get(Env.GROUP_WORLD_SIZE, "1") or 1) > 1 and not round_token:
             # Each agent counts its own restarts, so without the round token of torchrig's agent
@@ -137,6 +150,7 @@ class InPlace:
             spares=restarts.spares,
             timeout_s=restarts.in_place_timeout_seconds,
             round_token=round_token,
+            secret=secret,
         )
 
     @property
@@ -150,6 +164,50 @@ class InPlace:
 
         limit = self.timeout_s if timeout_s is None else timeout_s
         return PrefixStore(self.prefix, store_client(self.store_addr, limit))
+
+    # -- orders: every value that makes a process act is signed (`training.contract.orders`) ---------
+    def sign(self, key: str, value: str) -> str:
+        """`value` as stored under `key` (a key of this launch's prefix): with its MAC."""
+        return Signer(self.secret).sign(self.prefix + key, value)
+
+    def write(self, store: Any, key: str, value: str) -> None:
+        """Set order `key` (under this launch's prefix) to `value`, signed."""
+        store.set(key, self.sign(key, value))
+
+    def read(self, store: Any, key: str) -> str | None:
+        """The order under `key`: None when there is none, or when its value is not signed by this job
+        (logged once per key: whoever wrote it is ignored, and the reader goes on as if it were not set)."""
+        if not store.check([key]):
+            return None
+        return self.open(key, store.get(key))
+
+    def open(self, key: str, raw: bytes) -> str | None:
+        """The order `raw` read from `key`, or None when its MAC does not check (`read`)."""
+        return Signer(self.secret).open(self.prefix + key, raw)
+
+    def read_order(self, store: Any, key: str, parse: Callable[[str], T]) -> T | None:
+        """`parse(value)` of the signed order under `key`; None when it is absent, forged or malformed (an
+        order refused for its content, `OrderError`, is logged once per key as a forged one is)."""
+        value = self.read(store, key)
+        if value is None:
+            return None
+        try:
+            return parse(value)
+        except OrderError as exc:
+            forged(self.prefix + key, str(exc))
+            return None
+
+    def read_int(self, store: Any, key: str) -> int | None:
+        """`read` of an integer order; None when absent, forged or not an integer."""
+        value = self.read(store, key)
+        if value is None or not value.lstrip("-").isdigit() or len(value) > 12:
+            return None
+        return int(value)
+
+    def spares_started(self, store: Any) -> int:
+        """How many spares this node's pool started (`spawned_key`), at most `MAX_SPARES` (a counter carries
+        no MAC: a forged one is bounded here)."""
+        return max(0, min(int(store.add(self.spawned_key, 0)), MAX_SPARES))
 
     # -- keys --------------------------------------------------------------------------------------
     def spare_key(self, index: int, what: str) -> str:

@@ -8,8 +8,19 @@ g+1: a counter in the store (`join/g+1`) must reach the world size within
 torchrun restarts the group). The member whose join completes the count sets `join/g+1/formed`; the
 others wait for that key in one blocking store wait each (`KeyWait`), so a forming generation costs
 the store O(world) requests, not O(world) every few milliseconds. Then every rank all-gathers its
-completed step (-1: a spare), and the lowest rank among the most advanced broadcasts model, optimizer
-and progress (`torch.save` of the state dicts inside `broadcast_object_list`: exact bytes); ranks behind it load them.
+completed step (-1: a spare), and the lowest rank among the most advanced broadcasts its progress (JSON)
+and sends model and optimizer to the ranks behind it (`torch.save` bytes read with `weights_only=True`:
+exact bytes, and no pickle from a peer: `training.inplace.exchange`); they load them.
+
+Which values in the store are orders (signed, `InPlace.write`/`read`) and which are counters (`add`: no
+MAC) is decided per key; of the counters read here, forging one can do this much and no more:
+
+- `join/<g>` pushed past the world size: the members stop waiting and create the process group, whose own
+  rendezvous (every rank's address under `pg/<g>/`) still waits for every rank; a rank that never comes
+  makes it time out: `RecoveryFailed`, a group restart. `join/<g>/formed` (a plain key) is the same.
+- `standbys` above 0: the members wait `STANDBY_GRACE_S` longer before they give a lost node up.
+- a node's `beat` kept moving: a lost node is given up only at the in-place timeout; a beat cannot be
+  stopped by a client (only deleted, which makes every watch see nothing: the same timeout).
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ from torch import nn
 from torch._C._distributed_c10d import PrefixStore
 
 from training.contract import WorkerIdentity
-from training.inplace import BEAT_S, BEHIND_LOST_S, HOST_LOST_S, STANDBY_GRACE_S, InPlace, KeyWait, sockets
+from training.inplace import BEAT_S, BEHIND_LOST_S, HOST_LOST_S, STANDBY_GRACE_S, InPlace, KeyWait, exchange, sockets
 
 __all__ = [
     "InPlaceGroup",
@@ -83,12 +94,15 @@ class StateSync:
 
 def nodes_behind(store: Any, inplace: InPlace, world: int, nproc: int, generation: int | None = None) -> set[int]:
     """The nodes every one of whose ranks is behind `generation` (default: the newest any rank joined),
-    from the ranks' `InPlace.rank_gen_key`s in one `multi_get`; ranks are `node * nproc + local_rank`."""
+    from the ranks' `InPlace.rank_gen_key`s in one `multi_get`; ranks are `node * nproc + local_rank`. A
+    forged value counts as the newest generation: it never makes a node look behind."""
     keys = [inplace.rank_gen_key(rank) for rank in range(world)]
     if not store.check(keys):
         return set()
-    joined = [int(raw) for raw in store.multi_get(keys)]
-    newest = max(joined) if generation is None else generation
+    opened = [inplace.open(key, raw) for key, raw in zip(keys, store.multi_get(keys), strict=True)]
+    known = [int(v) for v in opened if v is not None and v.isdigit() and len(v) < 10]
+    newest = (max(known) if known else 0) if generation is None else generation
+    joined = [int(v) if v is not None and v.isdigit() and len(v) < 10 else newest for v in opened]
     nodes = range(world // max(nproc, 1))
     return {n for n in nodes if all(g < newest for g in joined[n * nproc : (n + 1) * nproc])}
 
@@ -188,15 +202,14 @@ class InPlaceGroup:
             RecoveryFailed: not every member joined within the timeout, or `cancelled`.
         """
         rank, world = self.identity.rank, self.identity.world_size
-        owner_key = self.inplace.owner_key(rank)
-        if generation > 0 and self.store.check([owner_key]) and self.store.get(owner_key).decode() != str(os.getpid()):
+        owner = self.inplace.read(self.store, self.inplace.owner_key(rank)) if generation > 0 else None
+        if owner is not None and owner != str(os.getpid()):
             # This rank was given to another process meanwhile (a standby took this node while it was cut
             # off): joining beside it would put two processes in one rank.
             raise RecoveryFailed(
-                f"generation {generation}: rank {rank} is held by pid {self.store.get(owner_key).decode()} now; "
-                "this process stands down"
+                f"generation {generation}: rank {rank} is held by pid {owner} now; this process stands down"
             )
-        self.store.set(self.inplace.rank_gen_key(rank), str(generation))
+        self.inplace.write(self.store, self.inplace.rank_gen_key(rank), str(generation))
         key = self.inplace.join_key(generation)
         joined = int(self.store.add(key, 1))
         limit = timeout_s if timeout_s is not None else self.inplace.timeout_s
@@ -239,7 +252,7 @@ class InPlaceGroup:
                 if watch is not None and (gone := watch.lost()):
                     silent = min(watch.silent_for(n) for n in gone)
                     found = f"node(s) {gone} stopped beating for {silent:.1f} s (lost or cut off)"
-                    self.store.compare_set(lost_key, "", found)
+                    self.store.compare_set(lost_key, "", self.inplace.sign(lost_key, found))
                 now = time.monotonic()
                 if now >= next_look or formed.failed is not None:
                     next_look = now + BEAT_S
@@ -249,10 +262,9 @@ class InPlaceGroup:
                         # wakes the other members now instead of at their next beat.
                         self.store.set(self.inplace.formed_key(generation), "1")
                         break
-                    if self.store.check([lost_key]):
+                    if (lost := self.inplace.read(self.store, lost_key)) is not None:
                         raise RecoveryFailed(
-                            f"generation {generation}: {self.store.get(lost_key).decode()}; nobody can bring "
-                            "their ranks back in place"
+                            f"generation {generation}: {lost}; nobody can bring their ranks back in place"
                         )
                 if time.monotonic() > deadline:
                     raise RecoveryFailed(
@@ -270,15 +282,15 @@ class InPlaceGroup:
 
     def mark_stepped(self) -> None:
         """This process completed a step (its host may replace it in place from now on)."""
-        self.store.set(self.inplace.stepped_key(os.getpid()), "1")
+        self.inplace.write(self.store, self.inplace.stepped_key(os.getpid()), "1")
 
     def spare_ready(self) -> bool:
         """Whether this node has a warm spare ready and unclaimed (a drill kills only once one is: it
         measures recovery with a warm spare, not the spare's start-up)."""
         inplace, store = self.inplace, self.store
-        for index in range(int(store.add(inplace.spawned_key, 0))):
+        for index in range(inplace.spares_started(store)):
             ready, claimed = inplace.spare_key(index, "ready"), inplace.spare_key(index, "claim")
-            if store.check([ready]) and not store.check([claimed]):
+            if inplace.read(store, ready) is not None and not store.check([claimed]):
                 return True
         return False
 
@@ -350,23 +362,20 @@ class InPlaceGroup:
         source = values.index(best)
         rank = self.identity.rank
         behind = [r for r, v in enumerate(values) if v != best]
-        box: list[Any] = [None]
-        if rank == source:
-            box[0] = {"progress": progress.state_dict(), "buckets": bucket_order}
-        dist.broadcast_object_list(box, src=source)  # small: the progress and DDP's bucket layout, to all
-        payload = box[0]
+        mine_box = {"progress": progress.state_dict(), "buckets": bucket_order} if rank == source else None
+        # Small: the progress and DDP's bucket layout, to all, as JSON (no pickle from a peer).
+        payload = exchange.broadcast_json(mine_box, src=source)
         # The model and optimizer go only to the ranks that lack them (a spare, a rank behind), point to
-        # point: broadcast to all, every survivor would receive and unpickle the whole state for nothing
+        # point: broadcast to all, every survivor would receive and deserialise the whole state for nothing
         # (at 8 ranks on 2 cores that was most of the transfer phase's growth with the world size).
         if rank == source:
             state = {"model": module.state_dict(), "optim": optimizer.state_dict()}
             for dst in behind:
-                dist.send_object_list([state], dst=dst)
+                exchange.send_state(state, dst=dst)
         elif rank in behind:
-            got: list[Any] = [None]
-            dist.recv_object_list(got, src=source)
-            module.load_state_dict(got[0]["model"])
-            optimizer.load_state_dict(got[0]["optim"])
+            got = exchange.recv_state(source, max_bytes=_state_bound(module))
+            module.load_state_dict(got["model"])
+            optimizer.load_state_dict(got["optim"])
             progress.load_state_dict(payload["progress"])
         log.debug("in-place: state transferred in %.3f s", time.perf_counter() - t0)
         return StateSync(
@@ -376,3 +385,10 @@ class InPlaceGroup:
             progress=payload["progress"],
             bucket_order=payload.get("buckets"),
         )
+
+
+def _state_bound(module: nn.Module) -> int:
+    """The most bytes a model's and its optimizer's state may take on the wire: the model's tensors, and
+    room for an optimizer's three times as many (Adam's two moments) and the serialisation's overhead."""
+    size = sum(t.numel() * t.element_size() for t in module.state_dict().values() if isinstance(t, torch.Tensor))
+    return 4 * size + (64 << 20)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import json
 import logging
 import os
 import select
@@ -41,7 +40,8 @@ from types import FrameType
 from typing import Any
 
 from training.contract import PERMANENT, Env, ExitCode
-from training.inplace import BEAT_S, IDENTITY_ENV, ROLE_SPARE, ROLE_TRAINER, InPlace, KeyWait, forked
+from training.contract.orders import IDENTITY_ENV, Assignment, Promotion
+from training.inplace import BEAT_S, FORGED_RETRY_S, ROLE_SPARE, ROLE_TRAINER, InPlace, KeyWait, forked
 
 __all__ = ["die_with_parent", "run_host"]
 
@@ -138,9 +138,9 @@ class _Promoted(_Watched):
             if not self._exited():
                 return None
             self._dead_at = time.monotonic()
-        key = self.inplace.exit_key(self.pid)
-        if self.store.check([key]):
-            return int(self.store.get(key).decode())
+        code = self.inplace.read_int(self.store, self.inplace.exit_key(self.pid))
+        if code is not None and 0 <= code <= 255:
+            return code
         if time.monotonic() - self._dead_at > EXIT_CODE_WAIT_S:
             return 128 + int(signal.SIGKILL)  # nobody saw its status: count it as a crash
         return None
@@ -190,12 +190,12 @@ class SparePool:
         for pid, (_, proc) in list(self.procs.items()):
             code = proc.poll()
             if code is not None:
-                self.store.set(self.inplace.exit_key(pid), str(_status(code)))
+                self.inplace.write(self.store, self.inplace.exit_key(pid), str(_status(code)))
                 del self.procs[pid]
                 self.started.pop(pid, None)
         if not spawn:
             return
-        if self.spawned == self.first_index and not self.store.check([self.inplace.stepped_key(self.first_trainer)]):
+        if self.spawned == self.first_index and not _stepped(self.store, self.inplace, self.first_trainer):
             return  # the first spares start once training runs: they would slow the trainers' start-up
         unclaimed = sum(1 for index, _ in self.procs.values() if not self._claimed(index))
         waiting = int(self.store.add(self.inplace.waiting_key, 0)) > 0
@@ -223,7 +223,7 @@ class SparePool:
         """No spare of this pool is ready and unclaimed, and the newest was started a third of the
         in-place timeout ago: start another one beside it."""
         for index, _ in self.procs.values():
-            if not self._claimed(index) and self.store.check([self.inplace.spare_key(index, "ready")]):
+            if not self._claimed(index) and self._ready(index):
                 return False
         return time.monotonic() - self.last_spawn > self.inplace.timeout_s / 3
 
@@ -237,10 +237,12 @@ class SparePool:
         for pid, (index, proc) in list(self.procs.items()):
             if pid not in self.started or now - self.started[pid] < after_s or proc.poll() is not None:
                 continue
-            if self._claimed(index) or self.store.check([self.inplace.spare_key(index, "ready")]):
+            if self._claimed(index) or self._ready(index):
                 del self.started[pid]  # ready or claimed: never looked at again (no store request per tick)
                 continue
-            if self.store.compare_set(self.inplace.spare_key(index, "claim"), "", "stuck").decode() != "stuck":
+            claim_key = self.inplace.spare_key(index, "claim")
+            stuck = self.inplace.sign(claim_key, "stuck")
+            if self.store.compare_set(claim_key, "", stuck).decode() != stuck:
                 continue  # a host claimed it just now
             log.warning(
                 "in-place: spare %d (pid %d) not ready after %.0f s; killing it", index, pid, now - self.started[pid]
@@ -251,7 +253,11 @@ class SparePool:
         return ended
 
     def _claimed(self, index: int) -> bool:
-        return bool(self.store.check([self.inplace.spare_key(index, "claim")]))
+        """Claimed by a process of this job (a forged claim is none: such a spare is ended with the pool)."""
+        return self.inplace.read(self.store, self.inplace.spare_key(index, "claim")) is not None
+
+    def _ready(self, index: int) -> bool:
+        return self.inplace.read(self.store, self.inplace.spare_key(index, "ready")) is not None
 
     def _claimed_quietly(self, index: int) -> bool:
         """`_claimed`, True when the store cannot say (a claimed spare is another rank's trainer: never
@@ -292,13 +298,19 @@ class SparePool:
 
 
 def _take_ready_spare(inplace: InPlace, store: Any, rank: int) -> tuple[int, int] | None:
-    """(index, pid) of a ready spare this call claimed (an atomic compare-and-set), else None."""
-    for index in range(int(store.add(inplace.spawned_key, 0))):
+    """(index, pid) of a ready spare this call claimed (an atomic compare-and-set), else None. A spare
+    counts as ready only when its pid is signed (a forged one would have this host watch and signal any
+    process); a forged claim makes that spare unusable, as a deleted key would."""
+    for index in range(inplace.spares_started(store)):
         claim_key = inplace.spare_key(index, "claim")
-        if store.check([claim_key]) or not store.check([inplace.spare_key(index, "ready")]):
+        if store.check([claim_key]):
             continue
-        if store.compare_set(claim_key, "", str(rank)).decode() == str(rank):
-            return index, int(store.get(inplace.spare_key(index, "ready")).decode())
+        pid = inplace.read_int(store, inplace.spare_key(index, "ready"))
+        if pid is None or pid <= 1:
+            continue
+        mine = inplace.sign(claim_key, str(rank))
+        if store.compare_set(claim_key, "", mine).decode() == mine:
+            return index, pid
     return None
 
 
@@ -332,11 +344,12 @@ def claim_spare(
     finally:
         store.add(inplace.waiting_key, -1)
     index, pid = taken
-    store.set(inplace.owner_key(rank), str(pid))
-    gen_key = inplace.rank_gen_key(rank)
-    dead_gen = int(store.get(gen_key).decode()) if store.check([gen_key]) else 0
-    assignment = {name: os.environ[name] for name in IDENTITY_ENV if name in os.environ}
-    store.set(inplace.spare_key(index, "assign"), json.dumps({"env": assignment, "generation": dead_gen + 1}))
+    inplace.write(store, inplace.owner_key(rank), str(pid))
+    dead_gen = max(0, inplace.read_int(store, inplace.rank_gen_key(rank)) or 0)
+    identity = {name: os.environ[name] for name in IDENTITY_ENV if name in os.environ}
+    # Checked here as the spare will check it: an identity it would refuse fails this recovery at once.
+    assignment = Assignment.parse(Assignment(env=identity, generation=dead_gen + 1).to_json())
+    inplace.write(store, inplace.spare_key(index, "assign"), assignment.to_json())
     print(
         f"torchrig: in-place: rank {rank}'s trainer died; spare {index} (pid {pid}) takes its place "
         f"in generation {dead_gen + 1}",
@@ -370,7 +383,7 @@ class _Beat:
 
 def _stepped(store: Any, inplace: InPlace, pid: int) -> bool:
     try:
-        return bool(store.check([inplace.stepped_key(pid)]))
+        return inplace.read(store, inplace.stepped_key(pid)) is not None
     except Exception:  # no store, no in-place recovery
         return False
 
@@ -386,16 +399,22 @@ def _await_promotion(
     # One blocking wait on a connection of its own (`KeyWait`), not a read of the key every POLL_S; the
     # loop below only looks at local things: the flag, a shutdown, the spare's exit (through its pidfd).
     promoted = KeyWait(inplace.connect, key, PROMOTION_WAIT_S)
-    while not promoted.done.is_set():
+    orders: Promotion | None = None
+    while orders is None:
         if stopping() or child.poll() is not None:
             return None
-        if promoted.failed is not None and store.check([key]):
-            break  # the wait failed (its connection refused): read the key, as before
+        if promoted.done.is_set() or (promoted.failed is not None and store.check([key])):
+            # Set (or the wait failed: read the key, as before). Forged orders are ignored: the standby's
+            # own overwrite is read at a later look.
+            orders = inplace.read_order(store, key, Promotion.parse)
+            if orders is not None:
+                break
+            child.sleep(FORGED_RETRY_S)
+            continue
         child.sleep(POLL_S)
-    orders = json.loads(store.get(key).decode())
-    os.environ.update(orders["env"])
+    os.environ.update(orders.env)
     os.environ.pop(Env.INPLACE_STANDBY, None)
-    return dataclasses.replace(inplace, node_rank=int(orders["node"])), int(orders["next_spare"])
+    return dataclasses.replace(inplace, node_rank=orders.node), orders.next_spare
 
 
 def run_host(inplace: InPlace, argv: list[str]) -> int:
@@ -436,7 +455,7 @@ def run_host(inplace: InPlace, argv: list[str]) -> int:
         store.add(inplace.lost_key, 1)  # this rank's trainer was lost with its node; the spare replaces it
         lost = True
     elif local_rank == 0:
-        store.set(inplace.restart_count_key(inplace.node_rank), os.environ.get(Env.RESTART_COUNT, "0"))
+        inplace.write(store, inplace.restart_count_key(inplace.node_rank), os.environ.get(Env.RESTART_COUNT, "0"))
     pool = SparePool(inplace, store, command, argv, current.pid, first_index=first_index) if local_rank == 0 else None
     beat = _Beat(inplace, store) if local_rank == 0 else None  # one beat per node (`InPlace.beat_key`)
     next_tick = 0.0
@@ -503,6 +522,6 @@ def run_host(inplace: InPlace, argv: list[str]) -> int:
         current.close()
         if local_rank == 0:  # this node ended, it was not lost: no standby takes its place
             with contextlib.suppress(Exception):
-                store.set(inplace.ended_key(inplace.node_rank), "1")
+                inplace.write(store, inplace.ended_key(inplace.node_rank), "1")
         if pool is not None:
             pool.close()

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from training.inplace import exchange
 from training.inplace.group import RecoveryFailed
 
 __all__ = [
@@ -323,9 +324,9 @@ class ReplicaSet:
         start = time.perf_counter()
         mine = self.holdings(at) if has_state else {"spare": True, "own": [], "peer": [], "at": -1}
         with self._lock:  # what a replaced neighbour will receive, so it can size its buffer
-            mine["peer_bytes"] = {s.step: len(s.data) for s in self.peer}
-        everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.group)
+            mine["peer_bytes"] = {str(s.step): len(s.data) for s in self.peer}  # JSON: keys are strings
+        # JSON, not `all_gather_object`: no pickle from a peer (`training.inplace.exchange`).
+        everyone = exchange.all_gather_json(mine, self.world_size, group=self.group)
         plan = plan_recovery(everyone)
         rank = self.rank
         snapshot = next(s for s in self.own if s.step == plan.step) if has_state else None
@@ -337,7 +338,7 @@ class ReplicaSet:
                 outgoing = torch.frombuffer(bytearray(data), dtype=torch.uint8)
                 ops.append(dist.P2POp(dist.isend, outgoing, lost, group=self.group))
             elif lost == rank:
-                received = torch.empty(int(everyone[sender]["peer_bytes"][plan.step]), dtype=torch.uint8)
+                received = torch.empty(int(everyone[sender]["peer_bytes"][str(plan.step)]), dtype=torch.uint8)
                 ops.append(dist.P2POp(dist.irecv, received, sender, group=self.group))
         if ops:
             for work in dist.batch_isend_irecv(ops):

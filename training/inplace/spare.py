@@ -12,7 +12,6 @@ checkpoint.
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import os
 import sys
@@ -26,7 +25,8 @@ import torch.distributed as dist
 
 from training.config import Strategy, WorkerSpec
 from training.contract import Env, WorkerIdentity
-from training.inplace import InPlace
+from training.contract.orders import Assignment
+from training.inplace import FORGED_RETRY_S, InPlace
 from training.inplace.group import freeze_heap
 from training.strategies import Parallel, build_optimizer, ddp_wrap, parallelize
 from training.task import load_task
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 ASSIGN_WAIT = timedelta(days=24)
 
 
-def _wait_assignment(inplace: InPlace, store: Any, index: int) -> dict[str, Any]:
+def _wait_assignment(inplace: InPlace, store: Any, index: int) -> Assignment:
     """Block until a host assigns this spare a rank (`spare<i>/assign`), and return the assignment.
 
     One blocking `TCPStore.wait` on a thread of its own, not a poll: polling every 10 ms made each
@@ -51,6 +51,10 @@ def _wait_assignment(inplace: InPlace, store: Any, index: int) -> dict[str, Any]
     TCPStore (docs/performance.md), and added 5 ms on average to a recovery. The main thread waits on
     an event in 1 s slices so that Python signal handlers still run; a spare whose host is gone is
     killed by the kernel (`die_with_parent`), one whose store is gone sees the wait fail.
+
+    An assignment that is not signed by this job, or not a valid one (`Assignment.parse`), is ignored
+    (logged once): the spare goes on waiting, reading the key every `FORGED_RETRY_S` until the host's own
+    assignment overwrites it.
     """
     key = inplace.spare_key(index, "assign")
     done = threading.Event()
@@ -69,8 +73,9 @@ def _wait_assignment(inplace: InPlace, store: Any, index: int) -> dict[str, Any]
         pass
     if failed:
         raise failed[0]
-    data: dict[str, Any] = json.loads(store.get(key).decode())
-    return data
+    while (assignment := inplace.read_order(store, key, Assignment.parse)) is None:
+        time.sleep(FORGED_RETRY_S)
+    return assignment
 
 
 CONNECT_ATTEMPT_S = 5.0  # one attempt at the store; a spare retries until the in-place timeout
@@ -185,18 +190,18 @@ def run_spare(spec: WorkerSpec, inplace: InPlace, *, run_dir: str) -> dict[str, 
     gc.collect()  # the rehearsal's garbage, before the rest is frozen
     freeze_heap()  # a recovery's gc.collect then skips everything built so far
     store = _connect(inplace)
-    store.set(inplace.spare_key(index, "ready"), str(os.getpid()))
+    inplace.write(store, inplace.spare_key(index, "ready"), str(os.getpid()))
     log.info("spare %d: ready (pid %d)", index, os.getpid())
     assignment = _wait_assignment(inplace, store, index)
     assigned_at, assigned_cpu, modules = time.perf_counter(), time.thread_time(), frozenset(sys.modules)
-    os.environ.update(assignment["env"])  # this process IS that rank now (logs, identity, faults)
+    os.environ.update(assignment.env)  # this process IS that rank now (logs, identity, faults)
     identity = WorkerIdentity.from_env()
-    log.info("spare %d: assigned rank %d, generation %d", index, identity.rank, assignment["generation"])
+    log.info("spare %d: assigned rank %d, generation %d", index, identity.rank, assignment.generation)
     prewarmed = Prewarmed(
         task=task,
         model=model,
         optimizer=optimizer,
-        generation=int(assignment["generation"]),
+        generation=assignment.generation,
         assigned_at=assigned_at,
         assigned_cpu=assigned_cpu,
         modules=modules,

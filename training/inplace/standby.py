@@ -44,10 +44,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from training.contract import Env, ExitCode
+from training.contract.orders import Assignment, Promotion, SecretError, Signer, load_job_secret
 from training.healthcheck import clear_standby, mark_standby
 from training.inplace import BEAT_S, HOST_LOST_S, InPlace, store_client
 
@@ -61,6 +62,7 @@ STORE_TIMEOUT_S = 30.0  # the first connection (a pod may start before the maste
 RECONNECT_TIMEOUT_S = 5.0  # a connection to a store reached before
 STORE_GONE_S = 10.0  # the store unreachable this long: the job ended (or its master was lost)
 TERMINAL_STATE_SYNC_ID = "torchelastic/agent/terminal_state"  # torch.distributed.elastic.agent.server.api
+MAX_NODES = 1 << 16  # a round record naming more nodes is no record of ours
 LAST_MEMBER = "/last_member"  # set by the barrier's last arrival (torch.distributed.elastic.utils.store)
 
 
@@ -73,12 +75,16 @@ class Round:
     nodes: int
 
     @classmethod
-    def parse(cls, raw: bytes) -> Round | None:
+    def parse(cls, raw: bytes | str) -> Round | None:
         try:
-            data = json.loads(raw.decode())
-            return cls(token=str(data["token"]), round=int(data["round"]), nodes=int(data["nodes"]))
-        except (ValueError, KeyError, TypeError):
+            data = json.loads(raw)
+            found = cls(token=str(data["token"]), round=int(data["round"]), nodes=int(data["nodes"]))
+        except (ValueError, KeyError, TypeError, RecursionError):
             return None
+        return found if 0 < found.nodes <= MAX_NODES and found.round >= 0 and len(found.token) <= 64 else None
+
+    def to_json(self) -> str:
+        return json.dumps({"token": self.token, "round": self.round, "nodes": self.nodes})
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,7 @@ class Launch:
     max_restarts: int
     program: list[str]  # `python -u -m training --spec ...`: the workers' command, as torchrun runs it
     join_timeout_s: float = 600.0  # the rendezvous' `join_timeout`: how long an agent waits for a round
+    secret: bytes = field(default=b"", repr=False)  # the job's (`Env.JOB_SECRET_FILE`): orders are signed
 
     @classmethod
     def parse(cls, argv: list[str]) -> Launch | None:
@@ -129,15 +136,23 @@ def exit_barrier_passed(raw: Any, run_id: str, round_: int) -> bool:
     return bool(round_store(raw, run_id, round_).check([f"{TERMINAL_STATE_SYNC_ID}{LAST_MEMBER}"]))
 
 
-def recorded_round(store: Any, run_id: str) -> Round | None:
-    """The round the agents recorded last (`InPlace.round_record_key`), or None."""
+def recorded_round(store: Any, run_id: str, secret: bytes) -> Round | None:
+    """The round the agents recorded last (`InPlace.round_record_key`, signed with the job's `secret`), or
+    None (none, or one this job did not sign: logged once)."""
     key = InPlace.round_record_key(run_id)
-    return Round.parse(store.get(key)) if store.check([key]) else None
+    if not store.check([key]):
+        return None
+    value = Signer(secret).open(key, store.get(key))
+    return None if value is None else Round.parse(value)
 
 
-def job_finished(store: Any, run_id: str) -> bool:
-    """Whether the agents of the round recorded last passed torchrun's exit barrier: the job is over."""
-    found = recorded_round(store, run_id)
+def job_finished(store: Any, run_id: str, secret: bytes) -> bool:
+    """Whether the agents of the round recorded last passed torchrun's exit barrier: the job is over.
+
+    torchelastic's barrier keys carry no MAC (torch writes them): a forged one makes a standby stop
+    standing by (the job runs on without it) and nothing more. What ends a store-only pod (the job's
+    outcome) is a signed record instead (`training.rendezvous_store.job_outcome`)."""
+    found = recorded_round(store, run_id, secret)
     return found is not None and exit_barrier_passed(store, run_id, found.round)
 
 
@@ -155,12 +170,12 @@ def _beats(store: Any, inplace: InPlace, nodes: int) -> list[bytes] | None:
     return list(store.multi_get(keys)) if store.check(keys) else None
 
 
-def _round_running(store: Any, run_id: str) -> Round | None:
+def _round_running(store: Any, run_id: str, secret: bytes) -> Round | None:
     """The recorded round when its nodes are beating now (two looks a second apart), else None."""
-    found = recorded_round(store, run_id)
+    found = recorded_round(store, run_id, secret)
     if found is None:
         return None
-    inplace = _inplace("", run_id, found, node=0)
+    inplace = _inplace("", run_id, found, node=0, secret=secret)
     space = _space(store, inplace)
     before = _beats(space, inplace, found.nodes)
     time.sleep(4 * BEAT_S)
@@ -168,7 +183,7 @@ def _round_running(store: Any, run_id: str) -> Round | None:
     return found if before is not None and after is not None and before != after else None
 
 
-def _inplace(endpoint: str, run_id: str, found: Round, *, node: int) -> InPlace:
+def _inplace(endpoint: str, run_id: str, found: Round, *, node: int, secret: bytes) -> InPlace:
     """The round's in-place key space, as node `node` of it."""
     return InPlace(
         store_addr=endpoint,
@@ -178,6 +193,7 @@ def _inplace(endpoint: str, run_id: str, found: Round, *, node: int) -> InPlace:
         spares=1,
         timeout_s=STORE_TIMEOUT_S,
         round_token=found.token,
+        secret=secret,
     )
 
 
@@ -199,12 +215,23 @@ def standby_wanted(argv: list[str], env: Mapping[str, str] | None = None) -> Lau
     if launch is None:
         log.warning("spare nodes need torchrun's c10d rendezvous; this pod joins the rendezvous instead")
         return None
+    try:
+        secret = load_job_secret(env)
+    except SecretError as exc:
+        secret, why = None, str(exc)
+    else:
+        why = f"{Env.JOB_SECRET_FILE} is not set"
+    if secret is None:
+        # A standby acts on orders in the store; unsigned, anyone who reaches the store could give them.
+        log.warning("spare nodes need the job's secret to check their orders (%s); this pod joins the rendezvous", why)
+        return None
+    launch = replace(launch, secret=secret)
     if role == "spare":
         return launch
     try:  # a member's pod: stand by only when its job's round runs without it (or the job is over: exit 0)
         store = store_client(launch.endpoint, timeout_s=5.0)
-        running = _round_running(store, launch.run_id) is not None
-        return launch if running or job_finished(store, launch.run_id) else None
+        running = _round_running(store, launch.run_id, secret) is not None
+        return launch if running or job_finished(store, launch.run_id, secret) else None
     except Exception:  # no store yet: the job is starting, and this pod is one of its members
         return None
 
@@ -218,7 +245,7 @@ class Standby:
         self.found = found
         self.slot = slot
         self.node = found.nodes + slot  # this standby's own node index (its spares' keys), past the members'
-        self.inplace = _inplace(launch.endpoint, launch.run_id, found, node=self.node)
+        self.inplace = _inplace(launch.endpoint, launch.run_id, found, node=self.node, secret=launch.secret)
         self.store = _space(raw, self.inplace)
         self.env = env
         self.hosts: list[subprocess.Popen[bytes]] = []
@@ -255,26 +282,25 @@ class Standby:
 
     def spares_ready(self) -> bool:
         keys = [self.inplace.spare_key(local, "ready") for local in range(self.launch.nproc)]
-        return bool(self.store.check(keys))
+        return all(self.inplace.read(self.store, key) is not None for key in keys)
 
     def take(self, node: int, beat: bytes) -> bool:
         """Take lost node `node`, whose beat counter stopped at `beat`, with one compare-and-set against
         every other standby that saw it stop there (a node taken and lost again stops at another count)."""
-        key = self.inplace.taker_key(node, beat.decode())
-        mine = f"standby{self.slot}/{os.getpid()}"
-        if self.store.compare_set(key, "", mine).decode() != mine:
-            return False
+        key = self.inplace.taker_key(node, beat.decode(errors="replace")[:32])
+        mine = self.inplace.sign(key, f"standby{self.slot}/{os.getpid()}")
+        if self.store.compare_set(key, "", mine).decode(errors="replace") != mine:
+            return False  # another standby took it (or a forged taker blocks it: the group restarts instead)
         nproc, nodes = self.launch.nproc, self.found.nodes
         lost = replace(self.inplace, node_rank=node)
-        for index in range(int(self.store.add(lost.spawned_key, 0))):  # its spares died with it
-            self.store.compare_set(lost.spare_key(index, "claim"), "", "lost with its node")
-        next_spare = int(self.store.add(lost.spawned_key, 0))
-        restart_key = self.inplace.restart_count_key(node)
-        restart_count = self.store.get(restart_key).decode() if self.store.check([restart_key]) else "0"
+        for index in range(lost.spares_started(self.store)):  # its spares died with it
+            claim_key = lost.spare_key(index, "claim")
+            self.store.compare_set(claim_key, "", lost.sign(claim_key, "lost with its node"))
+        next_spare = lost.spares_started(self.store)
+        restart_count = max(0, self.inplace.read_int(self.store, self.inplace.restart_count_key(node)) or 0)
         for local in range(nproc):
             rank = node * nproc + local
-            gen_key = self.inplace.rank_gen_key(rank)
-            dead_gen = int(self.store.get(gen_key).decode()) if self.store.check([gen_key]) else 0
+            dead_gen = max(0, self.inplace.read_int(self.store, self.inplace.rank_gen_key(rank)) or 0)
             identity = {
                 Env.RANK: str(rank),
                 Env.WORLD_SIZE: str(nodes * nproc),
@@ -282,17 +308,17 @@ class Standby:
                 Env.LOCAL_WORLD_SIZE: str(nproc),
                 Env.GROUP_RANK: str(node),
                 Env.GROUP_WORLD_SIZE: str(nodes),
-                Env.RESTART_COUNT: restart_count,
+                Env.RESTART_COUNT: str(restart_count),
                 Env.RUN_ID: self.launch.run_id,
             }
-            spare_pid = self.store.get(self.inplace.spare_key(local, "ready")).decode()
-            self.store.set(self.inplace.owner_key(rank), spare_pid)  # the node's old processes stand down
+            spare_pid = self.inplace.read(self.store, self.inplace.spare_key(local, "ready")) or ""
+            # The node's old processes stand down.
+            self.inplace.write(self.store, self.inplace.owner_key(rank), spare_pid)
             # The spare first: it joins the survivors' new generation while its host takes over the node.
-            self.store.set(
-                self.inplace.spare_key(local, "assign"), json.dumps({"env": identity, "generation": dead_gen + 1})
-            )
-            orders = {"env": identity, "node": node, "next_spare": next_spare}
-            self.store.set(self.inplace.promote_key(local), json.dumps(orders))
+            assignment = Assignment(env=identity, generation=dead_gen + 1)
+            self.inplace.write(self.store, self.inplace.spare_key(local, "assign"), assignment.to_json())
+            orders = Promotion(env=identity, node=node, next_spare=next_spare)
+            self.inplace.write(self.store, self.inplace.promote_key(local), orders.to_json())
         self.store.add(lost.beat_key(node), 1)  # it beats again from here on (the promoted host keeps it)
         self.taken = node
         print(
@@ -328,7 +354,7 @@ class Standby:
 
     def barrier_passed(self) -> bool:
         """Whether the round's agents all passed torchrun's exit barrier (the job's end)."""
-        return exit_barrier_passed(self.raw, self.launch.run_id, self.found.round)
+        return exit_barrier_passed(self.raw, self.launch.run_id, self.found.round)  # see `job_finished`
 
     def _round_store(self) -> Any:
         return round_store(self.raw, self.launch.run_id, self.found.round)
@@ -351,8 +377,8 @@ def _wait_for_round(launch: Launch, role: str, stop: Any, *, seen: bool) -> tupl
             timeout_s = RECONNECT_TIMEOUT_S if reached is not None else STORE_TIMEOUT_S
             raw = store_client(launch.endpoint, timeout_s=timeout_s)
             reached = time.monotonic()
-            found = _round_running(raw, launch.run_id)
-            over = found is None and job_finished(raw, launch.run_id)
+            found = _round_running(raw, launch.run_id, launch.secret)
+            over = found is None and job_finished(raw, launch.run_id, launch.secret)
         except Exception:
             found, raw, over = None, None, False
         if found is not None:
@@ -476,7 +502,7 @@ def _stand_by(launch: Launch, raw: Any, found: Round, env: MutableMapping[str, s
                     return 0
                 time.sleep(POLL_S)
                 continue
-            ended = [n for n in gone if store.check([inplace.ended_key(n)])]
+            ended = [n for n in gone if inplace.read(store, inplace.ended_key(n)) is not None]
             lost = [n for n in gone if n not in ended]
             if ended and len(ended) + len(lost) == found.nodes:
                 return None  # every node ended: the round is over
