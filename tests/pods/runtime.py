@@ -405,8 +405,8 @@ class PodCluster:
             spec = probe_spec(state.pod.container, kind)
             if spec is not None:
                 state.probes[kind] = ProbeState(spec, now + spec["initialDelaySeconds"] * self.time_scale)
-        if not state.probes:
-            self._set_ready(state, True)  # no probe: Started, and Ready with it
+        if not {"startup", "readiness"} & set(state.probes):
+            self._set_ready(state, True)  # Started at once, and Ready with it (liveness plays no part)
 
     def _next_init(self, state: PodState) -> None:
         """Start init container `init_index`, or the main container once every init container succeeded."""
@@ -483,10 +483,9 @@ class PodCluster:
             if now < probe.due:
                 continue
             probe.due = now + probe.spec["periodSeconds"] * self.time_scale
-            pid = self._container_pid(state)
-            if pid is None:
+            cmd = self._probe_argv(state, probe.spec)
+            if cmd is None:
                 continue
-            cmd = ["nsenter", "-t", str(pid), "-m", "-p", "-n", "-u", "-i", "--", *probe.spec["exec"]["command"]]
             log = (state.dir / "logs" / f"probe-{kind}.log").open("ab")
             try:
                 probe.proc = subprocess.Popen(
@@ -495,6 +494,22 @@ class PodCluster:
             finally:
                 log.close()
             probe.deadline = now + probe.spec["timeoutSeconds"]
+
+    def _probe_argv(self, state: PodState, spec: dict[str, Any]) -> list[str] | None:
+        """An exec probe's command, entering the container's namespaces (None: no container process)."""
+        pid = self._container_pid(state)
+        if pid is None:
+            return None
+        return ["nsenter", "-t", str(pid), "-m", "-p", "-n", "-u", "-i", "--", *spec["exec"]["command"]]
+
+    def run_probe(self, name: str, kind: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+        """Run the container's `<kind>Probe` once now, as the kubelet would (for a test to read its verdict)."""
+        state = self.pods[name]
+        spec = probe_spec(state.pod.container, kind)
+        cmd = self._probe_argv(state, spec) if spec is not None and state.proc is not None else None
+        if cmd is None:
+            raise ValueError(f"{name}: no running container with a {kind} probe")
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=state.env, check=False)
 
     def _probe_result(self, state: PodState, kind: str, probe: ProbeState, ok: bool) -> None:
         if ok:

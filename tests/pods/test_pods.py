@@ -9,6 +9,7 @@ need root and `ip netns` (skipped otherwise, with the reason).
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -304,6 +305,7 @@ def test_a_standby_pod_takes_a_lost_nodes_ranks_in_place_and_its_recreated_pod_s
     assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 3
     standby, nodes = "digits-ddp-worker-2", ["digits-ddp-worker-0", "digits-ddp-worker-1"]
     killed: list[tuple[float, str]] = []
+    standing_by: list[subprocess.CompletedProcess[str]] = []
 
     def kill(cluster: PodCluster, events: list[str]) -> None:
         if killed or "torchrig: standby: ready" not in cluster.pods[standby].logs():
@@ -313,12 +315,13 @@ def test_a_standby_pod_takes_a_lost_nodes_ranks_in_place_and_its_recreated_pod_s
         if len(rank0) != 1:
             return
         victim = rank0[0] if lost == "rank 0's node" else next(n for n in nodes if n != rank0[0])
+        standing_by.append(cluster.run_probe(standby, "liveness"))
         killed.append((time.time(), victim))
         cluster.kill(victim)
         events.append(f"harness: SIGKILL of {victim}'s PID namespace ({lost})")
 
     cluster, outcome = _run_pytorchjob(pod_cluster, objects, on_tick=kill)
-    assert killed, "the job ended before the standby was ready"
+    assert killed, "the job ended before the standby was ready\n" + _why(outcome, cluster)
     killed_at, victim = [killed[0][0]], killed[0][1]
     assert outcome.status == "Succeeded", _why(outcome, cluster)
     assert cluster.pods["digits-ddp-master-0"].exit_codes == [0], "the store pod never restarts"
@@ -327,6 +330,12 @@ def test_a_standby_pod_takes_a_lost_nodes_ranks_in_place_and_its_recreated_pod_s
     assert cluster.pods[survivor].exit_codes == [0], "the surviving node's pod never restarts"
     assert cluster.pods[standby].exit_codes == [0], _why(outcome, cluster)
     assert cluster.pods[victim].exit_codes[0] == 137, _why(outcome, cluster)
+    # Issue 40 point 6: the standby runs no exporter until it takes a node, and its liveness probe knows it
+    # (it inherited a startup probe that waited for an exporter: killed every ~40 minutes).
+    assert standing_by[0].returncode == 0 and "healthy: standing by" in standing_by[0].stdout, standing_by[0]
+    probed = (cluster.pods[standby].dir / "logs" / "probe-liveness.log").read_text()
+    assert "unhealthy" not in probed, probed
+    assert not [e for e in outcome.events if "container killed" in e], _why(outcome, cluster)
     taken = [line for line in cluster.pods[standby].logs().splitlines() if "standby: node" in line]
     assert len(taken) == 1 and "takes its ranks" in taken[0], _why(outcome, cluster)
     recoveries = [e for e in _events(cluster) if e.kind is EventKind.RECOVERY and e.time >= killed_at[0]]
