@@ -6,6 +6,7 @@ is in docs/operations.md, "Trust boundary"."""
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
 import sys
 import threading
@@ -151,6 +152,8 @@ def test_a_foreign_assignment_of_a_live_runs_spare_is_ignored(tmp_path: Path) ->
         done.set()
         attacker.join(10)
     assert wrote, "the forged assignment was never written (the spare never got ready)"
+    secret = tmp_path / "run" / "secret"  # the run's own: every process of it signs with it
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600 and len(secret.read_bytes()) == 32
     assert summary.status == RunState.SUCCEEDED, summary.reason
     assert summary.recoveries == {"inplace": 1} and summary.restarts == 0, summary.to_dict()
     logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "run" / "logs").rglob("*.log"))

@@ -24,6 +24,12 @@ torchrig's torchrun command):
 The store is one that outlives every trainer (`Env.INPLACE_STORE`): the local run's rendezvous store
 process, or in a one-node pod (and the `torchrun` target) a store the torchrun agent hosts itself
 (`training.torchrun.host_inplace_store`). This module imports no torch (the host stays light); keys are named here once.
+
+Anyone who reaches that store can write to it, so every value that makes a process act is an order signed
+with the job's secret (`Env.JOB_SECRET_FILE`; `InPlace.write` / `read`, `training.contract.orders`): one
+that does not check is ignored, as if it were not there. Counters (`add`) carry no MAC; what forging each
+can do is bounded where it is read (`training.inplace.group`, `MAX_SPARES`). Without a secret a launch
+recovers by group restarts (docs/operations.md, "Trust boundary").
 """
 
 from __future__ import annotations
