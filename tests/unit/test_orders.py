@@ -142,6 +142,29 @@ def test_whatever_is_signed_opens_to_itself(key: str, value: str) -> None:
     assert signer.open(key, signer.sign(key, value).encode()) == value
 
 
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=20), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    env=st.dictionaries(st.sampled_from([*IDENTITY_ENV, "LD_PRELOAD", "PYTHONPATH", "X"]), _JSON, max_size=10),
+    rest=st.dictionaries(st.sampled_from(["generation", "node", "next_spare", "env"]), _JSON, max_size=3),
+)
+def test_any_json_is_an_order_or_refused_with_one_line(env: dict[str, Any], rest: dict[str, Any]) -> None:
+    for parse in (Assignment.parse, Promotion.parse):
+        for data in ({"env": env, **rest}, {**rest, "env": {**IDENTITY, **env}}):
+            try:
+                order = parse(json.dumps(data))
+            except OrderError as exc:
+                assert "\n" not in str(exc)
+            else:  # only a rank's launcher variables, all of them, as strings
+                assert set(order.env) == set(IDENTITY_ENV) and all(isinstance(v, str) for v in order.env.values())
+
+
 # -- the records -----------------------------------------------------------------------------------------
 def test_an_assignment_carries_exactly_a_ranks_launcher_variables() -> None:
     good = Assignment(env=IDENTITY, generation=3)
