@@ -307,6 +307,9 @@ def test_the_agent_hosts_a_store_its_workers_reach_and_an_unreplaced_marker_mean
     store = host_inplace_store(env)
     host, _, port = env[Env.INPLACE_STORE].rpartition(":")
     assert host == "127.0.0.1" and int(port) == store.port > 0
+    # The launch gave no job secret: the agent makes its own (other users of the machine reach 127.0.0.1).
+    secret = env[Env.JOB_SECRET_FILE]
+    assert os.stat(secret).st_mode & 0o777 == 0o600 and os.stat(os.path.dirname(secret)).st_mode & 0o777 == 0o700
     client = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False)  # type: ignore[attr-defined]
     client.set("k", "v")
     assert store.get("k") == b"v"
