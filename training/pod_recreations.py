@@ -40,12 +40,14 @@ Choices, and why:
   A job with only pod-local stores is not counted; the launcher says so.
 - Scoped by the job's name and a digest of its job file (`scope`), and the whole record is removed when
   the launcher ends the job with a permanent code (this bound, a preflight error, a command that cannot
-  run). Nothing inside a pod names the PyTorchJob *instance*: the operator labels pods with the job's
-  name only, its uid is only in `ownerReferences`, which the downward API does not expose, and a pod's
-  own `metadata.uid` changes with every recreation. So a job resubmitted under its name starts from 0
-  after a job this launcher ended, and after any change to its spec; one resubmitted identical after
-  it succeeded, was deleted, or torchrun itself gave up (exit 1) continues the count (delete
-  `pod-recreations/<job>/` in the store to start from 0).
+  run), and when the job succeeds (`forget_after_success`, called by torchrig's torchrun agent once
+  torchrun returned 0: every agent of the round passed its exit barrier). Nothing inside a pod names the
+  PyTorchJob *instance*: the operator labels pods with the job's name only, its uid is only in
+  `ownerReferences`, which the downward API does not expose, and a pod's own `metadata.uid` changes with
+  every recreation. So a job resubmitted under its name starts from 0 after a job that succeeded or that
+  this launcher ended, and after any change to its spec; one resubmitted identical after it was deleted
+  or torchrun itself gave up (exit 1) continues the count (delete `pod-recreations/<job>/` in the store
+  to start from 0).
 - Only where the PyTorchJob operator started the pod: the hostname is the operator's pod name
   (`<job>-master-<i>` / `<job>-worker-<i>`, `common/util.go` `GenGeneralName`; the operator sets no
   `spec.hostname`) and the operator's rendezvous variable names the job's own host (`MASTER_ADDR` =
@@ -60,6 +62,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import threading
 import time
@@ -78,6 +81,7 @@ __all__ = [
     "STORE_TIMEOUT_S",
     "PodRecreations",
     "RecreationDecision",
+    "forget_after_success",
     "open_for_pod",
     "pytorchjob_pod",
     "shared_store",
@@ -244,6 +248,26 @@ def shared_store(spec: WorkerSpec) -> tuple[int, StoreConfig] | None:
         if store.scheme not in ("file", "memory") or store.pvc is not None:
             return i, store
     return None
+
+
+def forget_after_success(env: Mapping[str, str], hostname: str, warn: Callable[[str], None]) -> None:
+    """The job succeeded (torchrun returned 0 in this pod): forget its pod starts, so the same job
+    resubmitted under its name starts from 0. Best effort and bounded: the job's success stands whatever
+    the store says; a count left behind is the case the module docstring names."""
+    spec_path = env.get(Env.SPEC, "")
+    if not spec_path or not os.path.isfile(spec_path):
+        return
+    try:
+        from training.config import load_worker_spec
+
+        spec = load_worker_spec(spec_path)  # bounded and validated: the bytes below are what it read
+        with open(spec_path, "rb") as f:
+            spec_bytes = f.read()
+        opened = open_for_pod(spec, spec_bytes, run_dir=env.get(Env.RUN_DIR), env=env, hostname=hostname, warn=warn)
+        if opened is not None:
+            opened[0].reset()
+    except Exception as exc:  # the job succeeded: a store that fails now only leaves the count behind
+        warn(f"could not forget the job's pod starts after its success ({type(exc).__name__}: {exc})")
 
 
 def open_for_pod(

@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import uuid
@@ -283,6 +284,10 @@ def stand_by_first(args: list[str]) -> int | None:
     return None
 
 
+def _warn(message: str) -> None:
+    print(f"torchrig: warning: {message}", file=sys.stderr, flush=True)
+
+
 def run_agent(torchrun_main: Any, args: list[str]) -> int:
     """torchrun's `main(args)` as torchrig's agents run it: the rendezvous round exported to the workers
     (`export_rendezvous_round`), no restart after a worker's permanent exit
@@ -299,6 +304,9 @@ def run_agent(torchrun_main: Any, args: list[str]) -> int:
             raise
         return code
     record_job_end(args, 0)  # torchrun returns once every agent of the round passed its exit barrier
+    from training.pod_recreations import forget_after_success
+
+    forget_after_success(os.environ, socket.gethostname(), _warn)  # a resubmitted job starts from 0
     return 0
 
 

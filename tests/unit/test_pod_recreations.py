@@ -427,3 +427,23 @@ def test_checking_without_a_command_is_no_pod_start(in_worker_pod: Any) -> None:
     for _ in range(3):  # `kubectl exec POD -- python -m training.launch`: only checks
         assert _launch(in_worker_pod) == ExitCode.OK
     assert _starts(in_worker_pod) == 0
+
+
+def test_a_job_that_succeeded_forgets_its_pod_starts(in_worker_pod: Any) -> None:
+    """torchrig's torchrun agent returns 0 only once every agent passed the exit barrier: the job
+    succeeded, and the same job resubmitted under its name (its checkpoint store kept) must start its
+    count from 0, not inherit the recreations of the run that succeeded."""
+    from training.torchrun import run_agent
+
+    _spend(in_worker_pod, 2)  # restarts.max (1) spent by the run that goes on to succeed
+    env = {
+        Env.SPEC: str(in_worker_pod),
+        Env.RUN_DIR: str(in_worker_pod.parent / "run"),
+        Env.MASTER_ADDR: "job-master-0",
+    }
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
+        assert run_agent(lambda args: None, ["--nproc-per-node", "1", "-m", "training"]) == 0
+    assert _starts(in_worker_pod) == 0
+    assert _launch(in_worker_pod) == ExitCode.OK
