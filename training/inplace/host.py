@@ -52,7 +52,15 @@ PROMOTION_WAIT_S = 24 * 86400.0  # a standby may stand by for the whole job
 SPARE_TERM_GRACE_S = 10.0  # an unclaimed spare still alive this long after its SIGTERM is killed
 STUCK_SPARE_S = 60.0  # an unclaimed spare not ready this long after its start (or the in-place timeout) is killed
 EXIT_CODE_WAIT_S = 2.0  # how long a host waits for a dead spare's exit code to be published
-_PASS_THROUGH = {0, *PERMANENT, int(ExitCode.PREEMPTED), int(ExitCode.RECOVERY_FAILED)}
+# What a trainer's exit means beyond this host, passed on as it is: a store unreadable at restore (205)
+# is retried by the group as such, not as the in-place failure (203) a start-up crash becomes.
+_PASS_THROUGH = {
+    0,
+    *PERMANENT,
+    int(ExitCode.PREEMPTED),
+    int(ExitCode.RECOVERY_FAILED),
+    int(ExitCode.STORE_UNAVAILABLE),
+}
 _FORWARD = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2, signal.SIGUSR1)
 _STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
