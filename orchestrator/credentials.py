@@ -35,7 +35,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-__all__ = ["Finding", "inline_secrets", "scan_value"]
+__all__ = ["SECRET_OPTION_RE", "Finding", "inline_secrets", "scan_value", "secret_option_paths"]
 
 # -- what a credential looks like ------------------------------------------------------------------------
 
@@ -284,3 +284,28 @@ def inline_secrets(spec: BaseModel) -> list[Finding]:
     `spec.checkpoint.stores[0].options.client_kwargs.aws_secret_access_key`).
     """
     return list(_walk_model(spec, ""))
+
+
+# -- credentials among a store's fsspec options -----------------------------------------------------------
+
+# Option keys of fsspec stores that hold a credential (s3fs `key`/`secret`/`token`, botocore's
+# `aws_*` in `client_kwargs`, adlfs `account_key`/`sas_token`/`connection_string`, passwords). RE2 and
+# Python read it alike: the chart uses it too (helm/torchrig/templates/_checks.tpl), as do the Kubernetes
+# targets' checks, `--set` and `torchrig checkpoint --option`.
+SECRET_OPTION_RE = re.compile(
+    r"(?i)^key$|secret|passw|token|credential|private_key|account_key|connection_string|api_key|access_key"
+)
+
+
+def secret_option_paths(options: Mapping[str, Any], prefix: str) -> Iterator[str]:
+    """Dotted paths (`prefix.key...`) of the credential-like keys in store `options`, depth first in key
+    order (as Helm walks maps); gcsfs's `token` naming an authentication method is not one."""
+    for key in sorted(options):
+        value = options[key]
+        path = f"{prefix}.{key}"
+        if isinstance(value, Mapping):
+            yield from secret_option_paths(value, path)
+        elif SECRET_OPTION_RE.search(key) and not (
+            key == "token" and isinstance(value, str) and value in _TOKEN_METHODS
+        ):
+            yield path

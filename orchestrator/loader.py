@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from orchestrator.credentials import SECRET_OPTION_RE
 from orchestrator.errors import SpecError
 from orchestrator.spec import JobSpec
 
@@ -156,8 +157,6 @@ def parse_set(expr: str) -> tuple[list[str | int], Any]:
 
 def _refuse_credentials(expr: str, path: list[str | int]) -> None:
     """A credential in `--set` would sit in shell history and `ps` output: refuse it, name the fix."""
-    from orchestrator.compile.checks import SECRET_OPTION_RE  # lazy: compile imports this module
-
     keys = [p for p in path if isinstance(p, str)]
     if "options" in keys[:-1] and SECRET_OPTION_RE.search(keys[-1]):
         raise SpecError(

@@ -43,9 +43,9 @@ def _parse_options(pairs: tuple[str, ...]) -> dict[str, Any]:
         options[key] = yaml.safe_load(raw) if raw else ""
     # Credentials never on the command line (shell history, `ps`): the store clients read them from the
     # environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, GOOGLE_APPLICATION_CREDENTIALS, ...).
-    from orchestrator.compile.checks import _secret_keys
+    from orchestrator.credentials import secret_option_paths
 
-    for path in _secret_keys(options, "--option"):
+    for path in secret_option_paths(options, "--option"):
         raise SpecError(
             f"{path.replace('--option.', '--option ', 1)}: credentials are not taken from the command line; "
             "set them in the environment (e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for s3://)"

@@ -23,17 +23,14 @@ same messages (helm/torchrig/templates/_checks.tpl).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
-from typing import Any
 
-from orchestrator.credentials import inline_secrets
+from orchestrator.credentials import inline_secrets, secret_option_paths
 from orchestrator.errors import UnsupportedFeature
 from orchestrator.naming import target_name_rule
 from orchestrator.spec import JobSpec
 
 __all__ = [
     "KUBERNETES_TARGETS",
-    "SECRET_OPTION_RE",
     "check_name",
     "check_target",
     "inline_credentials_problem",
@@ -46,14 +43,6 @@ KUBERNETES_TARGETS = ("pytorchjob", "trainjob", "rayjob")
 # ValidateRayClusterSpec: "minimum Ray version is 2.52.0" for authOptions.mode token).
 MIN_RAY_VERSION_WITH_AUTH = (2, 52)
 _RAY_VERSION_RE = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?(?:[-+.].*)?$")
-# Option keys of fsspec stores that hold a credential (s3fs `key`/`secret`/`token`, botocore's
-# `aws_*` in `client_kwargs`, adlfs `account_key`/`sas_token`/`connection_string`, passwords). RE2 and
-# Python read it alike (the chart uses it too).
-SECRET_OPTION_RE = re.compile(
-    r"(?i)^key$|secret|passw|token|credential|private_key|account_key|connection_string|api_key|access_key"
-)
-# gcsfs's `token` may name an authentication method instead of holding one.
-_TOKEN_METHODS = ("anon", "google_default", "cache", "cloud", "browser")
 
 
 def check_name(spec: JobSpec, target: str, *, fixed_size: bool = False) -> None:
@@ -91,17 +80,6 @@ def pod_local_stores_problem(spec: JobSpec) -> str | None:
     )
 
 
-def _secret_keys(options: Mapping[str, Any], prefix: str) -> Iterator[str]:
-    """Dotted paths of credential-like keys in `options`, depth first in key order (as Helm walks maps)."""
-    for key in sorted(options):
-        value = options[key]
-        path = f"{prefix}.{key}"
-        if isinstance(value, Mapping):
-            yield from _secret_keys(value, path)
-        elif SECRET_OPTION_RE.search(key) and not (key == "token" and value in _TOKEN_METHODS):
-            yield path
-
-
 def inline_credentials_problem(spec: JobSpec) -> str | None:
     """The first credential written inline in a store's options (or initFrom's), else None."""
     ckpt = spec.spec.checkpoint
@@ -109,7 +87,7 @@ def inline_credentials_problem(spec: JobSpec) -> str | None:
     if ckpt.init_from is not None:
         sources.append(("spec.checkpoint.initFrom", ckpt.init_from.options))
     for where, options in sources:
-        for path in _secret_keys(options, f"{where}.options"):
+        for path in secret_option_paths(options, f"{where}.options"):
             store = where if where.startswith("spec.checkpoint.stores[") else "spec.checkpoint.stores[]"
             return (
                 f"{path}: credentials must not be inline for Kubernetes targets (they would be stored in the "

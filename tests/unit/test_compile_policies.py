@@ -58,7 +58,7 @@ def test_exit_code_convention() -> None:
 
 
 def test_worker_and_watchdog_exit_with_retryable_codes() -> None:
-    import training.__main__ as worker
+    import training.entry as worker
     from training.watchdog import WATCHDOG_EXIT_CODE
 
     # A survivor of a lost peer raises too: an exception in training must not be permanent.
