@@ -2,7 +2,7 @@
 
 Model init is seeded by `training.seed` alone, per-step randomness by (seed, step, rank), the data
 order by (seed, epoch) and a global cursor (`training.data`), and the learning rate is a pure function
-of (step, world size, config) (`training.strategies.lr_at`). Nothing random lives only in process
+of (step, world size, config) (`training.optim.lr_at`). Nothing random lives only in process
 memory, so a run killed and resumed from a checkpoint at the same world size ends bit-identical to an
 uninterrupted one.
 """

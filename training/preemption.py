@@ -21,11 +21,9 @@ every step since its last periodic checkpoint. With one (`PreemptionHandler`, in
    `DUPLICATE_WINDOW_S` is the same notice (an outside SIGTERM to every process of a node reaches a
    worker twice: directly, and forwarded by its torchrun agent), not a second one.
 
-Launchers: torchrun forwards SIGTERM to its workers and SIGKILLs them after its shutdown timeout
-(`TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, default 30 s): `launcher_env` sets it above the grace period. A
-torchrun agent that got the signal shuts its workers down and exits (it never restarts them in place),
-so the job stops and the scheduler (or `torchrig run` again) resubmits it. Pods get
-`terminationGracePeriodSeconds` from `pod_grace_period_seconds`.
+Launchers must wait longer than the grace period before they kill a worker: what they are given for it
+(torchrun's shutdown timeout, the signals it forwards, a pod's grace period) is
+`training.preemption_timing`'s, re-exported here.
 
 Only the main thread can install signal handlers. Where the worker runs in another thread (Ray Train's
 training function) the launcher hands `install` a way to run it on the main thread
@@ -36,7 +34,6 @@ training function) the launcher hands `install` a way to run it on the main thre
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import sys
@@ -47,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from training.contract.events import Preempted
 from training.contract.exit_codes import ExitCode
+from training.preemption_timing import launcher_env, pod_grace_period_seconds, torchrun_shutdown_timeout
 
 if TYPE_CHECKING:
     from training.config import RestartsConfig
@@ -59,6 +57,7 @@ __all__ = [
     "Agreement",
     "PreemptedExit",
     "PreemptionHandler",
+    # re-exported (`training.preemption_timing`) for the launchers that still import them from here
     "launcher_env",
     "pod_grace_period_seconds",
     "torchrun_shutdown_timeout",
@@ -69,31 +68,6 @@ log = logging.getLogger(__name__)
 PREEMPTED_EXIT_CODE = int(ExitCode.PREEMPTED)
 DUPLICATE_WINDOW_S = 1.0  # a repeat of the signal this soon is the same notice, not "stop now"
 NOTICE_NAME = "DRAIN"  # the `signal` of a `preempted` event caused by a scheduler's notice (a node drain)
-AGENT_MARGIN_S = 5  # torchrun waits this much longer than the workers' grace before it SIGKILLs them
-POD_MARGIN_S = 10  # the pod's grace period: the workers' plus the agent's exit and the container's
-
-
-def torchrun_shutdown_timeout(restarts: RestartsConfig) -> int:
-    """Seconds torchrun waits for its workers after forwarding SIGTERM (above the workers' grace)."""
-    return math.ceil(restarts.preempt_grace_seconds) + AGENT_MARGIN_S
-
-
-def pod_grace_period_seconds(restarts: RestartsConfig) -> int:
-    """A pod's `terminationGracePeriodSeconds`: the workers' grace, torchrun's margin and the exit."""
-    return math.ceil(restarts.preempt_grace_seconds) + POD_MARGIN_S
-
-
-def launcher_env(restarts: RestartsConfig) -> dict[str, str]:
-    """What a torchrun agent's environment needs so that preemption works: its shutdown timeout above
-    the grace period, and the extra preemption signal among the signals it forwards."""
-    from training.contract import Env
-
-    if restarts.preempt_grace_seconds <= 0:
-        return {}
-    env = {Env.ELASTIC_SHUTDOWN_TIMEOUT: str(torchrun_shutdown_timeout(restarts))}
-    if restarts.preempt_signal is not None:
-        env[Env.PET_SIGNALS_TO_HANDLE] = f"SIGTERM,SIGINT,SIGHUP,SIGQUIT,{restarts.preempt_signal}"
-    return env
 
 
 class PreemptedExit(Exception):

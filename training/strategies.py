@@ -1,103 +1,39 @@
-"""Parallelism and numerics from `spec.training`: DDP, FSDP2, HSDP, mixed precision, activation
-checkpointing, gradient accumulation, clipping, the optimizer and the learning-rate schedule.
+"""Parallelism from `spec.training`: DDP, FSDP2, HSDP, mixed precision, activation checkpointing,
+gradient accumulation and clipping, and the DDP wrapper's life through an in-place recovery.
 
-Everything here runs on CPU/gloo as well as on GPU/nccl.
+The time the wrappers spend in collectives is measured by `training.comm_timing`; the optimizer and the
+learning-rate schedule are `training.optim`'s. Everything here runs on CPU/gloo as well as on GPU/nccl.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed import GradBucket  # type: ignore[attr-defined]
 
-from training.config import LrScheduleConfig, OptimizerConfig, Precision, Strategy, TrainingConfig
+from training.comm_timing import CommTimer, time_fsdp_comms, timed_allreduce_hook
+from training.config import Precision, Strategy, TrainingConfig
 from training.contract import WorkerIdentity
+from training.optim import build_optimizer
 
 __all__ = [
-    "CommTimer",
     "Parallel",
-    "build_optimizer",
+    "build_optimizer",  # re-exported for `training.inplace.spare`, which still imports it from here
     "clip_grad_norm",
     "ddp_bucket_order",
     "ddp_wrap",
-    "lr_at",
+    "forget_dtensor_plans",
     "parallelize",
     "rewrap_ddp",
+    "unwrap_ddp",
 ]
 
 log = logging.getLogger(__name__)
-
-
-class CommTimer:
-    """Wall time covered by gradient collectives, as the union of their [issue, done] intervals.
-
-    Collectives overlap with compute and with each other (DDP buckets); the union counts each second
-    of communication once. Callbacks may run on the backend's threads, hence the lock.
-
-    It also keeps when the step's first *gradient* collective was issued (DDP's first bucket,
-    FSDP's first reduce-scatter; not FSDP's all-gathers): the time before it is this rank's own
-    forward and backward up to its first ready gradients, which no other rank's speed changes (the
-    straggler signal that DDP's overlap cannot blur, `training.metrics.straggler`).
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._intervals: list[tuple[float, float]] = []
-        self._first_gradient: float | None = None
-        self.pending = 0  # gradient collectives issued and not done (a rank waiting on its peers)
-        # A gradient collective failed (a peer is gone): this rank is about to recover, not hung. Set
-        # before the error reaches the training loop, so its watchdog cannot fire in between.
-        self.failed = False
-
-    def gradient_issued(self, start: float) -> None:
-        """A gradient collective was issued at `start` (`time.perf_counter()`)."""
-        with self._lock:
-            if self._first_gradient is None or start < self._first_gradient:
-                self._first_gradient = start
-
-    def take_first_gradient(self) -> float | None:
-        """When the first gradient collective since the last call was issued (and forget it)."""
-        with self._lock:
-            first, self._first_gradient = self._first_gradient, None
-        return first
-
-    def record(self, start: float, end: float) -> None:
-        with self._lock:
-            self._intervals.append((start, end))
-
-    def track(self, start: float, work: dist.Work | None) -> None:
-        """Record the interval of a collective issued at `start` (sync: done now; async: when its future is)."""
-        if work is None:
-            self.record(start, time.perf_counter())
-            return
-        fut = work.get_future()
-        fut.add_done_callback(lambda _: self.record(start, time.perf_counter()))
-
-    def take(self) -> float:
-        """Seconds of communication since the last call (and forget them)."""
-        with self._lock:
-            intervals, self._intervals = sorted(self._intervals), []
-        total, cur_start, cur_end = 0.0, None, None
-        for start, end in intervals:
-            if cur_end is None or start > cur_end:
-                if cur_end is not None and cur_start is not None:
-                    total += cur_end - cur_start
-                cur_start, cur_end = start, end
-            else:
-                cur_end = max(cur_end, end)
-        if cur_end is not None and cur_start is not None:
-            total += cur_end - cur_start
-        return total
 
 
 @dataclass
@@ -149,102 +85,6 @@ class Parallel:
             dtype = torch.bfloat16 if self.precision is Precision.bf16 else torch.float16
             return torch.autocast(self.device.type, dtype=dtype)
         return contextlib.nullcontext()
-
-
-def _timed_allreduce_hook(timer: CommTimer) -> Callable[[Any, GradBucket], torch.futures.Future[torch.Tensor]]:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    def hook(process_group: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-        start = time.perf_counter()
-        timer.gradient_issued(start)
-        timer.pending += 1
-        fut = default_hooks.allreduce_hook(process_group, bucket)
-
-        def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            try:
-                return f.value()
-            except Exception:
-                timer.failed = True
-                raise
-            finally:
-                timer.pending -= 1
-                timer.record(start, time.perf_counter())
-
-        return fut.then(done)
-
-    # DDP checks the hook's annotations as objects; this module's are strings (PEP 563).
-    hook.__annotations__ = {
-        "process_group": Any,
-        "bucket": GradBucket,
-        "return": torch.futures.Future[torch.Tensor],
-    }
-    return hook
-
-
-def _timed_fsdp_comms(model: nn.Module, timer: CommTimer) -> None:
-    """Route FSDP2's all-gather and reduce-scatter through timed wrappers of the default collectives.
-
-    Uses FSDP2's custom-comm hooks (`set_custom_all_gather/reduce_scatter`); on a torch without them
-    comm time is reported as 0 rather than guessed.
-    """
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-    except ImportError:  # pragma: no cover - older torch
-        log.info("FSDP2 custom comms unavailable in this torch; comm_s is reported as 0")
-        return
-
-    def _empty(size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    class TimedAllGather(AllGather):
-        def allocate(
-            self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-        ) -> torch.Tensor:
-            return _empty(size, dtype=dtype, device=device)
-
-        def __call__(
-            self,
-            output_tensor: torch.Tensor,
-            input_tensor: torch.Tensor,
-            group: dist.ProcessGroup,
-            async_op: bool = False,
-        ) -> dist.Work | None:
-            start = time.perf_counter()
-            work: dist.Work | None = dist.all_gather_into_tensor(
-                output_tensor, input_tensor, group=group, async_op=async_op
-            )
-            timer.track(start, work if async_op else None)
-            return work
-
-    class TimedReduceScatter(ReduceScatter):
-        def allocate(
-            self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-        ) -> torch.Tensor:
-            return _empty(size, dtype=dtype, device=device)
-
-        def __call__(
-            self,
-            output_tensor: torch.Tensor,
-            input_tensor: torch.Tensor,
-            group: dist.ProcessGroup,
-            op: Any,
-            async_op: bool = False,
-        ) -> dist.Work | None:
-            start = time.perf_counter()
-            timer.gradient_issued(start)
-            work: dist.Work | None = dist.reduce_scatter_tensor(
-                output_tensor, input_tensor, op=op, group=group, async_op=async_op
-            )
-            timer.track(start, work if async_op else None)
-            return work
-
-    from torch.distributed.fsdp import FSDPModule
-
-    gather, scatter = TimedAllGather(), TimedReduceScatter()
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_custom_all_gather(gather)
-            module.set_custom_reduce_scatter(scatter)
 
 
 def parallelize(
@@ -314,7 +154,7 @@ def parallelize(
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    _timed_fsdp_comms(model, par.comm)
+    time_fsdp_comms(model, par.comm)
     par.mesh = mesh
     return par
 
@@ -369,7 +209,7 @@ def ddp_wrap(par: Parallel, *, init_sync: bool = True) -> nn.Module:
         if par.bucket_order is not None
         else nn.parallel.DistributedDataParallel(par.module, device_ids=device_ids, init_sync=init_sync)
     )
-    ddp.register_comm_hook(None, _timed_allreduce_hook(par.comm))
+    ddp.register_comm_hook(None, timed_allreduce_hook(par.comm))
     return ddp
 
 
@@ -431,46 +271,3 @@ def clip_grad_norm(par: Parallel, max_norm: float) -> float:
     norm = torch.nn.utils.clip_grad_norm_(par.model.parameters(), max_norm)
     full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     return float(full)
-
-
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """The optimizer of `training.optimizer` over the (possibly sharded) parameters.
-
-    The multi-tensor (`foreach=True`) implementation on every device: a handful of kernels for all the
-    parameters instead of about a dozen per parameter. On a GPU the per-parameter loop is host-bound (each
-    op a launch, under FSDP2 each one a DTensor dispatch in Python: measured on an H100 with the loop,
-    a 150M-parameter tinygpt kept the device busy only 23-32 % of a step). It is as deterministic as the
-    loop (element-wise, grouped by device and dtype the same way at every start), so resume stays
-    bit-exact: kill-worker drills with it, DDP and FSDP2, restart and in place, end bit-identical here.
-    One implementation on CPU and GPU alike, so CI exercises the code a GPU job runs.
-    """
-    params = [p for p in model.parameters() if p.requires_grad]
-    if cfg.name == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, foreach=True)
-    if cfg.name == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, foreach=True)
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, foreach=True)
-
-
-def lr_at(step: int, world_size: int, base_lr: float, total_steps: int, schedule: LrScheduleConfig) -> float:
-    """The learning rate of optimizer step `step` (0-based): a pure function, so resume is exact.
-
-    Peak rate = `base_lr` scaled by the *current* world size (recomputed after every elastic resize);
-    linear warm-up over `warmupSteps`, then constant / cosine / linear decay that reaches
-    `minLrRatio` x peak at the last step.
-    """
-    ratio = world_size / schedule.base_world_size
-    if schedule.scale_with_world_size == "linear":
-        peak = base_lr * ratio
-    elif schedule.scale_with_world_size == "sqrt":
-        peak = base_lr * math.sqrt(ratio)
-    else:
-        peak = base_lr
-    if step < schedule.warmup_steps:
-        return peak * (step + 1) / schedule.warmup_steps
-    if schedule.decay == "constant":
-        return peak
-    span = max(1, total_steps - 1 - schedule.warmup_steps)
-    progress = min(1.0, (step - schedule.warmup_steps) / span)
-    factor = 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule.decay == "cosine" else 1.0 - progress
-    return peak * (schedule.min_lr_ratio + (1.0 - schedule.min_lr_ratio) * factor)

@@ -32,18 +32,10 @@ from training.evaluation import evaluate
 from training.faults import FaultInjector
 from training.metrics.base import MetricsSink, StepRecord
 from training.metrics.straggler import create_straggler_detector
+from training.optim import build_optimizer, lr_at
 from training.profiling import create_step_profiler
 from training.state import ModelOptimizerState, TrainerProgress, full_params_sha256
-from training.strategies import (
-    Parallel,
-    build_optimizer,
-    clip_grad_norm,
-    ddp_bucket_order,
-    lr_at,
-    parallelize,
-    rewrap_ddp,
-    unwrap_ddp,
-)
+from training.strategies import Parallel, clip_grad_norm, ddp_bucket_order, parallelize, rewrap_ddp, unwrap_ddp
 from training.task import Task
 from training.watchdog import StepWatchdog
 

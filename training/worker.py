@@ -35,10 +35,11 @@ from training.inplace.group import InPlaceGroup, StateSync, freeze_heap
 from training.inplace.replica import ReplicaSet
 from training.metrics import create_sinks
 from training.metrics.base import MetricsSink
+from training.optim import build_optimizer
 from training.preemption import PreemptionHandler
 from training.stacks import StackDumper, enable_flight_recorder
 from training.state import ModelOptimizerState, TrainerProgress
-from training.strategies import build_optimizer, parallelize
+from training.strategies import parallelize
 from training.task import Task, load_task
 from training.trainer import CheckpointManagerLike, Trainer, control_group
 from training.watchdog import StepWatchdog

@@ -13,7 +13,7 @@ from typing import Any
 from orchestrator.loader import dump_spec
 from orchestrator.spec import JobSpec
 from training.contract import Env
-from training.preemption import launcher_env
+from training.preemption_timing import launcher_env
 
 __all__ = [
     "JOB_SECRET_DIR",

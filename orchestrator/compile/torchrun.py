@@ -16,7 +16,7 @@ from orchestrator.compile import _common as c
 from orchestrator.compile import _pod as p
 from orchestrator.spec import JobSpec
 from training.contract import Env
-from training.preemption import launcher_env
+from training.preemption_timing import launcher_env
 
 __all__ = ["RDZV_PORT", "TorchrunCommand", "compile_torchrun"]
 
@@ -92,7 +92,7 @@ def compile_torchrun(
         str(s.restarts.max),
         *c.worker_program(spec_path),
     ]
-    # torchrun's shutdown timeout above restarts.preemptGraceSeconds (training.preemption).
+    # torchrun's shutdown timeout above restarts.preemptGraceSeconds (training.preemption_timing).
     env = {
         Env.DISABLE_SHARED_RDZV_STORE: "1",
         Env.SPEC: spec_path,

@@ -659,7 +659,7 @@ class Preemption(Scenario):
         return _pace(ctx)
 
     def actions(self, spec: JobSpec, ctx: DrillContext) -> list[Action]:
-        from training.preemption import pod_grace_period_seconds
+        from training.preemption_timing import pod_grace_period_seconds
 
         return [AwaitStep(ctx.fault_step), Preempt(grace_s=pod_grace_period_seconds(spec.spec.restarts))]
 

@@ -39,9 +39,9 @@ from training.checkpoint.digest import (
     valid_part_bytes,
 )
 from training.checkpoint.manifest import MANIFEST_NAME, MANIFEST_VERSION, read_manifest, step_dir, verify_store
+from training.checkpoint.reader import _tensor_in
 from training.checkpoint.results import CheckpointCorruptError
 from training.checkpoint.storage import file_digest
-from training.checkpoint.writer import _tensor_in
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -252,8 +252,8 @@ def test_the_shards_a_rank_wrote_are_read_while_dcp_plans_and_an_unneeded_bad_on
     them; only files the plan needs are checked, so a prefetched file it never asks for cannot fail it."""
     from torch.distributed.checkpoint import load as dcp_load
 
+    from training.checkpoint.reader import VerifiedReader
     from training.checkpoint.restore import SafeLoadPlanner
-    from training.checkpoint.writer import VerifiedReader
 
     mem_uri = f"memory://digest-{uuid.uuid4().hex[:8]}"
     saved = _save([mem_uri], tmp_path)

@@ -21,14 +21,8 @@ from training.config import RestartsConfig
 from training.contract import Env, EventKind, ExitCode, RunFiles, append_jsonl, open_append, read_events
 from training.contract.events import Preempted, Start, payload_fields
 from training.metrics.base import MetricsSink
-from training.preemption import (
-    DUPLICATE_WINDOW_S,
-    PreemptedExit,
-    PreemptionHandler,
-    launcher_env,
-    pod_grace_period_seconds,
-    torchrun_shutdown_timeout,
-)
+from training.preemption import DUPLICATE_WINDOW_S, PreemptedExit, PreemptionHandler
+from training.preemption_timing import launcher_env, pod_grace_period_seconds, torchrun_shutdown_timeout
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from training.comm_timing import CommTimer
 from training.config import MetricsConfig
 from training.contract import EventKind, WorkerIdentity
 from training.faults import FaultInjector, parse_faults
@@ -20,7 +21,6 @@ from training.metrics import names
 from training.metrics.base import MetricsSink, SlowdownRecord, StepRecord
 from training.metrics.prometheus import PrometheusSink
 from training.metrics.straggler import MIN_EXCESS_S, StragglerDetector, find_straggler, slowdowns
-from training.strategies import CommTimer
 
 
 class Recorder(MetricsSink):

@@ -16,8 +16,8 @@ from training.contract import WorkerIdentity
 from training.determinism import step_seed
 from training.faults import Fault, FaultInjector, parse_faults
 from training.metrics.base import MetricsSink
+from training.optim import lr_at
 from training.state import params_sha256
-from training.strategies import lr_at
 from training.task import Task, TaskBase, TaskLoadError, load_task
 
 

@@ -1,10 +1,12 @@
 """Redundant, verified, asynchronous checkpoints (torch.distributed.checkpoint + fsspec).
 
 `CheckpointManager` is the worker's whole interface: `restore`, `should_save`, `save`, `wait`, `close`;
-`manager`'s docstring describes the commit protocol. Its parts: `save` (the save pipeline), `fence`,
-`retention`, `restore` (the restore search), `warmstart` (`initFrom`), `collectives`; the store layout,
-manifest and verification live in `manifest`, manifest signing in `signing`, the storage Protocol in
-`storage`, the safe reader of DCP metadata in `dcp_metadata`.
+`manager`'s docstring describes the commit protocol. Its parts: `save` (the save pipeline), `writer`
+(its data path: a tee into every store, hashing while writing), `fence`, `retention`, `restore` (the
+restore search), `reader` (its data path: each file read once and verified before DCP loads it),
+`warmstart` (`initFrom`), `collectives`; the store layout, manifest and verification live in
+`manifest`, manifest signing in `signing`, the storage Protocol in `storage`, the safe reader of DCP
+metadata in `dcp_metadata`.
 """
 
 from training.checkpoint.manager import CheckpointManager

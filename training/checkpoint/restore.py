@@ -52,6 +52,7 @@ from training.checkpoint.manifest import (
     step_dir,
     verify_store,
 )
+from training.checkpoint.reader import VerifiedReader, VerifyError
 from training.checkpoint.results import (
     CheckpointCorruptError,
     CheckpointError,
@@ -62,7 +63,6 @@ from training.checkpoint.results import (
 )
 from training.checkpoint.retention import exclusive_to
 from training.checkpoint.storage import CheckpointStorage, open_storage
-from training.checkpoint.writer import VerifiedReader, VerifyError
 from training.contract import Env, EventKind, WorkerIdentity
 from training.metrics.base import MetricsSink
 

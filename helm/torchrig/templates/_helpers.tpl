@@ -180,7 +180,7 @@ key order (Helm's maps are sorted; the compiler keeps the job file's order). Arg
   (list "TORCHRIG_JOB_SECRET_FILE" "/etc/torchrig-secret/job-secret")
   (list "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" "1")
   (list "PYTHONUNBUFFERED" "1") -}}
-{{- /* training.preemption.launcher_env: torchrun's shutdown timeout above the grace, the extra signal it forwards. */ -}}
+{{- /* training.preemption_timing.launcher_env: torchrun's shutdown timeout above the grace, the extra signal it forwards. */ -}}
 {{- $grace := .spec.restarts.preemptGraceSeconds | float64 -}}
 {{- if gt $grace 0.0 -}}
   {{- $builtin = append $builtin (list "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" (add (ceil $grace | int) 5 | toString)) -}}

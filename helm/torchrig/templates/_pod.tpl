@@ -9,7 +9,7 @@ the writable volumes, envFrom of the stores' Secrets, the health-check probes, t
 ["python","-m","training.launch","--spec","/etc/torchrig/job.yaml","--"]
 {{- end -}}
 
-{{- /* torchrig.terminationGrace: a worker pod's terminationGracePeriodSeconds, restarts.preemptGraceSeconds + 10 s (training.preemption.pod_grace_period_seconds); nothing when preemption handling is off. Returns a JSON object. */ -}}
+{{- /* torchrig.terminationGrace: a worker pod's terminationGracePeriodSeconds, restarts.preemptGraceSeconds + 10 s (training.preemption_timing.pod_grace_period_seconds); nothing when preemption handling is off. Returns a JSON object. */ -}}
 {{- define "torchrig.terminationGrace" -}}
 {{- $grace := .spec.restarts.preemptGraceSeconds | float64 -}}
 {{- if gt $grace 0.0 -}}
