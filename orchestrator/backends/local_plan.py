@@ -24,7 +24,7 @@ from orchestrator.errors import BackendError
 from orchestrator.spec import JobSpec
 from training.contract import Env, RunFiles
 from training.contract.orders import SECRET_FILE
-from training.preemption import launcher_env
+from training.preemption_timing import launcher_env
 
 __all__ = ["LOG_LINE_PREFIX", "RDZV_CONF", "LocalPlan", "create_local_plan", "pick_port_block", "placement_from_json"]
 

@@ -30,7 +30,7 @@ from orchestrator.spec import JobSpec
 from training.contract import Env, Result, RunFiles, Summary, read_events, write_json
 from training.contract.files import private_umask
 from training.contract.orders import SecretError, create_job_secret
-from training.preemption import torchrun_shutdown_timeout
+from training.preemption_timing import torchrun_shutdown_timeout
 
 __all__ = ["DEFAULT_GRACE_S", "LocalRun"]
 
