@@ -325,13 +325,20 @@ def _pod_specs(obj: Any) -> list[dict[str, Any]]:
 def test_worker_pods_get_the_grace_period_and_torchrun_its_timeout(target: str) -> None:
     from orchestrator.compile import compile as compile_job
     from orchestrator.compile import compile_plan
+    from orchestrator.compile.rayjob import SUBMITTER_CONTAINER
 
     spec = load_spec(REPO / "examples" / "digits-ddp.yaml", ["spec.restarts.preemptGraceSeconds=90"])
-    pods = [pod for obj in compile_job(spec, target, fixed_size=True) for pod in _pod_specs(obj)]
-    # Worker pods (a TrainJob's own pod patch adds env and mounts only: its runtime holds the pod).
-    workers = [p for p in pods if any("image" in c and c["name"] != "ray-head" for c in p["containers"])]
+    objects = compile_job(spec, target, fixed_size=True)
+    pods = [pod for obj in objects for pod in _pod_specs(obj)]
+    # Worker pods: not a TrainJob's own pod patch (env and mounts only: its runtime holds the pod), not the
+    # Ray head, not the RayJob's submitter (it runs `ray job submit`, no training).
+    not_workers = ("ray-head", SUBMITTER_CONTAINER)
+    workers = [p for p in pods if any("image" in c and c["name"] not in not_workers for c in p["containers"])]
     assert workers and all(p["terminationGracePeriodSeconds"] == 100 for p in workers)
-    env = {e["name"]: e["value"] for p in pods for c in p["containers"] for e in c.get("env", [])}
+    # A TrainJob's worker env is `spec.trainer.env` (Trainer refuses env in a runtime patch).
+    trainer_env = [e for obj in objects if obj["kind"] == "TrainJob" for e in obj["spec"]["trainer"].get("env", [])]
+    env = {e["name"]: e["value"] for p in pods for c in p["containers"] for e in c.get("env", []) if "value" in e}
+    env.update({e["name"]: e["value"] for e in trainer_env if "value" in e})
     assert env[Env.ELASTIC_SHUTDOWN_TIMEOUT] == "95"
     assert compile_plan(spec, "torchrun").env[Env.ELASTIC_SHUTDOWN_TIMEOUT] == "95"
     off = load_spec(REPO / "examples" / "digits-ddp.yaml", ["spec.restarts.preemptGraceSeconds=0"])
