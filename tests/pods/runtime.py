@@ -5,7 +5,7 @@ lives in a namespace of its own (nothing is added to the host's network namespac
 come from a /24 in 10.214.0.0/16 that only these namespaces hold. `start(pod)` runs the pod's init
 containers, then its container through podinit.py (new mount/UTS/IPC/PID namespaces) with:
 
-- /etc/hosts: the kubelet's line for the pod itself plus the cluster DNS names of the other pods of
+- /etc/hosts: the kubelet's line for the pod itself plus the cluster DNS names of the pods of
   the job (the harness's stand-in for cluster DNS): a pod's names appear there only while it is
   Ready, or always when its Services publish not-ready addresses (`Pod.publish_not_ready`; kubelet.py).
   Each name's line sits at a fixed offset and is switched on and off by rewriting its first byte (`#`),
@@ -249,8 +249,10 @@ class PodCluster:
             head = ["# Kubernetes-managed hosts file (pods harness).", "127.0.0.1\tlocalhost"]
             head.append("\t".join([state.ip, *state.pod.own_hosts_names()]))
             text = "\n".join(head) + "\n"
+            # Every pod's Service names, the pod's own included: from inside the pod they resolve through
+            # cluster DNS too (the kubelet's line above holds only its hostname and FQDN).
             for other in self.pods.values():
-                if other is not state and other.pod.dns_names:
+                if other.pod.dns_names:
                     line = "\t".join([other.ip, *other.pod.dns_names])
                     self._hosts_offsets.setdefault(other.pod.name, []).append((state.dir / "hosts", len(text), line[0]))
                     text += "#" + line[1:] + "\n"  # off until the pod is published (`_publish`)

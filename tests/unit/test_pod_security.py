@@ -1,7 +1,8 @@
 """Every pod torchrig generates passes the Pod Security Standard "restricted" and is hardened beyond it
 (issue 13 point 14): a read-only root filesystem with a writable volume wherever the worker writes, no
-ServiceAccount token, startup and liveness probes from the worker's health check, ephemeral-storage
-requests.
+ServiceAccount token, a liveness probe from the worker's health check (no startup probe: readiness must not
+wait for the rendezvous), ephemeral-storage requests. The PyTorchJob pods are also checked as the Training
+Operator makes them, its `init-pytorch` init container included (issue 40 point 4).
 
 The PSS checks are written from the standard itself (kubernetes.io/docs/concepts/security/pod-security-
 standards, the "Baseline" and "Restricted" tables, Kubernetes v1.33), not from what the compiler emits:
