@@ -49,10 +49,21 @@ _VALUE_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("a Slack token", re.compile(r"(?<![A-Za-z0-9])xox[abposr]-[A-Za-z0-9-]{10,}")),
     ("a Slack webhook URL", re.compile(r"hooks\.slack\.com/services/T[A-Za-z0-9_]+/B[A-Za-z0-9_]+/[A-Za-z0-9_]+")),
     ("a Google API key", re.compile(r"(?<![A-Za-z0-9_])AIza[0-9A-Za-z_-]{35}")),
-    ("a JSON Web Token", re.compile(r"eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}")),
+    # Each part of a token starts where no token character stands before it: a search from every `eyJ` of
+    # a long word was quadratic.
+    (
+        "a JSON Web Token",
+        re.compile(r"(?<![A-Za-z0-9_-])eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"),
+    ),
     ("a bearer token", re.compile(r"(?i)\bbearer\s+[A-Za-z0-9._~+/-]{16,}")),
-    # userinfo with a non-empty password (RFC 3986 3.2.1); `user@host` alone names no secret.
-    ("a password in a URI (user:password@host)", re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s@:]*:[^/?#\s@]+@")),
+    # userinfo with a non-empty password (RFC 3986 3.2.1); `user@host` alone names no secret. The scheme
+    # starts where no scheme character stands before it and is at most 32 long: unbounded, a search
+    # tried every start of a long word and backtracked over its rest (quadratic: a 100,000-character
+    # task argument took minutes to render).
+    (
+        "a password in a URI (user:password@host)",
+        re.compile(r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]{0,31}://[^/?#\s@:]*:[^/?#\s@]+@"),
+    ),
 )
 _AWS_ACCESS_KEY = _VALUE_SHAPES[0][1]
 # An AWS secret access key: 40 characters of base64 (no `=`), recognisable only beside its key id.

@@ -120,12 +120,13 @@ def test_hostile_yaml_is_one_error_line(tmp_path: Path, text: str, message: str,
 def test_render_pytorchjob_is_applyable_yaml() -> None:
     code, out, _ = run("render", DIGITS, "--target", "pytorchjob", "--monitoring")
     assert code == 0
-    assert [d["kind"] for d in yaml.safe_load_all(out)] == ["ConfigMap", "PyTorchJob", "PodMonitor", "PrometheusRule"]
+    kinds = [d["kind"] for d in yaml.safe_load_all(out)]
+    assert kinds == ["ConfigMap", "NetworkPolicy", "PyTorchJob", "PodMonitor", "PrometheusRule"]
 
 
 def test_render_set_overrides_reach_the_manifest() -> None:
     code, out, _ = run("render", DIGITS, "--target", "pytorchjob", "--set", "spec.nodes.max=5")
-    job = list(yaml.safe_load_all(out))[1]
+    job = next(d for d in yaml.safe_load_all(out) if d["kind"] == "PyTorchJob")
     assert code == 0 and job["spec"]["elasticPolicy"]["maxReplicas"] == 5
 
 

@@ -262,7 +262,7 @@ def test_the_examples_still_validate_and_render_their_env() -> None:
     spec = load_spec(DIGITS, ["spec.kubernetes.env.MY_FLAG=on-please"])
     assert spec.spec.kubernetes.env["MY_FLAG"] == "on-please"
     code, out, _ = run("render", DIGITS, "-t", "pytorchjob", "--set", "spec.kubernetes.env.MY_FLAG=on-please")
-    job = list(yaml.safe_load_all(out))[1]
+    job = next(d for d in yaml.safe_load_all(out) if d["kind"] == "PyTorchJob")
     env = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["env"]
     assert code == 0 and {"name": "MY_FLAG", "value": "on-please"} in env
     assert [e["value"] for e in env if e["name"] == Env.SPEC] == ["/etc/torchrig/job.yaml"]

@@ -356,3 +356,28 @@ def test_compile_refuses_a_job_built_in_python_with_an_inline_secret(target: str
     with pytest.raises(UnsupportedFeature) as info:
         compile_target(spec, target, allow_pod_local_stores=True)
     assert str(info.value).startswith("spec.kubernetes.env.HF_TOKEN: ") and "a1a1" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "x" * 200_000,  # one long word: every start of a scheme tried and backtracked over (quadratic)
+        "eyJ" * 60_000,  # a JWT's first segment started at each `eyJ`
+        "a://" * 50_000,
+        "a" * 100_000 + ":" + "b" * 100_000,
+        "hf_" * 60_000,
+    ],
+    ids=["word", "eyJ", "schemes", "colon", "hf"],
+)
+def test_a_long_value_is_scanned_in_linear_time(text: str) -> None:
+    """A job's strings are the user's (or a generated config's): a backtracking pattern made `render` of a
+    100,000-character task argument run for minutes (quadratic: 200,000 characters took ~25 s per scan
+    and a render scans more than once). Linear, each of these scans takes milliseconds; the bound is a
+    thousand times that, so only a quadratic pattern can cross it, however loaded the machine."""
+    import time
+
+    from orchestrator.credentials import scan_value
+
+    start = time.perf_counter()
+    scan_value(text)
+    assert time.perf_counter() - start < 5.0
