@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TOOLS_STAMP := $(VENV)/.tools
 PYTEST_ARGS ?=
 
-.PHONY: help venv tools demo test test-fast soak lint format typecheck manifests docs bench clean
+.PHONY: help venv tools demo test test-fast soak lint format typecheck manifests docs bench clean images
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -25,6 +25,9 @@ $(TOOLS_STAMP): $(STAMP) scripts/install-tools.sh
 	touch $@
 
 tools: $(TOOLS_STAMP) ## Install helm/kubectl into .venv/bin and Prometheus (Debian package)
+
+images: $(STAMP) $(TOOLS_STAMP) ## Build images/cpu with podman (Debian base, local torch wheel); images/worker where its base can be pulled
+	$(PY) scripts/build_images.py
 
 demo: $(STAMP) ## Run the digits example locally: 2 ranks on CPU, checkpoints, metrics on 127.0.0.1
 	$(VENV)/bin/torchrig run examples/digits-ddp.yaml

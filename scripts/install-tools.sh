@@ -7,6 +7,7 @@
 #    and screenshotted in tests/integration/test_drill_campaign.py);
 #  - nftables: `nft`, with which the pods harness enforces a job's NetworkPolicy inside its network
 #    namespaces (tests/pods/netpol_nft.py).
+#  - podman, runc and mmdebstrap (Debian): `make images` and tests/containers build and run images/cpu.
 set -euo pipefail
 venv=${1:-.venv}
 bin="$venv/bin"
@@ -48,3 +49,14 @@ if ! command -v nft >/dev/null; then
   apt_install nftables
 fi
 nft --version
+
+# podman builds images/cpu and runs it (`make images`, tests/containers) with images/containers.conf;
+# runc is the runtime that file names (crun, podman's default, fails on hybrid cgroups); mmdebstrap
+# makes the image's Debian base without a registry. As root nothing else is needed: `podman build`
+# carries buildah's code, and overlay storage needs no fuse-overlayfs.
+for pkg in podman runc mmdebstrap; do
+  if ! command -v "$pkg" >/dev/null; then
+    apt_install "$pkg"
+  fi
+done
+podman --version

@@ -6,9 +6,12 @@ from __future__ import annotations
 import fnmatch
 import importlib.util
 import re
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -138,3 +141,110 @@ def test_healthcheck_judges_step_age() -> None:
         server.shutdown()
     healthy, reason = check(url, max_age_s=60)
     assert not healthy and "not answering" in reason
+
+
+# ---------------------------------------------------------------------------------------------
+# scripts/build_images.py (`make images`): what an image is tagged with, where torch comes from
+# ---------------------------------------------------------------------------------------------
+
+
+def _build_images() -> Any:
+    from tests.containers.images import build_images
+
+    return build_images
+
+
+def _context(root: Path) -> None:
+    for name in ("pyproject.toml", "README.md", "constraints.txt"):
+        (root / name).write_text(name)
+    for pkg in ("orchestrator", "training"):
+        (root / pkg / "__pycache__").mkdir(parents=True)
+        (root / pkg / "__init__.py").write_text("")
+        (root / pkg / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"\0")
+
+
+def test_the_image_hash_follows_the_sources_and_ignores_bytecode(tmp_path: Path) -> None:
+    bi = _build_images()
+    _context(tmp_path)
+    image = bi.IMAGES["cpu"]
+    first = bi.image_hash(image, "sha256:base", None, tmp_path)
+    assert [p.name for p in bi.context_files(tmp_path)] == [
+        "README.md",
+        "constraints.txt",
+        "__init__.py",
+        "pyproject.toml",
+        "__init__.py",
+    ]
+    (tmp_path / "training" / "__pycache__" / "y.pyc").write_bytes(b"1")
+    assert bi.image_hash(image, "sha256:base", None, tmp_path) == first
+    (tmp_path / "training" / "__init__.py").write_text("x = 1\n")
+    changed = bi.image_hash(image, "sha256:base", None, tmp_path)
+    assert changed != first
+    assert bi.image_hash(image, "sha256:other-base", None, tmp_path) != changed
+    wheel = tmp_path / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
+    wheel.write_bytes(b"w")
+    assert bi.image_hash(image, "sha256:base", wheel, tmp_path) != changed
+    # Framed: moving bytes from one name to the next is a different input.
+    assert bi.digest([("a", b"bc")]) != bi.digest([("ab", b"c")])
+
+
+def test_the_base_tag_names_its_recipe() -> None:
+    bi = _build_images()
+    tag = bi.base_tag()
+    assert tag.startswith("localhost/torchrig-base:bookworm-")
+    assert {"python3", "python3-venv", "ca-certificates", "python-is-python3"} <= set(bi.BASE_PACKAGES)
+    assert any(env.startswith("PATH=/usr/local/sbin:") for env in bi.BASE_ENV)
+
+
+def test_torch_comes_from_a_wheel_directory_only_when_it_holds_the_right_wheel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bi = _build_images()
+    monkeypatch.setattr(bi, "_pip_find_links", lambda: [])
+    monkeypatch.delenv("TORCHRIG_TORCH_WHEELS", raising=False)
+    assert bi.torch_wheels("2.13.0", "cp311", None) is None
+    (tmp_path / "torch-2.13.0+cpu-cp312-cp312-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    with pytest.raises(bi.BuildError, match=re.escape("no torch-2.13.0+cpu-cp311")):
+        bi.torch_wheels("2.13.0", "cp311", str(tmp_path))
+    wheel = tmp_path / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
+    wheel.write_bytes(b"")
+    assert bi.torch_wheels("2.13.0", "cp311", str(tmp_path)) == (tmp_path.resolve(), wheel)
+    monkeypatch.setenv("TORCHRIG_TORCH_WHEELS", str(tmp_path))
+    assert bi.torch_wheels("2.13.0", "cp311", None) == (tmp_path.resolve(), wheel)
+    assert bi.torch_version(REPO / "images" / "cpu" / "Dockerfile") == "2.13.0"
+
+
+def test_the_project_containers_conf_sets_runc_and_the_ulimits() -> None:
+    import tomllib
+
+    conf = tomllib.loads((REPO / "images" / "containers.conf").read_text())
+    assert conf["engine"]["runtime"] == "runc"
+    assert set(conf["containers"]["default_ulimits"]) == {"nofile=1024:1024", "nproc=4096:4096"}
+    assert _build_images().podman_env()["CONTAINERS_CONF"] == str(REPO / "images" / "containers.conf")
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
+def test_the_dependency_layer_lists_what_pyproject_asks_for(dockerfile: Path, tmp_path: Path) -> None:
+    """The build stage installs the dependencies before copying the sources, from a list its inline
+    Python reads off pyproject.toml: run that very code here."""
+    runs = [args for word, args in _instructions(dockerfile) if word == "RUN" and "tomllib" in args]
+    assert len(runs) == 1, "one RUN lists the dependencies"
+    code = re.search(r"python -c '(.+?)'", runs[0])
+    assert code is not None
+    extras = dict(args.split("=", 1) for word, args in _instructions(dockerfile) if word == "ARG" and "=" in args)
+    proc = subprocess.run(
+        [sys.executable, "-c", code.group(1), extras["EXTRAS"]],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    listed = proc.stdout.splitlines()
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    expected = list(project["dependencies"])
+    for extra in extras["EXTRAS"].split(","):
+        expected += project["optional-dependencies"][extra]
+    assert listed == expected
+    assert any(r.startswith("ray[") for r in listed) and any(r.startswith("torch") for r in listed)
