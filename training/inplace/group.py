@@ -30,7 +30,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -41,6 +41,7 @@ from torch._C._distributed_c10d import PrefixStore
 
 from training.contract import WorkerIdentity
 from training.inplace import BEAT_S, BEHIND_LOST_S, HOST_LOST_S, STANDBY_GRACE_S, InPlace, KeyWait, exchange, sockets
+from training.inplace.protocol import FallBack, Formed, FormObservation, decide_form
 
 __all__ = [
     "InPlaceGroup",
@@ -203,22 +204,19 @@ class InPlaceGroup:
         """
         rank, world = self.identity.rank, self.identity.world_size
         owner = self.inplace.read(self.store, self.inplace.owner_key(rank)) if generation > 0 else None
-        if owner is not None and owner != str(os.getpid()):
-            # This rank was given to another process meanwhile (a standby took this node while it was cut
-            # off): joining beside it would put two processes in one rank.
-            raise RecoveryFailed(
-                f"generation {generation}: rank {rank} is held by pid {owner} now; this process stands down"
-            )
+        limit = timeout_s if timeout_s is not None else self.inplace.timeout_s
+        look = FormObservation(generation, world, rank, owner=owner, pid=os.getpid(), limit_s=limit)
+        if isinstance(decision := decide_form(look), FallBack):
+            raise RecoveryFailed(decision.reason)
         self.inplace.write(self.store, self.inplace.rank_gen_key(rank), str(generation))
         key = self.inplace.join_key(generation)
         joined = int(self.store.add(key, 1))
-        limit = timeout_s if timeout_s is not None else self.inplace.timeout_s
-        if generation > 0 and joined >= world:
+        if generation > 0 and isinstance(decide_form(replace(look, joined=joined)), Formed):
             self.store.set(self.inplace.formed_key(generation), "1")  # the last member: wakes the others
         elif generation > 0:  # generation 0 starts with the job: init_process_group's own wait covers it
             # A survivor blocked on a live peer learns of the failure only through its collective's
             # timeout (below): the first ones wait that long for it, plus the time the spare takes.
-            deadline = time.monotonic() + 2 * limit
+            started = time.monotonic()
             lost_key = self.inplace.nodes_lost_key(generation)
             # Two members watch the nodes' beats (the first and the last rank: on different nodes when
             # there are several) and tell the others through one key: O(nodes) reads per check, not
@@ -244,33 +242,40 @@ class InPlaceGroup:
                 )
             next_look = time.monotonic() + BEAT_S  # a generation formed within a beat reads no extra key
             formed = KeyWait(self.inplace.connect, self.inplace.formed_key(generation), 2 * limit + 1)
+            lost: str | None = None
             # 5 ms slices: the shutdown signal and the node watch are local or rate-limited reads. The
             # counter is read once a beat, and every slice only if the wait itself failed.
-            while not formed.done_within(0.005):
-                if cancelled is not None and cancelled():
-                    raise RecoveryFailed(f"generation {generation}: a shutdown signal arrived while forming")
-                if watch is not None and (gone := watch.lost()):
-                    silent = min(watch.silent_for(n) for n in gone)
-                    found = f"node(s) {gone} stopped beating for {silent:.1f} s (lost or cut off)"
-                    self.store.compare_set(lost_key, "", self.inplace.sign(lost_key, found))
-                now = time.monotonic()
-                if now >= next_look or formed.failed is not None:
-                    next_look = now + BEAT_S
-                    if int(self.store.add(key, 0)) >= world:
-                        # Formed, though its last member did not say so (it died right after joining): say
-                        # it for it, which ends this member's own wait (its thread and connection) and
-                        # wakes the other members now instead of at their next beat.
+            while True:
+                done = formed.done_within(0.005)
+                stop = not done and cancelled is not None and cancelled()
+                if not done and not stop:
+                    if watch is not None and (gone := watch.lost()):
+                        silent = min(watch.silent_for(n) for n in gone)
+                        found = f"node(s) {gone} stopped beating for {silent:.1f} s (lost or cut off)"
+                        self.store.compare_set(lost_key, "", self.inplace.sign(lost_key, found))
+                    now = time.monotonic()
+                    if now >= next_look or formed.failed is not None:
+                        next_look = now + BEAT_S
+                        joined = int(self.store.add(key, 0))
+                        lost = None if joined >= world else self.inplace.read(self.store, lost_key)
+                seen = replace(
+                    look,
+                    owner=None,
+                    joined=joined,
+                    formed=done,
+                    cancelled=stop,
+                    nodes_lost=lost,
+                    elapsed_s=time.monotonic() - started,
+                )
+                decision = decide_form(seen)
+                if isinstance(decision, FallBack):
+                    raise RecoveryFailed(decision.reason)
+                if isinstance(decision, Formed):
+                    if decision.announce:
+                        # Which ends this member's own wait (its thread and connection) and wakes the other
+                        # members now instead of at their next beat.
                         self.store.set(self.inplace.formed_key(generation), "1")
-                        break
-                    if (lost := self.inplace.read(self.store, lost_key)) is not None:
-                        raise RecoveryFailed(
-                            f"generation {generation}: {lost}; nobody can bring their ranks back in place"
-                        )
-                if time.monotonic() > deadline:
-                    raise RecoveryFailed(
-                        f"generation {generation}: {int(self.store.add(key, 0))} of {world} ranks joined "
-                        f"within {2 * limit:g} s (2 x restarts.inPlaceTimeoutSeconds)"
-                    )
+                    break
         pg_store = PrefixStore(self.inplace.pg_prefix(generation), self.store)
         # The collective timeout is the last resort only: a survivor blocked on a live peer learns of a
         # failure when that peer cuts its connections (`leave`), a hung rank is ended by its watchdog.

@@ -1,7 +1,8 @@
 """The per-rank host of in-place recovery: what torchrun starts when `restarts.mode` is `inplace`.
 
 `python -m training` decides to be a host (`training.__main__`); the host runs the real trainer as
-its child (the same command, `TORCHRIG_INPLACE_ROLE=trainer`) and watches it every 20 ms:
+its child (the same command, `TORCHRIG_INPLACE_ROLE=trainer`) and watches it every 20 ms. What it does
+next is `training.inplace.protocol.decide_host`'s decision (this module only carries it out):
 
 - the trainer exits 0, with a permanent code (2, 3, 126, 127), `PREEMPTED` or `RECOVERY_FAILED`: the
   host exits with the same code (torchrun sees exactly what it would have seen);
@@ -36,12 +37,32 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from types import FrameType
 from typing import Any
 
-from training.contract import PERMANENT, Env, ExitCode
+from training.contract import Env
 from training.contract.orders import IDENTITY_ENV, Assignment, Promotion
 from training.inplace import BEAT_S, FORGED_RETRY_S, ROLE_SPARE, ROLE_TRAINER, InPlace, KeyWait, forked
+from training.inplace.protocol import (
+    HOST_TRANSITIONS,
+    REAL_CLOCK,
+    ClaimSpare,
+    Clock,
+    Decision,
+    FallBack,
+    HostObservation,
+    HostState,
+    PassThrough,
+    Promote,
+    Recovered,
+    StandDown,
+    Stop,
+    Wait,
+    decide_host,
+    next_state,
+)
 
 __all__ = ["die_with_parent", "run_host"]
 
@@ -52,15 +73,6 @@ PROMOTION_WAIT_S = 24 * 86400.0  # a standby may stand by for the whole job
 SPARE_TERM_GRACE_S = 10.0  # an unclaimed spare still alive this long after its SIGTERM is killed
 STUCK_SPARE_S = 60.0  # an unclaimed spare not ready this long after its start (or the in-place timeout) is killed
 EXIT_CODE_WAIT_S = 2.0  # how long a host waits for a dead spare's exit code to be published
-# What a trainer's exit means beyond this host, passed on as it is: a store unreadable at restore (205)
-# is retried by the group as such, not as the in-place failure (203) a start-up crash becomes.
-_PASS_THROUGH = {
-    0,
-    *PERMANENT,
-    int(ExitCode.PREEMPTED),
-    int(ExitCode.RECOVERY_FAILED),
-    int(ExitCode.STORE_UNAVAILABLE),
-}
 _FORWARD = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2, signal.SIGUSR1)
 _STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
@@ -146,7 +158,10 @@ class _Promoted(_Watched):
             if not self._exited():
                 return None
             self._dead_at = time.monotonic()
-        code = self.inplace.read_int(self.store, self.inplace.exit_key(self.pid))
+        try:
+            code = self.inplace.read_int(self.store, self.inplace.exit_key(self.pid))
+        except Exception:  # the store failed: as if unpublished (a traceback here made the host exit 1)
+            code = None
         if code is not None and 0 <= code <= 255:
             return code
         if time.monotonic() - self._dead_at > EXIT_CODE_WAIT_S:
@@ -332,39 +347,79 @@ def claim_spare(
     inplace: InPlace, store: Any, rank: int, pool: SparePool | None, beat: _Beat | None = None
 ) -> int | None:
     """Claim a ready spare of this node and assign it `rank`; its pid, or None when none got ready in
-    time or every rank lost its trainer (nothing left to recover from in memory).
+    time or every rank lost its trainer (nothing left to recover from in memory)."""
+    decision = _claim(inplace, store, rank, pool, beat)
+    return decision.pid if isinstance(decision, Promote) else None
+
+
+def _claim(
+    inplace: InPlace,
+    store: Any,
+    rank: int,
+    pool: SparePool | None,
+    beat: _Beat | None = None,
+    *,
+    code: int | None = None,
+    stopping: Callable[[], bool] = lambda: False,
+    clock: Clock = REAL_CLOCK,
+) -> Decision:
+    """Claim a ready spare of this node until `decide_host` says otherwise (`HostState.CLAIMING`); on
+    `Promote` the spare is assigned `rank` and the next generation. `code`: what the trainer died of.
 
     `beat`: this node's heartbeat when this host keeps it (local rank 0). It beats on while it waits:
     a wait of over `HOST_LOST_S` for a spare still starting (a loaded machine) made the members count
     the whole node lost and restart the group (seen in the 100-recovery soak run beside other tests).
     """
-    deadline = time.monotonic() + inplace.timeout_s
-    store.add(inplace.waiting_key, 1)
+    started = clock.monotonic()
     try:
-        while (taken := _take_ready_spare(inplace, store, rank)) is None:
-            if time.monotonic() > deadline or every_rank_lost(inplace, store):
-                return None
+        store.add(inplace.waiting_key, 1)
+    except Exception as exc:
+        return decide_host(HostState.CLAIMING, HostObservation(exit_code=code, store_failed=str(exc)))
+    try:
+        while True:
+            # One look: first whether to go on at all (a shutdown, every rank lost, the timeout), then a
+            # claim; a spare this look claimed is always assigned (`decide_host` promotes it).
+            taken: tuple[int, int] | None = None
+            seen = HostObservation(
+                exit_code=code, stopping=stopping(), elapsed_s=clock.monotonic() - started, timeout_s=inplace.timeout_s
+            )
+            try:
+                seen = replace(seen, every_rank_lost=every_rank_lost(inplace, store))
+                if isinstance(decide_host(HostState.CLAIMING, seen), Wait):
+                    taken = _take_ready_spare(inplace, store, rank)
+            except Exception as exc:  # the store is gone: nothing to recover in place with
+                seen = replace(seen, store_failed=f"{type(exc).__name__}: {exc}")
+            decision = decide_host(HostState.CLAIMING, replace(seen, claimed_pid=None if taken is None else taken[1]))
+            if isinstance(decision, Promote) and taken is not None:
+                break
+            if not isinstance(decision, Wait):
+                return decision
             if beat is not None:
                 beat.tick()
             if pool is not None:
-                pool.tick()  # this host starts the spares: the one to claim may not exist yet
-            time.sleep(POLL_S)
+                with contextlib.suppress(Exception):  # a store error shows at the next look
+                    pool.tick()  # this host starts the spares: the one to claim may not exist yet
+            clock.sleep(POLL_S)
     finally:
-        store.add(inplace.waiting_key, -1)
+        with contextlib.suppress(Exception):
+            store.add(inplace.waiting_key, -1)
     index, pid = taken
-    inplace.write(store, inplace.owner_key(rank), str(pid))
-    dead_gen = max(0, inplace.read_int(store, inplace.rank_gen_key(rank)) or 0)
-    identity = {name: os.environ[name] for name in IDENTITY_ENV if name in os.environ}
-    # Checked here as the spare will check it: an identity it would refuse fails this recovery at once.
-    assignment = Assignment.parse(Assignment(env=identity, generation=dead_gen + 1).to_json())
-    inplace.write(store, inplace.spare_key(index, "assign"), assignment.to_json())
+    try:
+        inplace.write(store, inplace.owner_key(rank), str(pid))
+        dead_gen = max(0, inplace.read_int(store, inplace.rank_gen_key(rank)) or 0)
+        identity = {name: os.environ[name] for name in IDENTITY_ENV if name in os.environ}
+        # Checked here as the spare will check it: an identity it would refuse fails this recovery at once.
+        assignment = Assignment.parse(Assignment(env=identity, generation=dead_gen + 1).to_json())
+        inplace.write(store, inplace.spare_key(index, "assign"), assignment.to_json())
+    except Exception as exc:
+        return FallBack(f"assigning spare {index} failed: {type(exc).__name__}: {exc}")
     print(
         f"torchrig: in-place: rank {rank}'s trainer died; spare {index} (pid {pid}) takes its place "
         f"in generation {dead_gen + 1}",
         file=sys.stderr,
         flush=True,
     )
-    return pid
+    return decision
 
 
 class _Beat:
@@ -407,19 +462,18 @@ def _await_promotion(
     # One blocking wait on a connection of its own (`KeyWait`), not a read of the key every POLL_S; the
     # loop below only looks at local things: the flag, a shutdown, the spare's exit (through its pidfd).
     promoted = KeyWait(inplace.connect, key, PROMOTION_WAIT_S)
-    orders: Promotion | None = None
-    while orders is None:
-        if stopping() or child.poll() is not None:
+    while True:
+        # Set (or the wait failed: read the key, as before). Forged orders are ignored: the standby's own
+        # overwrite is read at a later look.
+        looked = promoted.done.is_set() or (promoted.failed is not None and store.check([key]))
+        orders = inplace.read_order(store, key, Promotion.parse) if looked else None
+        seen = HostObservation(stopping=stopping(), exit_code=child.poll(), promoted=orders is not None)
+        decision = decide_host(HostState.STANDING_BY, seen)
+        if isinstance(decision, StandDown):
             return None
-        if promoted.done.is_set() or (promoted.failed is not None and store.check([key])):
-            # Set (or the wait failed: read the key, as before). Forged orders are ignored: the standby's
-            # own overwrite is read at a later look.
-            orders = inplace.read_order(store, key, Promotion.parse)
-            if orders is not None:
-                break
-            child.sleep(FORGED_RETRY_S)
-            continue
-        child.sleep(POLL_S)
+        if isinstance(decision, Promote) and orders is not None:
+            break
+        child.sleep(FORGED_RETRY_S if looked else POLL_S)
     os.environ.update(orders.env)
     os.environ.pop(Env.INPLACE_STANDBY, None)
     return dataclasses.replace(inplace, node_rank=orders.node), orders.next_spare
@@ -450,18 +504,18 @@ def run_host(inplace: InPlace, argv: list[str]) -> int:
 
     for sig in _FORWARD:
         signal.signal(sig, _forward)
-    lost = False  # this rank's trainer died and its replacement has not completed a step yet
+    state = HostState.STANDING_BY if standby else HostState.TRAINING
     first_index = 0
     if standby:
         promoted = _await_promotion(inplace, store, local_rank, current, lambda: stopping)
         if promoted is None:  # the spare died, or a shutdown signal came first
             current.close()
-            code = current.poll()
-            return 0 if stopping else (code if code not in (None, 0) else int(ExitCode.RECOVERY_FAILED))
+            seen = HostObservation(stopping=stopping, exit_code=current.poll())
+            return _carry_out_exit(decide_host(state, seen), rank)
+        state = next_state(HOST_TRANSITIONS, state, Promote(0))
         inplace, first_index = promoted
         rank = int(os.environ[Env.RANK])
         store.add(inplace.lost_key, 1)  # this rank's trainer was lost with its node; the spare replaces it
-        lost = True
     elif local_rank == 0:
         inplace.write(store, inplace.restart_count_key(inplace.node_rank), os.environ.get(Env.RESTART_COUNT, "0"))
     pool = SparePool(inplace, store, command, argv, current.pid, first_index=first_index) if local_rank == 0 else None
@@ -471,10 +525,6 @@ def run_host(inplace: InPlace, argv: list[str]) -> int:
         while True:
             if beat is not None:
                 beat.tick()
-            if lost and _stepped(store, inplace, current.pid):
-                with contextlib.suppress(Exception):
-                    store.add(inplace.lost_key, -1)
-                lost = False
             # The pool reads a few keys per tick: once a beat, not at every look at the trainer (every
             # POLL_S was ~200 store requests a second per node, 200k/s on one store at 1,000 nodes).
             if pool is not None and not stopping and time.monotonic() >= next_tick:
@@ -485,47 +535,28 @@ def run_host(inplace: InPlace, argv: list[str]) -> int:
                     log.warning("in-place: the spare pool stopped: %s", exc)
                     pool = None
             code = current.poll()
-            if code is None:
+            # A replacement that has not stepped yet is asked at every look (it ends the rank's `lost`
+            # count); otherwise only a dead trainer's step matters.
+            watching = state is HostState.WATCHING_SPARE
+            stepped = (watching or code is not None) and _stepped(store, inplace, current.pid)
+            decision = decide_host(state, HostObservation(exit_code=code, stepped=stepped, stopping=stopping))
+            if isinstance(decision, ClaimSpare):
+                if state is HostState.TRAINING:  # a replacement not yet stepped is counted lost already
+                    with contextlib.suppress(Exception):  # a store error shows while claiming
+                        store.add(inplace.lost_key, 1)
+                state = next_state(HOST_TRANSITIONS, state, decision)
+                decision = _claim(inplace, store, rank, pool, beat, code=code, stopping=lambda: stopping)
+            state = next_state(HOST_TRANSITIONS, state, decision)
+            if isinstance(decision, Wait | Stop):
                 current.sleep(POLL_S)
-                continue
-            if stopping or code in _PASS_THROUGH:
-                return code
-            if not _stepped(store, inplace, current.pid):
-                # It never completed a step (a crash at start-up, a spare that fails at once): a spare
-                # would most likely fail the same way, so the group restarts (bounded by restarts.max).
-                print(
-                    f"torchrig: in-place: rank {rank}'s trainer (pid {current.pid}) exited {code} before "
-                    "completing a step; the group restarts",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                return int(ExitCode.RECOVERY_FAILED)
-            try:
-                if not lost:
-                    store.add(inplace.lost_key, 1)
-                    lost = True
-                pid = claim_spare(inplace, store, rank, pool, beat)
-            except Exception as exc:  # the store is gone: nothing to recover in place with
-                log.warning("in-place: claiming a spare failed: %s", exc)
-                pid = None
-            if pid is None and every_rank_lost(inplace, store):
-                print(
-                    f"torchrig: in-place: every rank lost its trainer (world size {os.environ.get(Env.WORLD_SIZE)}): "
-                    "no survivor holds the state; the group restarts from the checkpoint",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                return int(ExitCode.RECOVERY_FAILED)
-            if pid is None:
-                print(
-                    f"torchrig: in-place: no spare ready within {inplace.timeout_s:g} s "
-                    "(restarts.inPlaceTimeoutSeconds); the group restarts",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                return int(ExitCode.RECOVERY_FAILED)
-            current.close()
-            current = _Promoted(pid, store, inplace)
+            elif isinstance(decision, Recovered):
+                with contextlib.suppress(Exception):
+                    store.add(inplace.lost_key, -1)
+            elif isinstance(decision, Promote):
+                current.close()
+                current = _Promoted(decision.pid, store, inplace)
+            else:
+                return _carry_out_exit(decision, rank)
     finally:
         current.close()
         if local_rank == 0:  # this node ended, it was not lost: no standby takes its place
@@ -533,3 +564,12 @@ def run_host(inplace: InPlace, argv: list[str]) -> int:
                 inplace.write(store, inplace.ended_key(inplace.node_rank), "1")
         if pool is not None:
             pool.close()
+
+
+def _carry_out_exit(decision: Decision, rank: int) -> int:
+    """The exit code of a host's last decision, saying why on stderr when it falls back to a group restart."""
+    if isinstance(decision, FallBack):
+        print(f"torchrig: in-place: rank {rank}: {decision.reason}; the group restarts", file=sys.stderr, flush=True)
+    code = decision.exit_code
+    assert isinstance(decision, PassThrough | FallBack | StandDown) and code is not None, decision
+    return code

@@ -1,0 +1,309 @@
+"""In-place recovery's policies as tables (`training.inplace.protocol`), and the host's claim loop carrying
+them out against an in-memory store (no process, no socket)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.unit.test_inplace import IDENTITY
+from training.contract import Env, ExitCode
+from training.inplace import InPlace
+from training.inplace.group import RecoveryFailed
+from training.inplace.host import _claim
+from training.inplace.protocol import (
+    HOST_TRANSITIONS,
+    SPARE_TRANSITIONS,
+    SURVIVOR_TRANSITIONS,
+    ClaimSpare,
+    Decision,
+    FallBack,
+    Formed,
+    FormObservation,
+    HostObservation,
+    HostState,
+    PassThrough,
+    Promote,
+    Recovered,
+    SpareState,
+    StandDown,
+    Stop,
+    SurvivorState,
+    Wait,
+    decide_form,
+    decide_host,
+    mermaid,
+    next_state,
+)
+from training.inplace.survivor import Phases, recover
+
+FAILED = int(ExitCode.RECOVERY_FAILED)
+T, C, W, S, D = (
+    HostState.TRAINING,
+    HostState.CLAIMING,
+    HostState.WATCHING_SPARE,
+    HostState.STANDING_BY,
+    HostState.STOPPING,
+)
+
+
+def _fallback(decision: Decision, reason: str) -> bool:
+    return isinstance(decision, FallBack) and reason in decision.reason and decision.exit_code == FAILED
+
+
+@pytest.mark.parametrize(
+    ("state", "seen", "expected"),
+    [
+        (T, HostObservation(), Wait()),
+        (T, HostObservation(stopping=True), Stop()),
+        (T, HostObservation(exit_code=0, stepped=True), PassThrough(0)),
+        (T, HostObservation(exit_code=2), PassThrough(2)),  # permanent: passed on, never replaced
+        (T, HostObservation(exit_code=202, stepped=True), PassThrough(202)),
+        (T, HostObservation(exit_code=205), PassThrough(205)),
+        (T, HostObservation(exit_code=203, stepped=True), PassThrough(203)),
+        (T, HostObservation(exit_code=137, stepped=True), ClaimSpare()),
+        (T, HostObservation(exit_code=200, stepped=True), ClaimSpare()),
+        (T, HostObservation(exit_code=137, stepped=True, stopping=True), PassThrough(137)),
+        (W, HostObservation(stepped=True), Recovered()),
+        (W, HostObservation(), Wait()),
+        (W, HostObservation(exit_code=137, stepped=True), ClaimSpare()),  # stepped, then died: lost again
+        (D, HostObservation(stopping=True), Wait()),
+        (D, HostObservation(exit_code=202, stopping=True), PassThrough(202)),
+        (C, HostObservation(exit_code=137, elapsed_s=1.0, timeout_s=60.0), Wait()),
+        (C, HostObservation(exit_code=137, claimed_pid=42), Promote(42)),
+        (C, HostObservation(exit_code=137, claimed_pid=42, every_rank_lost=True), Promote(42)),
+        (C, HostObservation(exit_code=137, stopping=True), PassThrough(137)),
+        (S, HostObservation(), Wait()),
+        (S, HostObservation(promoted=True), Promote(0)),
+        (S, HostObservation(stopping=True, promoted=True), StandDown(0)),
+        (S, HostObservation(exit_code=137), StandDown(137)),
+        (S, HostObservation(exit_code=0), StandDown(FAILED)),  # a spare has no business ending well
+    ],
+)
+def test_the_host_policy(state: HostState, seen: HostObservation, expected: Decision) -> None:
+    assert decide_host(state, seen) == expected
+    next_state(HOST_TRANSITIONS, state, expected)  # every decision is a transition of the table
+
+
+@pytest.mark.parametrize(
+    ("seen", "reason"),
+    [
+        (HostObservation(exit_code=137), "before completing a step"),
+        (HostObservation(exit_code=137, elapsed_s=61.0, timeout_s=60.0), "no spare ready within 60 s"),
+        (HostObservation(exit_code=137, every_rank_lost=True), "every rank lost its trainer"),
+        (HostObservation(exit_code=137, store_failed="refused"), "the store failed while claiming a spare"),
+    ],
+)
+def test_the_host_falls_back_to_a_group_restart(seen: HostObservation, reason: str) -> None:
+    state = C if "before" not in reason else T
+    assert _fallback(decide_host(state, seen), reason)
+
+
+def test_a_host_that_is_done_decides_nothing() -> None:
+    with pytest.raises(ValueError, match="done"):
+        decide_host(HostState.DONE, HostObservation())
+    with pytest.raises(ValueError, match="no transition from DONE on Wait"):
+        next_state(HOST_TRANSITIONS, HostState.DONE, Wait())
+
+
+@pytest.mark.parametrize(
+    ("seen", "expected"),
+    [
+        (FormObservation(1, 4, joined=2), Wait()),
+        (FormObservation(1, 4, joined=4), Formed(announce=True)),
+        (FormObservation(1, 4, joined=2, formed=True), Formed()),
+        (FormObservation(1, 4, joined=2, owner="7", pid=7), Wait()),
+        (FormObservation(1, 4, joined=2, elapsed_s=119.0, limit_s=60.0), Wait()),
+    ],
+)
+def test_the_forming_policy(seen: FormObservation, expected: Decision) -> None:
+    assert decide_form(seen) == expected
+
+
+@pytest.mark.parametrize(
+    ("seen", "reason"),
+    [
+        (FormObservation(2, 4, 3, owner="8", pid=7), "generation 2: rank 3 is held by pid 8 now; this process stands"),
+        (FormObservation(1, 4, joined=4, cancelled=True), "a shutdown signal arrived while forming"),
+        (FormObservation(1, 4, nodes_lost="node(s) [1] stopped"), "node(s) [1] stopped; nobody can bring"),
+        (FormObservation(1, 4, joined=3, elapsed_s=121.0, limit_s=60.0), "3 of 4 ranks joined within 120 s"),
+    ],
+)
+def test_a_member_gives_a_generation_up(seen: FormObservation, reason: str) -> None:
+    assert _fallback(decide_form(seen), reason)
+
+
+def test_every_transition_leads_from_a_state_its_role_can_leave() -> None:
+    for table in (HOST_TRANSITIONS, SURVIVOR_TRANSITIONS, SPARE_TRANSITIONS):
+        for (source, _), target in table.items():
+            assert not source.terminal, source
+            assert type(source) is type(target)
+    assert SurvivorState.FAILED.exit_code == FAILED and SurvivorState.RESUMED.exit_code is None
+    assert SpareState.ASSIGNED.terminal and not SpareState.READY.terminal
+
+
+def test_the_architecture_doc_holds_the_diagram_the_tables_draw() -> None:
+    doc = (Path(__file__).parents[2] / "docs" / "architecture.md").read_text()
+    block = re.search(r"```mermaid\nstateDiagram-v2\n.*?```", doc, re.S)
+    assert block is not None, "docs/architecture.md has no state diagram"
+    assert block.group(0) == mermaid(), (
+        "regenerate it: python -c 'from training.inplace import protocol; print(protocol.mermaid())'"
+    )
+
+
+# -- the host's claim loop against an in-memory store -----------------------------------------------------
+class MemoryStore:
+    """What `_claim` asks of a c10d store, in memory; `refuse` makes every request fail."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.refuse = False
+
+    def _op(self) -> None:
+        if self.refuse:
+            raise RuntimeError("connection refused")
+
+    def add(self, key: str, n: int) -> int:
+        self._op()
+        value = int(self.data.get(key, b"0")) + n
+        self.data[key] = str(value).encode()
+        return value
+
+    def check(self, keys: list[str]) -> bool:
+        self._op()
+        return all(key in self.data for key in keys)
+
+    def get(self, key: str) -> bytes:
+        self._op()
+        return self.data[key]
+
+    def set(self, key: str, value: str) -> None:
+        self._op()
+        self.data[key] = value.encode()
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        self._op()
+        if self.data.get(key, b"").decode() == expected:
+            self.data[key] = desired.encode()
+        return self.data[key]
+
+
+class StepClock:
+    """A clock that moves only when slept on."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def inplace() -> InPlace:
+    return InPlace(
+        store_addr="memory", run_id="r", restart_count=0, node_rank=0, spares=1, timeout_s=1.0, secret=b"s" * 32
+    )
+
+
+def test_a_claim_gives_up_at_its_timeout_on_the_injected_clock(inplace: InPlace) -> None:
+    clock = StepClock()
+    decision = _claim(inplace, MemoryStore(), 1, None, code=137, clock=clock)
+    assert _fallback(decision, "no spare ready within 1 s")
+    assert 1.0 < clock.now < 1.1
+
+
+def test_a_claim_promotes_a_ready_spare_and_assigns_it(inplace: InPlace, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = MemoryStore()
+    store.add(inplace.spawned_key, 1)
+    inplace.write(store, inplace.spare_key(0, "ready"), "4242")
+    identity = {**IDENTITY, Env.RANK: "1", Env.LOCAL_RANK: "1"}  # rank 1's launcher variables
+    for name, value in identity.items():
+        monkeypatch.setenv(name, value)
+    assert _claim(inplace, store, 1, None, code=137, clock=StepClock()) == Promote(4242)
+    assert inplace.read(store, inplace.owner_key(1)) == "4242"
+    assignment = json.loads(inplace.read(store, inplace.spare_key(0, "assign")) or "")
+    assert assignment["generation"] == 1 and assignment["env"][Env.RANK] == "1"
+
+
+def test_a_shutdown_while_claiming_passes_the_dead_trainers_code_on_and_claims_nothing(inplace: InPlace) -> None:
+    """Found by the simulator: the claim loop did not look at the shutdown, so a host waited out its timeout
+    or assigned a spare into a group torchrun was stopping (that spare never got the SIGTERM)."""
+    store = MemoryStore()
+    store.add(inplace.spawned_key, 1)
+    inplace.write(store, inplace.spare_key(0, "ready"), "4242")
+    assert _claim(inplace, store, 1, None, code=137, stopping=lambda: True, clock=StepClock()) == PassThrough(137)
+    assert not store.check([inplace.spare_key(0, "claim")]), "the spare stays the pool's"
+
+
+def test_a_store_that_refuses_while_claiming_is_a_group_restart(inplace: InPlace) -> None:
+    """Found by the simulator: the store's exception escaped `run_host` (a traceback, exit 1: permanent
+    under Kubeflow's convention) where an infrastructure failure must be retryable."""
+    store = MemoryStore()
+    clock = StepClock()
+    store.add(inplace.waiting_key, 0)
+
+    def refuse_later() -> bool:
+        store.refuse = clock.now > 0.1
+        return False
+
+    decision = _claim(inplace, store, 1, None, code=137, stopping=refuse_later, clock=clock)
+    assert _fallback(decision, "the store failed while claiming a spare (RuntimeError: connection refused)")
+
+
+def test_no_exit_code_is_chosen_outside_the_protocol() -> None:
+    """`decide_*` is the only place a recovery decision is taken: the modules that carry them out name no
+    exit code of their own (docstrings aside)."""
+    root = Path(__file__).parents[2] / "training" / "inplace"
+    for name in ("host.py", "group.py", "survivor.py"):
+        tree = ast.parse((root / name).read_text())
+        names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+        attrs = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+        assert not {"ExitCode", "PERMANENT", "RECOVERY_FAILED"} & (names | attrs), name
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Return) and isinstance(node.value, ast.Constant):
+                assert not isinstance(node.value.value, int) or isinstance(node.value.value, bool), (name, node.lineno)
+
+
+# -- the survivor's phases ---------------------------------------------------------------------------------
+def _phases(done: list[str], failing: str = "", error: Exception | None = None) -> Phases:
+    def phase(name: str) -> Callable[[], None]:
+        def run() -> None:
+            if name == failing:
+                raise error or RuntimeError("gloo: connection closed by peer")
+            done.append(name)
+
+        return run
+
+    return Phases(leave=phase("leave"), form=phase("form"), sync=phase("sync"), rewire=phase("rewire"))
+
+
+def test_a_survivor_runs_its_phases_in_the_order_of_the_table() -> None:
+    done: list[str] = []
+    recover(_phases(done), 3)
+    assert done == ["leave", "form", "sync", "rewire"]
+
+
+def test_a_failure_after_leaving_is_a_fall_back_naming_the_generation() -> None:
+    """A second death while syncing: `RecoveryFailed` for the generation being formed (the trainer's own
+    message once named generation g+2 when the failure came after the group had formed)."""
+    done: list[str] = []
+    with pytest.raises(RecoveryFailed, match=r"^generation 3: RuntimeError: gloo: connection closed by peer$"):
+        recover(_phases(done, "sync"), 3)
+    assert done == ["leave", "form"], "nothing runs after the failed phase"
+    forming = RecoveryFailed("generation 3: a shutdown signal arrived while forming")
+    with pytest.raises(RecoveryFailed) as raised:
+        recover(_phases([], "form", forming), 3)
+    assert raised.value is forming, "a member's own fall-back is raised as it is"
+
+
+def test_a_failure_while_leaving_is_the_trainers_own() -> None:
+    with pytest.raises(RuntimeError, match="gloo"):
+        recover(_phases([], "leave"), 3)

@@ -1,0 +1,433 @@
+"""In-place recovery as data: each role's states, what it observes, and the decision it takes.
+
+The processes of in-place recovery (`training.inplace`) only carry decisions out: the per-rank host
+(`training.inplace.host`) and a member forming a new generation (`training.inplace.group`) look at the
+store, their child and the clock, put what they saw into an observation, and ask `decide_host` /
+`decide_form` what to do. Every exit code a recovery ends with is chosen here, so the policy can be read
+in one place, tested as a table and checked by a deterministic simulation
+(`tests/unit/test_protocol_sim.py`), which drives these same functions with a model store, an injected
+clock and fault schedules drawn at random.
+
+The transitions are data too (`HOST_TRANSITIONS`, `SURVIVOR_TRANSITIONS`, `SPARE_TRANSITIONS`):
+`next_state` follows them, and `mermaid` draws them for docs/architecture.md (a unit test keeps the
+drawing and the table equal). The host follows its table; the survivor's and the spare's describe what
+`training.trainer` and `training.inplace.spare` do (their only decision, whether a generation formed, is
+`decide_form`'s) and are followed by the simulator. Nothing here imports torch, touches a process or the
+store, or reads time except through a `Clock`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Protocol, TypeVar
+
+from training.contract import PERMANENT, ExitCode
+
+__all__ = [
+    "HOST_TRANSITIONS",
+    "PASS_THROUGH",
+    "REAL_CLOCK",
+    "SPARE_TRANSITIONS",
+    "SURVIVOR_TRANSITIONS",
+    "ClaimSpare",
+    "Clock",
+    "Decision",
+    "FallBack",
+    "FormObservation",
+    "Formed",
+    "HostObservation",
+    "HostState",
+    "PassThrough",
+    "Promote",
+    "RealClock",
+    "Recovered",
+    "SpareState",
+    "StandDown",
+    "Stop",
+    "SurvivorState",
+    "Wait",
+    "decide_form",
+    "decide_host",
+    "mermaid",
+    "next_state",
+]
+
+# What a trainer's exit means beyond its host, passed on as it is: torchrun sees exactly what it would
+# have seen without a host. A store unreadable at restore (205) is retried by the group as such, not as
+# the in-place failure (203) a start-up crash becomes.
+PASS_THROUGH: frozenset[int] = frozenset(
+    {
+        0,
+        *PERMANENT,
+        int(ExitCode.PREEMPTED),
+        int(ExitCode.RECOVERY_FAILED),
+        int(ExitCode.STORE_UNAVAILABLE),
+    }
+)
+
+
+class Clock(Protocol):
+    """Where the protocol reads time and waits (the real one wraps `time`; the simulator's is a counter)."""
+
+    def monotonic(self) -> float: ...
+
+    def sleep(self, seconds: float) -> None: ...
+
+
+class RealClock:
+    """`time.monotonic` and `time.sleep`."""
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+REAL_CLOCK = RealClock()
+
+
+# -- states -----------------------------------------------------------------------------------------
+class HostState(Enum):
+    """A per-rank host's states. `terminal`: the host has exited (its code is the decision's)."""
+
+    TRAINING = "training"  # watching a trainer that has completed a step (or the first one, starting)
+    CLAIMING = "claiming"  # its trainer died after a step: claiming a ready spare of the node
+    WATCHING_SPARE = "watching spare"  # a replacement holds the rank and has not completed a step yet
+    STANDING_BY = "standing by"  # a standby node's host: its child is a spare until the node is taken
+    STOPPING = "stopping"  # a shutdown signal was forwarded: only the trainer's own exit code is awaited
+    DONE = "done"
+
+    @property
+    def terminal(self) -> bool:
+        return self is HostState.DONE
+
+
+class SurvivorState(Enum):
+    """A member's states from a failed collective back to training. `exit_code`: what the member's
+    process exits with in that state (None: it goes on)."""
+
+    LEAVE = "leave"  # cut the broken generation's connections, destroy its groups
+    FORM = "form"  # join generation g+1 and wait until every rank has
+    SYNC = "sync"  # take the newest state from the most advanced rank
+    REWIRE = "rewire"  # new DDP wrapper, checkpoint manager, preemption group
+    RESUMED = "resumed"  # training again, in generation g+1
+    FAILED = "failed"  # the generation could not form: the group restarts
+
+    @property
+    def terminal(self) -> bool:
+        return self in (SurvivorState.RESUMED, SurvivorState.FAILED)
+
+    @property
+    def exit_code(self) -> int | None:
+        return int(ExitCode.RECOVERY_FAILED) if self is SurvivorState.FAILED else None
+
+
+class SpareState(Enum):
+    """A warm spare's states (`training.inplace.spare`)."""
+
+    WARMING = "warming"  # importing, building the model, rehearsing a step
+    READY = "ready"  # its pid is published: a host may claim it (compare-and-set of its claim key)
+    ASSIGNED = "assigned"  # a host gave it a rank and a generation: it is that rank's trainer now
+    ENDED = "ended"  # killed unclaimed (stuck, or its pool closed)
+
+    @property
+    def terminal(self) -> bool:
+        return self in (SpareState.ASSIGNED, SpareState.ENDED)
+
+
+# -- decisions --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Wait:
+    """Nothing to do yet: look again after a poll interval."""
+
+    exit_code = None
+
+
+@dataclass(frozen=True)
+class Stop:
+    """A shutdown signal arrived (it was forwarded to the trainer): wait for the trainer's own code."""
+
+    exit_code = None
+
+
+@dataclass(frozen=True)
+class PassThrough:
+    """Exit with the trainer's code, as torchrun would have seen it without a host."""
+
+    code: int
+
+    @property
+    def exit_code(self) -> int:
+        return self.code
+
+
+@dataclass(frozen=True)
+class ClaimSpare:
+    """The trainer died after a step: count the rank lost and claim a ready spare of the node."""
+
+    exit_code = None
+
+
+@dataclass(frozen=True)
+class Promote:
+    """A spare was claimed (`pid`; 0 when a standby's own child takes the rank): assign it the rank and
+    the next generation, and watch it from now on."""
+
+    pid: int
+
+    exit_code = None
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """The replacement completed a step: the rank is no longer lost."""
+
+    exit_code = None
+
+
+@dataclass(frozen=True)
+class Formed:
+    """Every rank joined the generation. `announce`: this member says so for the last one (which joined
+    and did not set the key: it died right after)."""
+
+    announce: bool = False
+
+    exit_code = None
+
+
+@dataclass(frozen=True)
+class FallBack:
+    """In-place recovery cannot finish: exit `RECOVERY_FAILED`, torchrun restarts the group from the
+    durable checkpoint."""
+
+    reason: str
+
+    @property
+    def exit_code(self) -> int:
+        return int(ExitCode.RECOVERY_FAILED)
+
+
+@dataclass(frozen=True)
+class StandDown:
+    """A standby host ends without having taken a node: 0 on a shutdown, else what its spare died of."""
+
+    code: int
+
+    @property
+    def exit_code(self) -> int:
+        return self.code
+
+
+Decision = Wait | Stop | PassThrough | ClaimSpare | Promote | Recovered | Formed | FallBack | StandDown
+
+
+# -- observations -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HostObservation:
+    """What a host saw at one look.
+
+    Attributes:
+        exit_code: The watched trainer's exit status (a signal death is 128 + N); None while it runs.
+        stepped: The watched trainer completed a step (`InPlace.stepped_key`).
+        stopping: A shutdown signal (SIGTERM, SIGINT, SIGHUP) arrived.
+        claimed_pid: CLAIMING: the pid of the ready spare this look claimed, if any.
+        every_rank_lost: Every rank has lost its trainer (`InPlace.lost_key`): no survivor holds state.
+        store_failed: A store request of this look failed (why).
+        promoted: STANDING_BY: the standby took a lost node and this host's orders came.
+        elapsed_s: Time spent in the current state.
+        timeout_s: `restarts.inPlaceTimeoutSeconds`.
+    """
+
+    exit_code: int | None = None
+    stepped: bool = False
+    stopping: bool = False
+    claimed_pid: int | None = None
+    every_rank_lost: bool = False
+    store_failed: str | None = None
+    promoted: bool = False
+    elapsed_s: float = 0.0
+    timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class FormObservation:
+    """What a member forming generation `generation` saw at one look (`InPlaceGroup.form`).
+
+    Attributes:
+        generation: The generation being formed.
+        world: The world size.
+        rank: This member's rank.
+        joined: The join counter (`InPlace.join_key`); None when not read at this look.
+        formed: The formed key is set (the member whose join completed the count said so).
+            `joined` reaching `world` without it: this member says so (the last one died after joining).
+        owner: The pid that holds this rank (`InPlace.owner_key`), None when unset.
+        pid: This process's pid.
+        cancelled: A shutdown signal arrived while forming.
+        nodes_lost: What a watcher found (`InPlace.nodes_lost_key`): a node whose beat stopped.
+        elapsed_s: Time since this member joined.
+        limit_s: How long the members may take (`restarts.inPlaceTimeoutSeconds`); the wait is twice it:
+            a survivor blocked on a live peer learns of the failure only through its collective's timeout.
+    """
+
+    generation: int
+    world: int
+    rank: int = 0
+    joined: int | None = None
+    formed: bool = False
+    owner: str | None = None
+    pid: int = 0
+    cancelled: bool = False
+    nodes_lost: str | None = None
+    elapsed_s: float = 0.0
+    limit_s: float = 60.0
+
+
+# -- policies ---------------------------------------------------------------------------------------
+def decide_host(state: HostState, seen: HostObservation) -> Decision:
+    """What a host does next in `state`, having seen `seen`."""
+    if state is HostState.STANDING_BY:
+        if seen.stopping:
+            return StandDown(0)
+        if seen.exit_code is not None:  # its spare died before the standby took a node
+            return StandDown(seen.exit_code or int(ExitCode.RECOVERY_FAILED))
+        return Promote(0) if seen.promoted else Wait()
+    if state is HostState.STOPPING:
+        return Wait() if seen.exit_code is None else PassThrough(seen.exit_code)
+    if state is HostState.CLAIMING:
+        # The trainer is dead; `exit_code` is what it died of.
+        code = int(ExitCode.RECOVERY_FAILED) if seen.exit_code is None else seen.exit_code
+        if seen.stopping:  # torchrun is stopping the group: no rank is recovered into a shutdown
+            return PassThrough(code)
+        if seen.claimed_pid is not None:
+            return Promote(seen.claimed_pid)
+        if seen.store_failed is not None:
+            return FallBack(f"the store failed while claiming a spare ({seen.store_failed})")
+        if seen.every_rank_lost:
+            return FallBack("every rank lost its trainer: no survivor holds the state")
+        if seen.elapsed_s > seen.timeout_s:
+            return FallBack(f"no spare ready within {seen.timeout_s:g} s (restarts.inPlaceTimeoutSeconds)")
+        return Wait()
+    if state is HostState.DONE:
+        raise ValueError("a host that is done decides nothing")
+    # TRAINING or WATCHING_SPARE
+    if state is HostState.WATCHING_SPARE and seen.stepped and seen.exit_code is None:
+        return Recovered()
+    if seen.exit_code is None:
+        return Stop() if seen.stopping else Wait()
+    if seen.stopping or seen.exit_code in PASS_THROUGH:
+        return PassThrough(seen.exit_code)
+    if not seen.stepped:
+        # A crash at start-up, a spare that fails at once: a spare would most likely fail the same way,
+        # so the group restarts (bounded by restarts.max).
+        return FallBack(f"the trainer exited {seen.exit_code} before completing a step")
+    return ClaimSpare()
+
+
+def decide_form(seen: FormObservation) -> Decision:
+    """What a member forming a generation does next: `Formed`, `FallBack` (the member raises
+    `RecoveryFailed` and exits `RECOVERY_FAILED`) or `Wait`."""
+    gen = seen.generation
+    if seen.owner is not None and seen.owner != str(seen.pid):
+        # This rank was given to another process meanwhile (a standby took this node while it was cut
+        # off): joining beside it would put two processes in one rank.
+        return FallBack(f"generation {gen}: rank {seen.rank} is held by pid {seen.owner} now; this process stands down")
+    if seen.formed:
+        return Formed()
+    if seen.cancelled:
+        return FallBack(f"generation {gen}: a shutdown signal arrived while forming")
+    if seen.joined is not None and seen.joined >= seen.world:
+        # Formed, though its last member did not say so (it died right after joining): say it for it.
+        return Formed(announce=True)
+    if seen.nodes_lost is not None:
+        return FallBack(f"generation {gen}: {seen.nodes_lost}; nobody can bring their ranks back in place")
+    if seen.elapsed_s > 2 * seen.limit_s:
+        joined = "?" if seen.joined is None else str(seen.joined)
+        return FallBack(
+            f"generation {gen}: {joined} of {seen.world} ranks joined within {2 * seen.limit_s:g} s "
+            "(2 x restarts.inPlaceTimeoutSeconds)"
+        )
+    return Wait()
+
+
+# -- transitions ------------------------------------------------------------------------------------
+HOST_TRANSITIONS: Mapping[tuple[HostState, type], HostState] = {
+    (HostState.STANDING_BY, Wait): HostState.STANDING_BY,
+    (HostState.STANDING_BY, Promote): HostState.WATCHING_SPARE,
+    (HostState.STANDING_BY, StandDown): HostState.DONE,
+    (HostState.TRAINING, Wait): HostState.TRAINING,
+    (HostState.TRAINING, Stop): HostState.STOPPING,
+    (HostState.TRAINING, PassThrough): HostState.DONE,
+    (HostState.TRAINING, FallBack): HostState.DONE,
+    (HostState.TRAINING, ClaimSpare): HostState.CLAIMING,
+    (HostState.CLAIMING, Wait): HostState.CLAIMING,
+    (HostState.CLAIMING, Promote): HostState.WATCHING_SPARE,
+    (HostState.CLAIMING, PassThrough): HostState.DONE,
+    (HostState.CLAIMING, FallBack): HostState.DONE,
+    (HostState.WATCHING_SPARE, Wait): HostState.WATCHING_SPARE,
+    (HostState.WATCHING_SPARE, Recovered): HostState.TRAINING,
+    (HostState.WATCHING_SPARE, Stop): HostState.STOPPING,
+    (HostState.WATCHING_SPARE, PassThrough): HostState.DONE,
+    (HostState.WATCHING_SPARE, FallBack): HostState.DONE,
+    (HostState.WATCHING_SPARE, ClaimSpare): HostState.CLAIMING,
+    (HostState.STOPPING, Wait): HostState.STOPPING,
+    (HostState.STOPPING, PassThrough): HostState.DONE,
+}
+
+SURVIVOR_TRANSITIONS: Mapping[tuple[SurvivorState, type], SurvivorState] = {
+    (SurvivorState.LEAVE, Wait): SurvivorState.FORM,
+    (SurvivorState.FORM, Wait): SurvivorState.FORM,
+    (SurvivorState.FORM, Formed): SurvivorState.SYNC,
+    (SurvivorState.FORM, FallBack): SurvivorState.FAILED,
+    (SurvivorState.SYNC, Wait): SurvivorState.REWIRE,
+    (SurvivorState.SYNC, FallBack): SurvivorState.FAILED,
+    (SurvivorState.REWIRE, Wait): SurvivorState.RESUMED,
+    (SurvivorState.REWIRE, FallBack): SurvivorState.FAILED,
+}
+
+SPARE_TRANSITIONS: Mapping[tuple[SpareState, type], SpareState] = {
+    (SpareState.WARMING, Wait): SpareState.READY,
+    (SpareState.WARMING, StandDown): SpareState.ENDED,
+    (SpareState.READY, Promote): SpareState.ASSIGNED,
+    (SpareState.READY, StandDown): SpareState.ENDED,
+}
+
+S = TypeVar("S", HostState, SurvivorState, SpareState)
+
+
+def next_state(table: Mapping[tuple[S, type], S], state: S, decision: Decision) -> S:
+    """The state `decision` leads to from `state` in `table`.
+
+    Raises:
+        ValueError: `table` has no such transition (a policy decided something its role cannot do).
+    """
+    try:
+        return table[(state, type(decision))]
+    except KeyError:
+        raise ValueError(f"no transition from {state.name} on {type(decision).__name__}") from None
+
+
+def mermaid() -> str:
+    """The three roles' state diagrams as one Mermaid block (docs/architecture.md holds its output)."""
+    tables: list[tuple[str, Mapping[tuple[Any, type], Any], tuple[str, ...]]] = [
+        ("host", HOST_TRANSITIONS, ("TRAINING", "STANDING_BY")),
+        ("survivor", SURVIVOR_TRANSITIONS, ("LEAVE",)),
+        ("spare", SPARE_TRANSITIONS, ("WARMING",)),
+    ]
+    lines = ["```mermaid", "stateDiagram-v2"]
+    for role, table, starts in tables:
+        lines.append(f"    state {role} {{")
+        lines.extend(f"        [*] --> {role}_{name}" for name in starts)
+        for (source, kind), target in table.items():
+            if kind is Wait and source == target:
+                continue  # every state waits: a loop on each would only clutter the drawing
+            label = "" if kind is Wait else f": {kind.__name__}"
+            lines.append(f"        {role}_{source.name} --> {role}_{target.name}{label}")
+        ends = {state.name for pair, target in table.items() for state in (pair[0], target) if state.terminal}
+        lines.extend(f"        {role}_{name} --> [*]" for name in sorted(ends))
+        lines.append("    }")
+    lines.append("```")
+    return "\n".join(lines)
