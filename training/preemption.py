@@ -44,7 +44,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from training.contract.events import Preempted
 from training.contract.exit_codes import ExitCode
-from training.preemption_timing import launcher_env, pod_grace_period_seconds, torchrun_shutdown_timeout
 
 if TYPE_CHECKING:
     from training.config import RestartsConfig
@@ -57,10 +56,6 @@ __all__ = [
     "Agreement",
     "PreemptedExit",
     "PreemptionHandler",
-    # re-exported (`training.preemption_timing`) for the launchers that still import them from here
-    "launcher_env",
-    "pod_grace_period_seconds",
-    "torchrun_shutdown_timeout",
 ]
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ from orchestrator.compile._common import (
     job_secret_volume,
 )
 from orchestrator.spec import JobSpec
-from training.preemption import pod_grace_period_seconds
+from training.preemption_timing import pod_grace_period_seconds
 
 __all__ = [
     "CACHE_DIR",
@@ -78,7 +78,7 @@ def launcher(spec_path: str = SPEC_FILE, *, gpu_check: bool = True) -> list[str]
 def termination_grace(spec: JobSpec) -> dict[str, Any]:
     """`terminationGracePeriodSeconds` of a worker pod: on an eviction the workers get
     `restarts.preemptGraceSeconds` for their emergency checkpoint, torchrun and the container a margin
-    on top (`training.preemption.pod_grace_period_seconds`). Nothing when preemption handling is off."""
+    on top (`training.preemption_timing.pod_grace_period_seconds`). Nothing when preemption handling is off."""
     restarts = spec.spec.restarts
     if restarts.preempt_grace_seconds <= 0:
         return {}
