@@ -108,9 +108,13 @@ def run_job(
                 pending[name] = time.monotonic() + delay
             elif action == "recreate":
                 recreated += 1
-                # common/job.go ReconcileJobs exceedsBackoffLimit: a new pod failure past the limit fails the job.
-                if backoff_limit is not None and recreated > backoff_limit:
-                    outcome = ("Failed", f"backoffLimit {backoff_limit} exceeded ({recreated} pod failures)")
+                # TO v1.9.4 common/job.go ReconcileJobs: `exceedsBackoffLimit` needs NumRequeues(job) + 1 >
+                # backoffLimit, and the PyTorchJob controller's FakeWorkQueue (pytorchjob_controller.go:82,
+                # fake_workqueue.go:56) always answers 0; `PastBackoffLimit` (core/job.go) sums restartCount of
+                # Running pods, 0 under Never. So only backoffLimit 0 fails the job, at its first failed pod:
+                # every other bound is the launcher's own (`training.pod_recreations`).
+                if backoff_limit == 0:
+                    outcome = ("Failed", f"backoffLimit 0 reached ({recreated} pod failure)")
                     break
                 cluster.recreate(name)
                 pending[name] = time.monotonic()
