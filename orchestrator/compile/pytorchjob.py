@@ -266,7 +266,9 @@ def compile_pytorchjob(spec: JobSpec, *, fixed_size: bool = False) -> list[dict[
             replica_specs["Worker"] = {
                 "replicas": s.nodes.max - 1,
                 "restartPolicy": RESTART_POLICY,
-                "template": template,
+                # A copy: one object under both keys prints as a YAML anchor and alias (`&id001`), which
+                # `kubectl` reads but people and other tools do not expect in a manifest.
+                "template": copy.deepcopy(template),
             }
     meta = c.object_meta(spec, "training")
     if s.kubernetes.gang == "kueue" and s.kubernetes.queue:

@@ -4,6 +4,7 @@ one line per problem, never a traceback."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -122,6 +123,25 @@ def test_render_pytorchjob_is_applyable_yaml() -> None:
     assert code == 0
     kinds = [d["kind"] for d in yaml.safe_load_all(out)]
     assert kinds == ["ConfigMap", "NetworkPolicy", "PyTorchJob", "PodMonitor", "PrometheusRule"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--target", "pytorchjob"],
+        ["--target", "pytorchjob", "--fixed-size"],  # Master and Worker from one template
+        ["--target", "pytorchjob", "--set", "spec.nodes={min: 2, max: 2}", "--set", "spec.restarts.spareNodes=1"],
+        ["--target", "trainjob", "--fixed-size"],
+        ["--target", "rayjob"],
+    ],
+    ids=["elastic", "fixed", "standby", "trainjob", "rayjob"],
+)
+def test_render_prints_no_yaml_anchors(args: list[str]) -> None:
+    """One object under two keys printed as `&id001` / `*id001`: valid YAML that kubectl expands, but a
+    manifest people read, diff and feed to other tools must spell each replica's template out."""
+    code, out, err = run("render", DIGITS, *args, "--allow-pod-local-stores")
+    assert code == 0, err
+    assert not re.search(r"[&*]id\d{3}", out)
 
 
 def test_render_set_overrides_reach_the_manifest() -> None:
