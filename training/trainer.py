@@ -332,7 +332,8 @@ class Trainer:
         return par, build_optimizer(par.model, self.cfg.optimizer)
 
     def _recover_in_place(self, group: InPlaceGroup, failure: str, limit: float) -> None:
-        from training.inplace.group import RecoveryFailed, StateSync
+        from training.inplace import survivor
+        from training.inplace.group import StateSync
 
         start, cpu_start = time.perf_counter(), time.thread_time()
         phases: dict[str, float] = {}
@@ -347,31 +348,37 @@ class Trainer:
             file=sys.stderr,
             flush=True,
         )
-        old_checkpoints, self.checkpoints = self.checkpoints, None
-        # Drop every reference to the broken groups before destroying them (DDP's reducer would keep them
-        # alive); `group.leave` first cuts their connections, which wakes the survivors blocked on us.
         sharded = self.replicas is not None
-        if sharded:
-            self.state["app"] = None  # the old model and optimizer go with the broken group
-        else:
-            unwrap_ddp(self.par)
-            self.state["app"] = ModelOptimizerState(self.par.module, self.optimizer)
-        if self.preemption is not None:
-            self.preemption.disconnect()
-        if self.replicas is not None:
-            self.replicas.disconnect()
-        group.leave()
-        mark("destroyed")
-        if self.replicas is not None:  # its exchange in flight fails on the cut connections
-            self.replicas.abandon(min(limit, ABANDON_WAIT_S))
-        if old_checkpoints is not None:
-            _abandon(old_checkpoints, min(limit, ABANDON_WAIT_S))
-            del old_checkpoints
-        mark("left")
-        try:
+        synced: list[StateSync] = []  # what SYNC found
+
+        def leave() -> None:
+            old_checkpoints, self.checkpoints = self.checkpoints, None
+            # Drop every reference to the broken groups before destroying them (DDP's reducer would keep them
+            # alive); `group.leave` first cuts their connections, which wakes the survivors blocked on us.
+            if sharded:
+                self.state["app"] = None  # the old model and optimizer go with the broken group
+            else:
+                unwrap_ddp(self.par)
+                self.state["app"] = ModelOptimizerState(self.par.module, self.optimizer)
+            if self.preemption is not None:
+                self.preemption.disconnect()
+            if self.replicas is not None:
+                self.replicas.disconnect()
+            group.leave()
+            mark("destroyed")
+            if self.replicas is not None:  # its exchange in flight fails on the cut connections
+                self.replicas.abandon(min(limit, ABANDON_WAIT_S))
+            if old_checkpoints is not None:
+                _abandon(old_checkpoints, min(limit, ABANDON_WAIT_S))
+                del old_checkpoints
+            mark("left")
+
+        def form() -> None:
             preemption = self.preemption
-            group.form(group.generation + 1, cancelled=lambda: preemption is not None and preemption.requested)
+            group.form(generation, cancelled=lambda: preemption is not None and preemption.requested)
             mark("formed")
+
+        def sync() -> None:
             if self.replicas is not None:
                 with group.ledger.recording():
                     self.replicas.connect()
@@ -379,17 +386,20 @@ class Trainer:
                 self.par, self.optimizer = self._rebuild_sharded()
                 self.state["app"] = ModelOptimizerState(self.par.model, self.optimizer)
                 plan = self.replicas.sync(self.state, has_state=True, at=reached)
-                synced = StateSync(
+                found = StateSync(
                     step=plan.step, source=-1, replaced=sorted(plan.sends), progress=self.progress.state_dict()
                 )
             else:
-                synced = group.sync_state(
+                found = group.sync_state(
                     self.par.module, self.optimizer, self.progress, has_state=True, bucket_order=self.par.bucket_order
                 )
-                self.par.bucket_order = synced.bucket_order
+                self.par.bucket_order = found.bucket_order
                 rewrap_ddp(self.par)
                 self.state["app"] = ModelOptimizerState(self.par.model, self.optimizer)
+            synced.append(found)
             mark("state")
+
+        def rewire() -> None:
             self.optimizer.zero_grad(set_to_none=True)
             if self.checkpoint_factory is not None:
                 self.checkpoints = self.checkpoint_factory()
@@ -397,18 +407,18 @@ class Trainer:
             if self.preemption is not None:
                 self.preemption.reconnect(control_group(self.checkpoints))
             mark("preemption")
-        except RecoveryFailed:
-            raise
-        except Exception as exc:  # a second failure while re-forming: give up, the group restarts
-            raise RecoveryFailed(f"generation {group.generation + 1}: {type(exc).__name__}: {exc}") from exc
+
+        generation = group.generation + 1
+        # LEAVE -> FORM -> SYNC -> REWIRE -> RESUMED; a failure after LEAVE is `RecoveryFailed` (the fallback).
+        survivor.recover(survivor.Phases(leave=leave, form=form, sync=sync, rewire=rewire), generation)
         seconds = round(time.perf_counter() - start, 3)
         self.sink.emit(
             Recovery(
                 path="inplace",
-                step=synced.step,
+                step=synced[0].step,
                 seconds=seconds,
                 inplace_generation=group.generation,
-                replaced_ranks=synced.replaced,
+                replaced_ranks=synced[0].replaced,
                 role="survivor",
                 source="replica" if sharded else "peer",
                 cpu_s=round(time.thread_time() - cpu_start, 3),
@@ -418,7 +428,7 @@ class Trainer:
         self.watchdog.beat(self.progress.step)
         print(
             f"torchrig: in-place: rank {self.identity.rank}: generation {group.generation} formed in {seconds:.2f} s, "
-            f"resuming after step {synced.step} (replaced ranks {synced.replaced})",
+            f"resuming after step {synced[0].step} (replaced ranks {synced[0].replaced})",
             file=sys.stderr,
             flush=True,
         )
