@@ -96,7 +96,7 @@ def earlier_checkpoints(spec: Any, new_run_dir: Path, *, look_back: int = 20) ->
     from training.checkpoint_config import ResumePolicy
 
     ckpt = spec.spec.checkpoint
-    relative = [s for s in ckpt.stores if s.scheme == "file" and not s.path.startswith("/")]
+    relative = [s for s in ckpt.stores if s.kind.filesystem and not s.path.startswith("/")]
     if not relative or ckpt.resume is ResumePolicy.never:
         return None
     new_run_dir = new_run_dir.resolve()

@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 from pydantic import Field, field_validator, model_validator
 
 from training.config_base import MAX_TIMEOUT_S, Model
+from training.store_kinds import STORE_KINDS, SUPPORTED_STORE_SCHEMES, StoreKind, scheme_of, store_kind
 
 __all__ = [
     "SUPPORTED_STORE_SCHEMES",
@@ -32,29 +33,21 @@ __all__ = [
     "store_location",
 ]
 
-# Object stores go through fsspec; `file` is a local or shared (NFS, PVC) filesystem.
-SUPPORTED_STORE_SCHEMES = ("file", "s3", "gs", "gcs", "az", "abfs", "memory")
-
-
-_OBJECT_SCHEMES = ("s3", "gs", "gcs", "az", "abfs")
-_SAME_SCHEME = {"gcs": "gs", "abfs": "az"}  # fsspec's aliases of one service
-
 
 def check_store_uri(value: str) -> str:
     """`value` when it is a store URI of a supported scheme; else ValueError naming what to write."""
     if not value.strip():
         raise ValueError("must not be empty; e.g. file://./checkpoints or s3://bucket/prefix")
-    scheme = urlparse(value).scheme if "://" in value else "file"
-    if scheme not in SUPPORTED_STORE_SCHEMES:
-        raise ValueError(f"unsupported scheme {scheme!r}; use one of: {', '.join(SUPPORTED_STORE_SCHEMES)}")
-    if scheme == "file" and value.startswith("file://") and not value[len("file://") :]:
+    kind = store_kind(value)  # ValueError listing the supported schemes
+    scheme = kind.scheme
+    if kind.filesystem and value.startswith("file://") and not value[len("file://") :]:
         raise ValueError("file:// URI needs a path")
     if "://" not in value and value.startswith("file:"):  # would be a relative folder named `file:`
         raise ValueError(f"{value!r}: write file:///absolute/path, file://./relative or a bare path")
     path = value.split("://", 1)[-1]
-    if scheme == "file" and path.startswith("~"):
+    if kind.filesystem and path.startswith("~"):
         raise ValueError(f"{value!r}: `~` is not expanded; write the absolute path")
-    if scheme in _OBJECT_SCHEMES and not urlparse(value).netloc:
+    if kind.object_store and not urlparse(value).netloc:
         raise ValueError(f"{scheme}:// URI needs a bucket, e.g. {scheme}://bucket/prefix")
     return value
 
@@ -65,11 +58,12 @@ def store_location(uri: str) -> str:
     if "://" not in uri:
         uri = "file://" + uri
     scheme, rest = uri.split("://", 1)
-    scheme = _SAME_SCHEME.get(scheme, scheme)
-    if scheme == "file":
-        return "file://" + os.path.normpath(rest)
+    kind = STORE_KINDS.get(scheme)
+    if kind is not None and kind.filesystem:
+        return f"{kind.service}://" + os.path.normpath(rest)
+    service = kind.service if kind is not None else scheme
     bucket, _, key = rest.partition("/")
-    return f"{scheme}://{bucket}/{os.path.normpath(key or '.')}"
+    return f"{service}://{bucket}/{os.path.normpath(key or '.')}"
 
 
 class StoreConfig(Model):
@@ -115,13 +109,25 @@ class StoreConfig(Model):
 
     @model_validator(mode="after")
     def _pvc_only_for_files(self) -> StoreConfig:
-        if self.pvc is not None and self.scheme != "file":
+        if self.pvc is not None and not self.kind.filesystem:
             raise ValueError("pvc: needs a `file://` uri (the mount path; a relative one is under the run directory)")
         return self
 
     @property
     def scheme(self) -> str:
-        return urlparse(self.uri).scheme if "://" in self.uri else "file"
+        return scheme_of(self.uri)
+
+    @property
+    def kind(self) -> StoreKind:
+        """What the store's scheme can do (`training.store_kinds`)."""
+        return STORE_KINDS[self.scheme]  # the URI validator admits supported schemes only
+
+    @property
+    def shared(self) -> bool:
+        """It outlives a pod and every pod of the job reaches it: an object store, or a filesystem store
+        on a PersistentVolumeClaim (`pvc`). A `file://` store without one is the pod's own filesystem;
+        `memory://` lives in one process."""
+        return self.kind.shared or (self.kind.filesystem and self.pvc is not None)
 
     @property
     def path(self) -> str:
@@ -138,7 +144,7 @@ class StoreConfig(Model):
 
     def resolved_uri(self, run_dir: str | os.PathLike[str] | None) -> str:
         """The URI with a relative file path resolved against the run directory."""
-        if self.scheme != "file":
+        if not self.kind.filesystem:
             return self.uri
         path = self.path
         if not path.startswith("/"):

@@ -245,7 +245,7 @@ def shared_store(spec: WorkerSpec) -> tuple[int, StoreConfig] | None:
     store on a `pvc`. A `file://` store without one is an emptyDir of the pod (`orchestrator.compile._pod`)
     and `memory://` lives in one process."""
     for i, store in enumerate(spec.spec.checkpoint.stores):
-        if store.scheme not in ("file", "memory") or store.pvc is not None:
+        if store.shared:
             return i, store
     return None
 

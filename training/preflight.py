@@ -104,7 +104,7 @@ def check_stores(spec: WorkerSpec, run_dir: str | None) -> None:
     ckpt = spec.spec.checkpoint
     for i, store in enumerate(ckpt.stores):
         field = f"spec.checkpoint.stores[{i}].uri ({store.uri})"
-        if store.scheme == "file":
+        if store.kind.filesystem:
             path = store.resolved_uri(run_dir).removeprefix("file://")
             _check_writable(Path(path), field)
         else:
@@ -142,7 +142,7 @@ def check_store_owners(spec: WorkerSpec, run_dir: str | None) -> None:
         PreflightError: `TASK_INVALID`, naming the store's field and the other job.
     """
     for i, store in enumerate(spec.spec.checkpoint.stores):
-        if store.scheme != "file":
+        if not store.kind.filesystem:
             continue
         root = Path(store.resolved_uri(run_dir).removeprefix("file://"))
         others = {job: where for job, where in _fence_jobs(root).items() if job != spec.name}
@@ -175,7 +175,7 @@ def check_checkpoint_key(spec: WorkerSpec, run_dir: str | None, env: dict[str, s
         return
     wrong: list[tuple[int, str, list[int]]] = []
     for i, store in enumerate(ckpt.stores):
-        if store.scheme != "file":
+        if not store.kind.filesystem:
             continue
         try:
             listing = list_checkpoints(open_storage(store.resolved_uri(run_dir)), key=key)

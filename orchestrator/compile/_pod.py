@@ -157,7 +157,7 @@ def volumes_and_mounts(spec: JobSpec) -> tuple[list[dict[str, Any]], list[dict[s
         mounts.append({"name": "torchrig-node-local", "mountPath": node_local.path})
     writable += shm + ([node_local.path] if node_local.enabled else [])
     for i, store in enumerate(s.checkpoint.stores):
-        if store.scheme != "file":
+        if not store.kind.filesystem:
             continue
         path = store_mount_path(store.path)
         name = f"store-{i}"

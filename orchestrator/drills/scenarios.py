@@ -409,7 +409,7 @@ class LoseStore(_StoreScenario):
         # Lose the last store: the drill's own second store unless the job has several.
         last = len(spec.spec.checkpoint.stores) - 1
         wait: list[Action] = []
-        if spec.spec.checkpoint.stores[last].scheme == "file":
+        if spec.spec.checkpoint.stores[last].kind.filesystem:
             wait = [AwaitCommit(store=last, step=ctx.checkpoint_at_fault)]
         return [*wait, StoreLoss(store=last)]
 

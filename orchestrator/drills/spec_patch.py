@@ -42,7 +42,7 @@ def revalidate(spec: JobSpec, source: str) -> JobSpec:
 def _relative_home(store: StoreConfig) -> str | None:
     """The normalised path of a file store inside the run directory; None when it is absolute or
     leaves the run directory (`../x` would be shared by the faulted run and the reference)."""
-    if store.scheme != "file" or store.path.startswith("/"):
+    if not store.kind.filesystem or store.path.startswith("/"):
         return None
     path = posixpath.normpath(store.path)
     return None if path == ".." or path.startswith("../") else path
@@ -81,7 +81,7 @@ def isolate_stores(spec: JobSpec, tag: str, role: str) -> JobSpec:
     isolated: list[StoreConfig] = []
     for i, store in enumerate(stores):
         name = store.display_name
-        if store.scheme == "file":
+        if store.kind.filesystem:
             home = homes[i]
             if home is not None and owner[home] == i:
                 isolated.append(store)

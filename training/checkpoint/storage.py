@@ -27,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 from urllib.parse import urlparse
 
 from training.checkpoint.digest import digest_of
+from training.store_kinds import STORE_KINDS
 
 __all__ = [
     "ATOMIC_CREATE_SCHEMES",
@@ -48,8 +49,8 @@ CHUNK_BYTES = 4 * 1024 * 1024
 SMALL_OBJECT_MAX_BYTES = 64 * 1024 * 1024
 S3_MIN_PART = 5 * 1024 * 1024  # S3's smallest part (but the last) of a multipart upload
 S3_PARTS = 8  # parts of one object uploaded at once
-# Stores whose `create_exclusive` is one atomic operation (see the module docstring).
-ATOMIC_CREATE_SCHEMES = ("file", "s3", "memory")
+# Stores whose `create_exclusive` is one atomic operation (see the module docstring; `StoreKind`).
+ATOMIC_CREATE_SCHEMES = tuple(scheme for scheme, kind in STORE_KINDS.items() if kind.atomic_create)
 
 
 class UnsafePathError(ValueError):
@@ -189,7 +190,8 @@ class FsspecStorage:
 
     @property
     def atomic_create(self) -> bool:
-        return self.scheme in ATOMIC_CREATE_SCHEMES
+        kind = STORE_KINDS.get(self.scheme)
+        return kind is not None and kind.atomic_create
 
     def _full(self, rel: str) -> str:
         """The store path of `rel`; raises UnsafePathError for a path that would leave the root."""
