@@ -274,6 +274,21 @@ class RestartsConfig(Model):
         ),
     )
 
+    # The one home of "does this job recover in place" as far as the spec says: the compilers, the local
+    # backend, the warnings and the worker (`training.inplace.InPlace.from_spec`) all ask these.
+    @property
+    def in_place(self) -> bool:
+        """In-place recovery is on: not `mode: restart`, and at least one warm spare per node.
+
+        Whether a given launch can (2+ ranks, DDP or in-memory snapshots) the worker decides on top.
+        """
+        return self.mode != "restart" and self.spares >= 1
+
+    @property
+    def standby_nodes(self) -> int:
+        """The standby nodes a launch that may stand them by runs: `spareNodes` when in place, else 0."""
+        return self.spare_nodes if self.in_place else 0
+
 
 class ProfileConfig(Model):
     """A `torch.profiler` capture of a few steps: where a step's time goes, on the host and the device."""

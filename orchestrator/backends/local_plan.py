@@ -243,6 +243,5 @@ def create_local_plan(spec: JobSpec, options: SubmitOptions, run_dir: Path, *, r
 
 def standby_nodes(spec: JobSpec) -> int:
     """Standby agents of a local launch (`restarts.spareNodes`): only where ranks recover in place."""
-    r = spec.spec.restarts
-    in_place = r.mode != "restart" and r.spares >= 1 and spec.spec.nodes.max * spec.spec.procs_per_node >= 2
-    return r.spare_nodes if in_place else 0
+    several_ranks = spec.spec.nodes.max * spec.spec.procs_per_node >= 2
+    return spec.spec.restarts.standby_nodes if several_ranks else 0

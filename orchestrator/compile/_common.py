@@ -185,7 +185,7 @@ def inplace_store_env(spec: JobSpec, *, standby: bool = False) -> dict[str, str]
     a job over c10d, `in_place_c10d`); with standby nodes (`standby`, PyTorchJob) one node shares it too,
     as the standby pods must reach it. The worker still decides (`training.inplace.InPlace`)."""
     s = spec.spec
-    if s.restarts.mode == "restart" or s.restarts.spares < 1:
+    if not s.restarts.in_place:
         return {}
     if s.nodes.max == 1 and not standby:
         return {Env.INPLACE_STORE: Env.INPLACE_STORE_AGENT} if s.procs_per_node >= 2 else {}
