@@ -23,6 +23,7 @@ from orchestrator.compile import MANIFEST_TARGETS, render
 from orchestrator.loader import load_spec
 from orchestrator.model_walk import nested_model
 from orchestrator.spec import JobSpec
+from orchestrator.targets import DEFAULT_TARGET, TARGETS
 
 __all__ = ["REPO", "generate", "main", "spec_reference", "stale"]
 
@@ -36,9 +37,9 @@ def _example_manifests(example: Path) -> dict[str, str]:
     rel = f"examples/{example.name}"
     out: dict[str, str] = {}
     variants: list[tuple[str, str, bool, bool]] = [(t, t, False, False) for t in MANIFEST_TARGETS]
-    variants.append(("pytorchjob-monitoring", "pytorchjob", True, False))
+    variants.append((f"{DEFAULT_TARGET}-monitoring", DEFAULT_TARGET, True, False))
     for filename, target, monitoring, _ in variants:
-        fixed = target == "trainjob" and spec.spec.nodes.elastic
+        fixed = not TARGETS[target].elastic and spec.spec.nodes.elastic
         flags = (" --monitoring" if monitoring else "") + (" --fixed-size" if fixed else "")
         header = _HEADER.format(example=stem, command=f"torchrig render {rel} --target {target}{flags}")
         if fixed:

@@ -3,7 +3,8 @@
 The job model (`metadata.name`) asks only for a DNS-1035 label of at most 63 characters: the local and
 Ray-on-VM backends and the launch plans (`torchrun`, `raytrain`) take any such name. Each Kubernetes
 target's operator derives further names from the job name and rejects (or fails to create) objects
-whose derived names do not fit; `target_name_rule` gives that limit and `compile()` enforces it when
+whose derived names do not fit; the `*_name_rule` functions give that limit (each `Target` in
+`orchestrator.targets` names its own, `targets.target_name_rule`) and `compile()` enforces it when
 rendering or submitting to that target, nowhere else. Each rule below cites the operator source it
 follows (read at the versions torchrig targets, see docs/operations.md and tests/schemas/crds/SOURCES.md).
 
@@ -62,8 +63,9 @@ __all__ = [
     "RAY_WORKER_GROUP",
     "TRAINJOB_REPLICATED_JOB",
     "NameRule",
-    "target_name_limit",
-    "target_name_rule",
+    "pytorchjob_name_rule",
+    "rayjob_name_rule",
+    "trainjob_name_rule",
 ]
 
 DNS1035_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -107,52 +109,43 @@ def _fit(*suffixes: str) -> int:
     return MAX_NAME_LEN - max(len(s) for s in suffixes)
 
 
-def target_name_rule(target: str, max_nodes: int, *, elastic: bool = False, spare_nodes: int = 0) -> NameRule | None:
-    """The name rule of a Kubernetes target's operator, or None for a target without one.
-
-    Args:
-        target: `pytorchjob`, `trainjob`, `rayjob` (others: None, the job model's rule is all).
-        max_nodes: `spec.nodes.max`.
-        elastic: the job is rendered elastic (`nodes.min < nodes.max` and not `--fixed-size`).
-        spare_nodes: standby Worker replicas past the members (`compile.pytorchjob.spare_nodes`).
-    """
-    if target == "rayjob":
-        return NameRule(
-            target,
-            KUBERAY_MAX_RAYJOB_NAME_LEN,
-            "KubeRay RayJob",
-            f"KubeRay rejects longer RayJob names: it names the RayCluster '<name>-{RANDOM_SUFFIX}' and limits "
-            f"RayCluster names to {KUBERAY_MAX_RAYCLUSTER_NAME_LEN}",
-        )
-    if target == "pytorchjob":
-        # Worker indices 0..max-1 when elastic (no Master); Master 0 plus Workers 0..max-2 at a fixed size, or
-        # plus Workers 0..max-1+spares with standby nodes (the Master is the store-only pod).
-        last = max(max_nodes - 2, 0)
-        if elastic or spare_nodes:
-            last = max_nodes - 1 + spare_nodes
-        longest = f"-worker-{last}" if elastic or max_nodes > 1 or spare_nodes else "-master-0"
-        return NameRule(
-            target,
-            _fit(longest, "-master-0"),
-            "PyTorchJob",
-            f"the training operator names a Service per replica, up to '<name>{longest}', and a Service "
-            f"name is a DNS-1035 label of at most {MAX_NAME_LEN} characters",
-            max_nodes,
-            spare_nodes,
-        )
-    if target == "trainjob":
-        pod = f"-{TRAINJOB_REPLICATED_JOB}-0-{max_nodes - 1}-{RANDOM_SUFFIX}"
-        return NameRule(
-            target,
-            _fit(pod),
-            "TrainJob",
-            f"JobSet rejects pod names over {MAX_NAME_LEN} characters and names the pods up to '<name>{pod}'",
-            max_nodes,
-        )
-    return None
+def rayjob_name_rule(target: str, max_nodes: int, elastic: bool, spare_nodes: int) -> NameRule:
+    """KubeRay's limit on a RayJob's name: the same whatever the node count (see the module docstring)."""
+    return NameRule(
+        target,
+        KUBERAY_MAX_RAYJOB_NAME_LEN,
+        "KubeRay RayJob",
+        f"KubeRay rejects longer RayJob names: it names the RayCluster '<name>-{RANDOM_SUFFIX}' and limits "
+        f"RayCluster names to {KUBERAY_MAX_RAYCLUSTER_NAME_LEN}",
+    )
 
 
-def target_name_limit(target: str, max_nodes: int, *, elastic: bool = False) -> int:
-    """The longest `metadata.name` the target's operator accepts (63 for targets without a rule)."""
-    rule = target_name_rule(target, max_nodes, elastic=elastic)
-    return MAX_NAME_LEN if rule is None else rule.limit
+def pytorchjob_name_rule(target: str, max_nodes: int, elastic: bool, spare_nodes: int) -> NameRule:
+    """The training operator's limit: its longest replica Service name must be a DNS-1035 label."""
+    # Worker indices 0..max-1 when elastic (no Master); Master 0 plus Workers 0..max-2 at a fixed size, or
+    # plus Workers 0..max-1+spares with standby nodes (the Master is the store-only pod).
+    last = max(max_nodes - 2, 0)
+    if elastic or spare_nodes:
+        last = max_nodes - 1 + spare_nodes
+    longest = f"-worker-{last}" if elastic or max_nodes > 1 or spare_nodes else "-master-0"
+    return NameRule(
+        target,
+        _fit(longest, "-master-0"),
+        "PyTorchJob",
+        f"the training operator names a Service per replica, up to '<name>{longest}', and a Service "
+        f"name is a DNS-1035 label of at most {MAX_NAME_LEN} characters",
+        max_nodes,
+        spare_nodes,
+    )
+
+
+def trainjob_name_rule(target: str, max_nodes: int, elastic: bool, spare_nodes: int) -> NameRule:
+    """JobSet's limit on the longest pod name a TrainJob's JobSet generates."""
+    pod = f"-{TRAINJOB_REPLICATED_JOB}-0-{max_nodes - 1}-{RANDOM_SUFFIX}"
+    return NameRule(
+        target,
+        _fit(pod),
+        "TrainJob",
+        f"JobSet rejects pod names over {MAX_NAME_LEN} characters and names the pods up to '<name>{pod}'",
+        max_nodes,
+    )

@@ -16,6 +16,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from orchestrator.credentials import inline_secrets
 from orchestrator.naming import DNS1035_RE, DNS1123_LABEL_RE, MAX_NAME_LEN
+from orchestrator.targets import DEFAULT_TARGET, SubmitTarget, get_target
 from training.config import (
     CheckpointConfig,
     MetricsConfig,
@@ -293,8 +294,8 @@ class ResourcesConfig(Model):
 class KubernetesConfig(Model):
     """Kubernetes placement and policy; ignored by the local and Ray backends."""
 
-    target: Literal["pytorchjob", "trainjob"] = Field(
-        default="pytorchjob",
+    target: SubmitTarget = Field(
+        default=DEFAULT_TARGET,
         description="What `torchrig submit` creates: a Kubeflow PyTorchJob (v1, elastic) or a Trainer v2 TrainJob.",
     )
     service_account: ObjectName | None = Field(default=None, description="ServiceAccount of the pods.")
@@ -555,7 +556,7 @@ class JobSpec(Model):
             f"spec.checkpoint.stores[{i}].uri: memory:// lives in each worker process and is gone when it exits: "
             "nothing in it outlives the run or a restart (for tests; use file:// or an object store)"
             for i, store in enumerate(s.checkpoint.stores)
-            if store.scheme == "memory"
+            if store.kind.in_process
         ]
         if s.training.precision is Precision.fp16 and s.resources.gpus == 0:
             out.append("spec.training.precision: fp16 on CPU runs slowly and is emulated; prefer bf16 or fp32")
@@ -573,7 +574,7 @@ def _in_memory_warnings(body: JobSpecBody) -> list[str]:
         return [
             f"{field}: has no effect with strategy ddp (every rank holds the whole state; a survivor hands it over)"
         ]
-    if body.restarts.mode == "restart" or body.restarts.spares == 0:
+    if not body.restarts.in_place:
         return [f"{field}: has no effect without in-place recovery (restarts.mode restart or restarts.spares 0)"]
     return []
 
@@ -584,9 +585,9 @@ def _spare_node_warnings(body: JobSpecBody) -> list[str]:
     if r.spare_nodes == 0:
         return []
     field = "spec.restarts.spareNodes"
-    if r.mode == "restart" or r.spares == 0:
+    if not r.in_place:
         return [f"{field}: has no effect without in-place recovery (restarts.mode restart or restarts.spares 0)"]
-    if body.kubernetes.target != "pytorchjob" or body.nodes.elastic:
+    if not get_target(body.kubernetes.target).standby_nodes or body.nodes.elastic:
         return [
             f"{field}: on Kubernetes standby nodes run in a fixed-size PyTorchJob only (kubernetes.target "
             "pytorchjob, nodes.min == nodes.max; elsewhere a lost node restarts the group); local runs start them"

@@ -234,7 +234,7 @@ class KubernetesBackend(Backend):
             return parts[0], list(TARGET_KINDS), parts[1]
         if len(parts) == 1:
             return self.namespace or "default", list(TARGET_KINDS), parts[0]
-        raise SpecError(f"run id {run_id!r}: expected kubernetes://<namespace>/<pytorchjob|trainjob>/<name>")
+        raise SpecError(f"run id {run_id!r}: expected kubernetes://<namespace>/<{'|'.join(TARGET_KINDS)}>/<name>")
 
     def _get_job(self, api: ApiClient, run_id: str) -> tuple[str, str, str, dict[str, Any]]:
         from kubernetes import client

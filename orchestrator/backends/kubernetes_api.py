@@ -18,6 +18,7 @@ from orchestrator.backends.api_timeout import api_timeout
 from orchestrator.backends.base import RunState
 from orchestrator.compile.pytorchjob import STORE_POD_LABEL
 from orchestrator.errors import BackendError
+from orchestrator.targets import TARGET_KINDS
 
 # The client ships no type information: its API client is typed `ApiClient = Any` here.
 ApiClient = Any
@@ -112,7 +113,6 @@ TYPES: dict[str, ResourceType] = {
         ResourceType("RayJob", "ray.io", "v1", "rayjobs", install_hint="install the KubeRay operator"),
     )
 }
-TARGET_KINDS = {"pytorchjob": "PyTorchJob", "trainjob": "TrainJob"}
 
 
 def resource_type(obj: dict[str, Any]) -> ResourceType:

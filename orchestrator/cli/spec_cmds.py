@@ -9,11 +9,12 @@ from pathlib import Path
 import click
 
 from orchestrator.cli._common import emit_json, handle_errors, output_option, set_option
-from orchestrator.compile import TARGETS, check_target
+from orchestrator.compile import check_target
 from orchestrator.compile import render as render_target
 from orchestrator.errors import EXIT_USAGE, CompileError, SpecError
 from orchestrator.loader import load_spec
 from orchestrator.spec import JobSpec
+from orchestrator.targets import DEFAULT_TARGET, TARGETS, get_target
 
 __all__ = ["render", "schema", "validate"]
 
@@ -45,7 +46,7 @@ _ALLOW_POD_LOCAL = click.option(
 @click.option(
     "--target",
     "-t",
-    type=click.Choice(TARGETS),
+    type=click.Choice(tuple(TARGETS)),
     default=None,
     help="Also apply what this target refuses (a Kubernetes operator's name limit, pod-local checkpoint "
     "stores on a multi-node job, inline credentials), as `render` would.",
@@ -104,13 +105,7 @@ def validate(
 
 @click.command(
     epilog=(
-        "Targets:\n\n"
-        "  pytorchjob  Kubeflow Training Operator v1 PyTorchJob (elastic when nodes.min < nodes.max)\n\n"
-        "  trainjob    Kubeflow Trainer v2 TrainJob + its TrainingRuntime (fixed size; Trainer >= 2.2)\n\n"
-        "  rayjob      KubeRay RayJob running the job with Ray Train\n\n"
-        "  torchrun    the torchrun command line for bare metal or Slurm (one per node)\n\n"
-        "  raytrain    the Ray Train plan (ScalingConfig, RunConfig, FailureConfig, CheckpointConfig)\n\n"
-        "Examples:\n\n"
+        "Targets:\n\n" + "".join(f"  {t.name:<10}  {t.summary}\n\n" for t in TARGETS.values()) + "Examples:\n\n"
         "  torchrig render examples/digits-ddp.yaml --target pytorchjob | kubectl apply -f -\n\n"
         "  torchrig render examples/tinygpt-fsdp.yaml --target trainjob --fixed-size --monitoring\n\n"
         "  torchrig render job.yaml --target torchrun --set spec.nodes.max=2"
@@ -120,8 +115,8 @@ def validate(
 @click.option(
     "--target",
     "-t",
-    type=click.Choice(TARGETS),
-    default="pytorchjob",
+    type=click.Choice(tuple(TARGETS)),
+    default=DEFAULT_TARGET,
     show_default=True,
     help="What to render.",
 )
@@ -145,7 +140,7 @@ def render(
     names the field and the alternative (e.g. an elastic job on trainjob, a multi-node job whose
     checkpoint stores all live inside one pod). Warnings go to stderr.
     """
-    if monitoring and target not in ("pytorchjob", "trainjob", "rayjob"):
+    if monitoring and not get_target(target).manifests:
         raise SpecError(f"--monitoring: applies to Kubernetes targets only, not {target!r}")
     spec = load_spec(job, list(overrides))
     for line in check_target(spec, target, fixed_size=fixed_size, allow_pod_local_stores=allow_pod_local_stores):

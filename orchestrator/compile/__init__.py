@@ -12,7 +12,6 @@ anything is rendered.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 import yaml
@@ -20,6 +19,7 @@ import yaml
 from orchestrator.compile.checks import check_name, check_target
 from orchestrator.errors import SpecError
 from orchestrator.spec import JobSpec
+from orchestrator.targets import MANIFEST_TARGETS, PLAN_TARGETS, TARGETS, get_target
 
 if TYPE_CHECKING:
     from orchestrator.compile.raytrain import RayTrainPlan
@@ -35,27 +35,6 @@ __all__ = [
     "compile_plan",
     "render",
 ]
-
-# name -> "module:function"; imported lazily so one target's dependencies never burden another.
-MANIFEST_TARGETS: dict[str, str] = {
-    "pytorchjob": "orchestrator.compile.pytorchjob:compile_pytorchjob",
-    "trainjob": "orchestrator.compile.trainjob:compile_trainjob",
-    "rayjob": "orchestrator.compile.rayjob:compile_rayjob",
-}
-PLAN_TARGETS: dict[str, str] = {
-    "torchrun": "orchestrator.compile.torchrun:compile_torchrun",
-    "raytrain": "orchestrator.compile.raytrain:compile_raytrain",
-}
-TARGETS: tuple[str, ...] = (*MANIFEST_TARGETS, *PLAN_TARGETS)
-
-
-def _load(ref: str) -> Any:
-    module, _, attr = ref.partition(":")
-    return getattr(importlib.import_module(module), attr)
-
-
-def _unknown(target: str, valid: list[str]) -> SpecError:
-    return SpecError(f"--target: unknown target {target!r}; valid targets: {', '.join(valid)}")
 
 
 def compile(
@@ -87,12 +66,11 @@ def compile(
             `metadata.name`, or `check_target` refuses it (pod-local stores, inline credentials,
             a RayJob `rayVersion` older than Ray's token authentication).
     """
-    if target not in MANIFEST_TARGETS:
-        if target in PLAN_TARGETS:
-            raise SpecError(f"--target: {target!r} is a launch plan, not manifests; use compile_plan()")
-        raise _unknown(target, list(MANIFEST_TARGETS))
+    if target in PLAN_TARGETS:
+        raise SpecError(f"--target: {target!r} is a launch plan, not manifests; use compile_plan()")
+    t = get_target(target, among=MANIFEST_TARGETS)
     check_target(spec, target, fixed_size=fixed_size, allow_pod_local_stores=allow_pod_local_stores)
-    objects: list[dict[str, Any]] = _load(MANIFEST_TARGETS[target])(spec, fixed_size=fixed_size)
+    objects: list[dict[str, Any]] = t.load()(spec, fixed_size=fixed_size)
     from orchestrator.compile.networkpolicy import compile_network_policy
 
     # Right after the spec ConfigMap: the policy is in force before the first pod starts.
@@ -116,9 +94,7 @@ def compile_plan(spec: JobSpec, target: str, *, fixed_size: bool = False) -> Tor
     Raises:
         SpecError: unknown target.
     """
-    if target not in PLAN_TARGETS:
-        raise _unknown(target, list(PLAN_TARGETS))
-    plan: TorchrunCommand | RayTrainPlan = _load(PLAN_TARGETS[target])(spec, fixed_size=fixed_size)
+    plan: TorchrunCommand | RayTrainPlan = get_target(target, among=PLAN_TARGETS).load()(spec, fixed_size=fixed_size)
     return plan
 
 
@@ -136,9 +112,5 @@ def render(
             spec, target, monitoring=monitoring, fixed_size=fixed_size, allow_pod_local_stores=allow_pod_local_stores
         )
         return yaml.safe_dump_all(objs, sort_keys=False, width=120)
-    if target == "torchrun":
-        return compile_plan(spec, "torchrun", fixed_size=fixed_size).script
-    if target == "raytrain":
-        plan = compile_plan(spec, "raytrain", fixed_size=fixed_size)
-        return yaml.safe_dump(plan.to_dict(), sort_keys=False, width=120)
-    raise _unknown(target, list(TARGETS))
+    get_target(target)  # an unknown name fails listing every target, not only the plans
+    return compile_plan(spec, target, fixed_size=fixed_size).render()

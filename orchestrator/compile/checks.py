@@ -26,19 +26,19 @@ import re
 
 from orchestrator.credentials import inline_secrets, secret_option_paths
 from orchestrator.errors import UnsupportedFeature
-from orchestrator.naming import target_name_rule
 from orchestrator.spec import JobSpec
+from orchestrator.targets import KUBERNETES_TARGETS, TARGETS, target_name_rule
 
 __all__ = [
     "KUBERNETES_TARGETS",
     "check_name",
+    "check_rayjob",
     "check_target",
     "inline_credentials_problem",
     "pod_local_stores_problem",
     "ray_version_problem",
 ]
 
-KUBERNETES_TARGETS = ("pytorchjob", "trainjob", "rayjob")
 # The first Ray with token authentication (KubeRay ray-operator/controllers/ray/utils/validation.go,
 # ValidateRayClusterSpec: "minimum Ray version is 2.52.0" for authOptions.mode token).
 MIN_RAY_VERSION_WITH_AUTH = (2, 52)
@@ -51,10 +51,11 @@ def check_name(spec: JobSpec, target: str, *, fixed_size: bool = False) -> None:
     The job model takes any DNS-1035 name up to 63 characters; each Kubernetes target's operator derives
     longer names from it (Services, pods, the RayCluster), so its limit applies only to that target.
     """
-    from orchestrator.compile.pytorchjob import spare_nodes
-
+    t = TARGETS.get(target)
+    if t is None:
+        return
     elastic = spec.spec.nodes.elastic and not fixed_size
-    spare = spare_nodes(spec, elastic=elastic) if target == "pytorchjob" else 0
+    spare = spec.spec.restarts.standby_nodes if t.standby_nodes and not elastic else 0
     rule = target_name_rule(target, spec.spec.nodes.max, elastic=elastic, spare_nodes=spare)
     problem = rule.problem(spec.name) if rule else None
     if problem:
@@ -70,7 +71,7 @@ def pod_local_stores_problem(spec: JobSpec) -> str | None:
     s = spec.spec
     if s.nodes.max <= 1:
         return None
-    if any(st.scheme not in ("file", "memory") or st.pvc is not None for st in s.checkpoint.stores):
+    if any(st.shared for st in s.checkpoint.stores):
         return None
     return (
         "spec.checkpoint.stores: every store is pod-local (a file:// store without pvc is the pod's own "
@@ -112,6 +113,14 @@ def ray_version_problem(spec: JobSpec) -> str | None:
     )
 
 
+def check_rayjob(spec: JobSpec, *, fixed_size: bool = False) -> list[str]:
+    """The RayJob's own refusal (`Target.check`): a Ray too old for the token authentication it turns on."""
+    old_ray = ray_version_problem(spec)
+    if old_ray:
+        raise UnsupportedFeature(old_ray)
+    return []
+
+
 def check_target(
     spec: JobSpec, target: str, *, fixed_size: bool = False, allow_pod_local_stores: bool = False
 ) -> list[str]:
@@ -131,11 +140,10 @@ def check_target(
     """
     if target not in KUBERNETES_TARGETS:
         return []
+    t = TARGETS[target]
     check_name(spec, target, fixed_size=fixed_size)
-    if target == "trainjob":
-        from orchestrator.compile.trainjob import check_trainjob
-
-        check_trainjob(spec, fixed_size=fixed_size)
+    if t.unsupported:
+        t.load(t.unsupported)(spec, fixed_size=fixed_size)
     warnings: list[str] = []
     pod_local = pod_local_stores_problem(spec)
     if pod_local and not allow_pod_local_stores:
@@ -149,12 +157,6 @@ def check_target(
     # JobSpec built through the Python API too (`orchestrator.credentials`).
     for finding in inline_secrets(spec):
         raise UnsupportedFeature(finding.error())
-    if target == "rayjob":
-        old_ray = ray_version_problem(spec)
-        if old_ray:
-            raise UnsupportedFeature(old_ray)
-    if target == "pytorchjob":
-        from orchestrator.compile.pytorchjob import init_container_warning
-
-        warnings += [w for w in [init_container_warning(spec, fixed_size=fixed_size)] if w]
+    if t.check:
+        warnings += t.load(t.check)(spec, fixed_size=fixed_size)
     return warnings

@@ -60,6 +60,7 @@ __all__ = [
     "KIND",
     "RDZV_PORT",
     "STORE_POD_LABEL",
+    "check_pytorchjob",
     "compile_pytorchjob",
     "init_container_warning",
     "spare_nodes",
@@ -85,6 +86,12 @@ STORE_MODULE = "training.rendezvous_store"
 # The store pod: Guaranteed QoS (requests = limits), so it is among the last pods a node evicts; an idle
 # TCPStore server with torch imported holds ~300 MB.
 STORE_RESOURCES = {"cpu": "1", "memory": "1Gi"}
+
+
+def check_pytorchjob(spec: JobSpec, *, fixed_size: bool = False) -> list[str]:
+    """The PyTorchJob's own warnings (`Target.check`): the operator's init container, if it adds one."""
+    warning = init_container_warning(spec, fixed_size=fixed_size)
+    return [warning] if warning else []
 
 
 def init_container_warning(spec: JobSpec, *, fixed_size: bool = False) -> str | None:
@@ -215,10 +222,7 @@ def _run_policy(spec: JobSpec, min_available: int) -> dict[str, Any]:
 def spare_nodes(spec: JobSpec, *, elastic: bool) -> int:
     """How many standby Worker pods the job runs (`restarts.spareNodes`): the fixed-size shape only (an
     elastic job's operator and rendezvous handle a lost node themselves), and only with in-place recovery."""
-    r = spec.spec.restarts
-    if elastic or r.mode == "restart" or r.spares < 1:
-        return 0
-    return r.spare_nodes
+    return 0 if elastic else spec.spec.restarts.standby_nodes
 
 
 def _standby_template(template: dict[str, Any], members: int) -> dict[str, Any]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import yaml
+
 from orchestrator.spec import JobSpec, parse_quantity
 
 __all__ = ["CheckpointPlan", "FailurePlan", "RayTrainPlan", "RunPlan", "ScalingPlan", "compile_raytrain"]
@@ -70,6 +72,10 @@ class RayTrainPlan:
     failure: FailurePlan
     checkpoint: CheckpointPlan
 
+    def render(self) -> str:
+        """What `torchrig render --target raytrain` prints: the plan as YAML."""
+        return str(yaml.safe_dump(self.to_dict(), sort_keys=False, width=120))
+
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["scaling"]["num_workers"] = self.scaling.kwargs()["num_workers"]
@@ -81,7 +87,7 @@ class RayTrainPlan:
 def _storage_path(spec: JobSpec) -> str | None:
     """Ray Train's storage must be reachable from every node: the first remote or absolute store."""
     for store in spec.spec.checkpoint.stores:
-        if store.scheme != "file":
+        if not store.kind.filesystem:
             return store.uri
         if store.path.startswith("/"):
             return store.path

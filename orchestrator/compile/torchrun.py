@@ -48,6 +48,10 @@ class TorchrunCommand:
         exports = [f"export {k}={c.shell_join([v])}" for k, v in self.env.items()]
         return "\n".join([*exports, self.command]) + "\n"
 
+    def render(self) -> str:
+        """What `torchrig render --target torchrun` prints: the script."""
+        return self.script
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "args": list(self.args),

@@ -14,8 +14,8 @@ from orchestrator.compile import MANIFEST_TARGETS, TARGETS, compile, compile_pla
 from orchestrator.compile.monitoring import RULES_FILE, load_rule_groups
 from orchestrator.errors import SpecError, UnsupportedFeature
 from orchestrator.loader import load_spec
-from orchestrator.naming import target_name_limit
 from orchestrator.spec import JobSpec
+from orchestrator.targets import target_name_limit
 from tests import crds
 from training.contract import Env
 

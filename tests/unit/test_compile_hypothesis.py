@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from orchestrator.compile import MANIFEST_TARGETS, compile, compile_plan
 from orchestrator.errors import UnsupportedFeature
 from orchestrator.loader import validate_document
-from orchestrator.naming import target_name_limit
 from orchestrator.spec import JobSpec
+from orchestrator.targets import target_name_limit
 from tests import crds
 
 _names = st.from_regex(r"[a-z]([-a-z0-9]{0,60}[a-z0-9])?", fullmatch=True)

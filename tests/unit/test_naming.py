@@ -29,8 +29,8 @@ from orchestrator.compile.rayjob import compile_rayjob
 from orchestrator.compile.trainjob import compile_trainjob
 from orchestrator.errors import UnsupportedFeature
 from orchestrator.loader import apply_overrides, dump_spec, validate_document
-from orchestrator.naming import target_name_limit, target_name_rule
 from orchestrator.spec import JobSpec
+from orchestrator.targets import target_name_limit, target_name_rule
 from tests import crds
 
 BASE: dict[str, Any] = {
