@@ -28,7 +28,8 @@ from tests.containers.podrun import PodRun, container_args
 from tests.fixtures.common import REPO, free_port
 from tests.pods.operators import pytorchjob_pods
 
-pytestmark = [pytest.mark.containers, pytest.mark.slow]
+# The first test builds the image (a cold build takes minutes: the session fixture runs in its timeout).
+pytestmark = [pytest.mark.containers, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 EXAMPLE = REPO / "examples" / "digits-ddp.yaml"
 # One pod of 2 ranks, few steps, a checkpoint every 10 (its store is the job's PVC).
@@ -43,11 +44,13 @@ def _render(*extra: str) -> list[dict[str, Any]]:
     return [secret, *compile_manifests(spec, "pytorchjob")]
 
 
-def _pod_run(objects: list[dict[str, Any]], workdir: Path, replica: str = "Master", name: str = "") -> PodRun:
+def _pod_run(objects: list[dict[str, Any]], workdir: Path, name: str = "", shared: Path | None = None) -> PodRun:
+    """The Master pod of a rendered PyTorchJob as `podman run` arguments (tests/containers/podrun.py)."""
     (job,) = [o for o in objects if o["kind"] == "PyTorchJob"]
-    pod = next(p for p in pytorchjob_pods(objects) if p.role == f"{replica.lower()}-0")
-    template_spec = job["spec"]["pytorchReplicaSpecs"][replica]["template"]["spec"]
-    return container_args(pod, objects, workdir, pod_spec=template_spec, name=name or f"trg-{workdir.name}")
+    pod = next(p for p in pytorchjob_pods(objects) if p.role == "master-0")
+    template_spec = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    name = name or f"trg-{workdir.name}"
+    return container_args(pod, objects, workdir, pod_spec=template_spec, shared=shared, name=name)
 
 
 def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -171,11 +174,10 @@ def test_the_rendezvous_store_pod_listens_and_ends_143_on_sigterm(
     assert code == "143", (code, _run(["podman", "logs", name]).stderr[-2000:])
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """`torchrig run` of the same spec on this machine: 1 node x 2 ranks."""
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    sets = [a for s in [*SETS, f"spec.metrics.port={free_port()}"] for a in ("--set", s)]
+def _reference(workdir: Path, extra: list[str]) -> dict[str, Any]:
+    """result.json of `torchrig run` of the same spec on this machine: 1 node x 2 ranks."""
+    run_dir = workdir / "reference"
+    sets = [a for s in [*SETS, *extra, f"spec.metrics.port={free_port()}"] for a in ("--set", s)]
     cmd = [sys.executable, "-c", "from orchestrator.cli import main; main()", "run", str(EXAMPLE), "--nodes", "1"]
     proc = subprocess.run(
         [*cmd, *sets, "--run-dir", str(run_dir), "-o", "json"],
@@ -188,6 +190,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     assert proc.returncode == 0, proc.stderr[-3000:]
     result: dict[str, Any] = json.loads((run_dir / "result.json").read_text())
     return result
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _reference(tmp_path_factory.mktemp("reference"), [])
 
 
 def test_a_one_pod_pytorchjob_trains_in_the_container_bit_exact_writing_only_to_its_volumes(
@@ -263,3 +270,55 @@ def test_ray_starts_a_node_in_the_hardened_container(cpu_image: str, tmp_path: P
     assert proc.returncode == 0 and "answer 42" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
     tmp, cache = _files(run.volumes["torchrig-tmp"]), _files(run.volumes["torchrig-cache"])
     print(f"\nwhat Ray wrote: tmp {tmp[:10]}; cache {cache}")
+
+
+DRAIN_SETS = ["spec.training.steps=120", "spec.checkpoint.every.steps=25", "spec.training.evalAtEnd=false"]
+
+
+def _events(run_dir: Path) -> list[dict[str, Any]]:
+    lines = [line for p in run_dir.rglob("events.jsonl") for line in p.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in lines]
+
+
+def test_a_drained_pod_checkpoints_within_its_grace_and_its_successor_resumes_losing_no_step(
+    cpu_image: str, tmp_path: Path, containers: list[str]
+) -> None:
+    """A node drain as the kubelet does it: `podman stop -t terminationGracePeriodSeconds` (SIGTERM,
+    SIGKILL at the deadline). Every rank stops at one step after an emergency checkpoint on the PVC; the
+    pod the operator recreates (fresh emptyDirs, the same claim) resumes from that step and ends
+    bit-identical to an uninterrupted `torchrig run`."""
+    objects = _render(*DRAIN_SETS)
+    shared = tmp_path / "pvc"
+    first = _pod_run(objects, tmp_path / "first", f"trg-{tmp_path.name}-1", shared)
+    pace = json.dumps([{"kind": "slow", "rank": -1, "step": 1, "generation": -1, "seconds": 0.05}])
+    cmd = first.command(cpu_image)
+    containers.append(f"trg-{tmp_path.name}-1")
+    started = _run([*cmd[:3], "--env", f"TORCHRIG_FAULTS={pace}", *cmd[3:]])
+    assert started.returncode == 0, started.stderr
+    deadline = time.monotonic() + 300
+    while not any(e.get("event") == "checkpoint_committed" for e in _events(first.volumes["torchrig-run"])):
+        assert time.monotonic() < deadline, _run(["podman", "logs", f"trg-{tmp_path.name}-1"]).stderr[-4000:]
+        time.sleep(0.5)
+    t0 = time.monotonic()
+    _run(["podman", "stop", "-t", str(first.grace_s), f"trg-{tmp_path.name}-1"], timeout=first.grace_s + 60)
+    stopped_s = time.monotonic() - t0
+    code = _run(["podman", "inspect", "--format", "{{.State.ExitCode}}", f"trg-{tmp_path.name}-1"]).stdout.strip()
+    preempted = [e for e in _events(first.volumes["torchrig-run"]) if e.get("event") == "preempted"]
+    logs = _run(["podman", "logs", f"trg-{tmp_path.name}-1"]).stderr[-4000:]
+    assert preempted and all(e["committed"] for e in preempted), (code, logs)
+    assert stopped_s < first.grace_s, f"the pod needed {stopped_s:.0f} s of its {first.grace_s} s grace"
+    stop = {e["step"] for e in preempted}
+    assert len(stop) == 1 and 25 <= min(stop) < 120, stop
+
+    second = _pod_run(objects, tmp_path / "second", f"trg-{tmp_path.name}-2", shared)
+    containers.append(f"trg-{tmp_path.name}-2")
+    assert _run(second.command(cpu_image)).returncode == 0
+    waited = _run(["podman", "wait", f"trg-{tmp_path.name}-2"], timeout=600)
+    logs = _run(["podman", "logs", f"trg-{tmp_path.name}-2"]).stderr[-4000:]
+    assert waited.stdout.strip() == "0", logs
+    restores = [e for e in _events(second.volumes["torchrig-run"]) if e.get("event") == "restore"]
+    assert restores and {e["step"] for e in restores} == stop, restores  # 0 lost steps
+    (result_file,) = list(second.volumes["torchrig-run"].rglob("result.json"))
+    result = json.loads(result_file.read_text())
+    assert result["steps"] == 120
+    assert result["params_sha256"] == _reference(tmp_path, DRAIN_SETS)["params_sha256"]

@@ -86,6 +86,32 @@ def test_real_metadata_of_every_kind_of_value_loads() -> None:
     assert {"t.torch.bfloat16", "step", "optim.param_groups.0.lr"} <= set(metadata.state_dict_metadata)
 
 
+def test_metadata_pickled_by_python_3_11_2_loads_its_enum_members_and_nothing_else(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Debian bookworm's Python 3.11.2 (the images' base) pickles an enum member as `getattr(Enum, "NAME")`:
+    a checkpoint saved in the container must restore (found by tests/containers: the drained pod's
+    successor refused every checkpoint). Only an allowed enum's member resolves that way."""
+    import warnings
+    from pathlib import PosixPath
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    monkeypatch.setattr(_MEM_FORMAT_ENCODING, "__reduce_ex__", lambda self, proto: (getattr, (type(self), self.name)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(2)}, storage_writer=FileSystemWriter(str(tmp_path)), no_dist=True)
+    raw = Path(tmp_path, DCP_METADATA).read_bytes()
+    assert b"getattr" in raw
+    props = load_metadata(raw).state_dict_metadata["w"].properties
+    assert props.memory_format == torch.contiguous_format
+    for payload in (_Reducer(getattr, PosixPath, "touch"), _Reducer(getattr, _MEM_FORMAT_ENCODING, "__class__")):
+        with pytest.raises(UnsafeMetadataError, match="refused getattr"):
+            load_metadata(pickle.dumps(payload))
+
+
 @pytest.mark.parametrize(
     "payload",
     [

@@ -248,3 +248,19 @@ def test_the_dependency_layer_lists_what_pyproject_asks_for(dockerfile: Path, tm
         expected += project["optional-dependencies"][extra]
     assert listed == expected
     assert any(r.startswith("ray[") for r in listed) and any(r.startswith("torch") for r in listed)
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
+def test_caches_that_default_under_home_are_sent_to_the_cache_volume(dockerfile: Path) -> None:
+    """Under the pods' read-only root only ~/.cache (an emptyDir) is writable in HOME: every cache
+    directory the image sets lies there, and the GPU image sets Triton's and the CUDA JIT's, which
+    default to ~/.triton and ~/.nv."""
+    from orchestrator.compile._pod import CACHE_DIR
+
+    envs = " ".join(args for word, args in _final_stage(dockerfile) if word == "ENV")
+    settings = dict(re.findall(r"(\w+)=(\S+)", envs))
+    for name in ("TRITON_HOME", "CUDA_CACHE_PATH", "XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR", "MPLCONFIGDIR"):
+        if name in settings:
+            assert settings[name].startswith(CACHE_DIR + "/"), f"{dockerfile}: {name}={settings[name]}"
+    if dockerfile.parent.name == "worker":
+        assert {"TRITON_HOME", "CUDA_CACHE_PATH"} <= set(settings)
