@@ -515,7 +515,6 @@ class Sim:
             exit_code=host.dead_code, stopping=host.stopping, elapsed_s=self.t - host.claim_start, timeout_s=TIMEOUT_S
         )
         try:
-            seen = replace(seen, every_rank_lost=self.store.add("lost", 0) >= self.world)
             if isinstance(decide_host(HostState.CLAIMING, seen), Wait):
                 for index in range(self.spawned[host.node]):
                     key = f"node{host.node}/spare{index}/claim"
@@ -527,6 +526,8 @@ class Sim:
                     if self.store.compare_set(key, str(host.rank)):
                         taken = (index, int(pid))
                         break
+            if taken is None:
+                seen = replace(seen, every_rank_lost=self.store.add("lost", 0) >= self.world)
         except StoreDown as exc:
             seen = replace(seen, store_failed=str(exc))
         seen = replace(seen, claimed_pid=None if taken is None else taken[1])
@@ -637,6 +638,11 @@ def test_a_killed_trainer_is_replaced_and_the_group_resumes_at_full_size() -> No
 def test_two_deaths_on_a_node_with_one_spare_end_in_one_recovery_each_or_a_group_restart() -> None:
     outcome = simulate(World(1, 3, 1, 2), [Fault(10, "kill_trainer", 1), Fault(11, "kill_trainer", 2)])
     assert outcome in ("resumed in generation 1", "resumed in generation 2", "group restart (203)")
+
+
+def test_every_rank_lost_at_once_restarts_the_group_from_the_checkpoint() -> None:
+    faults = [Fault(10, "kill_trainer", 0), Fault(10, "kill_trainer", 1)]
+    assert simulate(World(1, 2, 1, 2), faults) == "group restart (203)"
 
 
 def test_a_lost_node_restarts_the_group() -> None:

@@ -377,16 +377,18 @@ def _claim(
         return decide_host(HostState.CLAIMING, HostObservation(exit_code=code, store_failed=str(exc)))
     try:
         while True:
-            # One look: first whether to go on at all (a shutdown, every rank lost, the timeout), then a
-            # claim; a spare this look claimed is always assigned (`decide_host` promotes it).
+            # One look: first whether to go on at all (a shutdown, the timeout), then a claim (a spare this
+            # look claimed is always assigned: `decide_host` promotes it), and only when none was ready the
+            # lost count (a store request the common case, a spare ready at once, does without).
             taken: tuple[int, int] | None = None
             seen = HostObservation(
                 exit_code=code, stopping=stopping(), elapsed_s=clock.monotonic() - started, timeout_s=inplace.timeout_s
             )
             try:
-                seen = replace(seen, every_rank_lost=every_rank_lost(inplace, store))
                 if isinstance(decide_host(HostState.CLAIMING, seen), Wait):
                     taken = _take_ready_spare(inplace, store, rank)
+                if taken is None:
+                    seen = replace(seen, every_rank_lost=every_rank_lost(inplace, store))
             except Exception as exc:  # the store is gone: nothing to recover in place with
                 seen = replace(seen, store_failed=f"{type(exc).__name__}: {exc}")
             decision = decide_host(HostState.CLAIMING, replace(seen, claimed_pid=None if taken is None else taken[1]))
