@@ -32,8 +32,15 @@ from tests.pods.operators import pytorchjob_pods
 pytestmark = [pytest.mark.containers, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 EXAMPLE = REPO / "examples" / "digits-ddp.yaml"
-# One pod of 2 ranks, few steps, a checkpoint every 10 (its store is the job's PVC).
-SETS = ["spec.nodes.min=1", "spec.nodes.max=1", "spec.training.steps=30", "spec.checkpoint.every.steps=10"]
+# One pod of 2 ranks, 120 steps (a few seconds), a checkpoint every 25 (its store is the job's PVC).
+STEPS = 120
+SETS = [
+    "spec.nodes.min=1",
+    "spec.nodes.max=1",
+    f"spec.training.steps={STEPS}",
+    "spec.checkpoint.every.steps=25",
+    "spec.training.evalAtEnd=false",
+]
 
 
 def _render(*extra: str) -> list[dict[str, Any]]:
@@ -174,10 +181,11 @@ def test_the_rendezvous_store_pod_listens_and_ends_143_on_sigterm(
     assert code == "143", (code, _run(["podman", "logs", name]).stderr[-2000:])
 
 
-def _reference(workdir: Path, extra: list[str]) -> dict[str, Any]:
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """result.json of `torchrig run` of the same spec on this machine: 1 node x 2 ranks."""
-    run_dir = workdir / "reference"
-    sets = [a for s in [*SETS, *extra, f"spec.metrics.port={free_port()}"] for a in ("--set", s)]
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    sets = [a for s in [*SETS, f"spec.metrics.port={free_port()}"] for a in ("--set", s)]
     cmd = [sys.executable, "-c", "from orchestrator.cli import main; main()", "run", str(EXAMPLE), "--nodes", "1"]
     proc = subprocess.run(
         [*cmd, *sets, "--run-dir", str(run_dir), "-o", "json"],
@@ -190,11 +198,6 @@ def _reference(workdir: Path, extra: list[str]) -> dict[str, Any]:
     assert proc.returncode == 0, proc.stderr[-3000:]
     result: dict[str, Any] = json.loads((run_dir / "result.json").read_text())
     return result
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return _reference(tmp_path_factory.mktemp("reference"), [])
 
 
 def test_a_one_pod_pytorchjob_trains_in_the_container_bit_exact_writing_only_to_its_volumes(
@@ -214,7 +217,7 @@ def test_a_one_pod_pytorchjob_trains_in_the_container_bit_exact_writing_only_to_
     run_dir = run.volumes["torchrig-run"]
     (result_file,) = list(run_dir.rglob("result.json"))
     result = json.loads(result_file.read_text())
-    assert (result["steps"], result["world_size"]) == (30, 2), result
+    assert (result["steps"], result["world_size"]) == (STEPS, 2), result
     assert result["params_sha256"] == reference["params_sha256"]
     # The checkpoints went to the PVC, mounted inside the run directory.
     assert any(p.name for p in run.volumes["store-0"].rglob("*") if p.is_file())
@@ -272,22 +275,19 @@ def test_ray_starts_a_node_in_the_hardened_container(cpu_image: str, tmp_path: P
     print(f"\nwhat Ray wrote: tmp {tmp[:10]}; cache {cache}")
 
 
-DRAIN_SETS = ["spec.training.steps=120", "spec.checkpoint.every.steps=25", "spec.training.evalAtEnd=false"]
-
-
 def _events(run_dir: Path) -> list[dict[str, Any]]:
     lines = [line for p in run_dir.rglob("events.jsonl") for line in p.read_text().splitlines() if line.strip()]
     return [json.loads(line) for line in lines]
 
 
 def test_a_drained_pod_checkpoints_within_its_grace_and_its_successor_resumes_losing_no_step(
-    cpu_image: str, tmp_path: Path, containers: list[str]
+    cpu_image: str, tmp_path: Path, containers: list[str], reference: dict[str, Any]
 ) -> None:
     """A node drain as the kubelet does it: `podman stop -t terminationGracePeriodSeconds` (SIGTERM,
     SIGKILL at the deadline). Every rank stops at one step after an emergency checkpoint on the PVC; the
     pod the operator recreates (fresh emptyDirs, the same claim) resumes from that step and ends
     bit-identical to an uninterrupted `torchrig run`."""
-    objects = _render(*DRAIN_SETS)
+    objects = _render()
     shared = tmp_path / "pvc"
     first = _pod_run(objects, tmp_path / "first", f"trg-{tmp_path.name}-1", shared)
     pace = json.dumps([{"kind": "slow", "rank": -1, "step": 1, "generation": -1, "seconds": 0.05}])
@@ -308,7 +308,7 @@ def test_a_drained_pod_checkpoints_within_its_grace_and_its_successor_resumes_lo
     assert preempted and all(e["committed"] for e in preempted), (code, logs)
     assert stopped_s < first.grace_s, f"the pod needed {stopped_s:.0f} s of its {first.grace_s} s grace"
     stop = {e["step"] for e in preempted}
-    assert len(stop) == 1 and 25 <= min(stop) < 120, stop
+    assert len(stop) == 1 and 25 <= min(stop) < STEPS, stop
 
     second = _pod_run(objects, tmp_path / "second", f"trg-{tmp_path.name}-2", shared)
     containers.append(f"trg-{tmp_path.name}-2")
@@ -320,5 +320,5 @@ def test_a_drained_pod_checkpoints_within_its_grace_and_its_successor_resumes_lo
     assert restores and {e["step"] for e in restores} == stop, restores  # 0 lost steps
     (result_file,) = list(second.volumes["torchrig-run"].rglob("result.json"))
     result = json.loads(result_file.read_text())
-    assert result["steps"] == 120
-    assert result["params_sha256"] == _reference(tmp_path, DRAIN_SETS)["params_sha256"]
+    assert result["steps"] == STEPS
+    assert result["params_sha256"] == reference["params_sha256"]
