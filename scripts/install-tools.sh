@@ -51,10 +51,11 @@ fi
 nft --version
 
 # podman builds images/cpu and runs it (`make images`, tests/containers) with images/containers.conf;
-# runc is the runtime that file names (crun, podman's default, fails on hybrid cgroups); mmdebstrap
-# makes the image's Debian base without a registry. As root nothing else is needed: `podman build`
-# carries buildah's code, and overlay storage needs no fuse-overlayfs.
-for pkg in podman runc mmdebstrap; do
+# runc is the runtime that file names (crun, podman's default, fails on hybrid cgroups; installed first,
+# it also satisfies podman's `crun | runc`); mmdebstrap makes the image's Debian base without a registry.
+# As root nothing else is needed: `podman build` carries buildah's code, kernel overlay needs no
+# fuse-overlayfs. (Rootless podman would also want uidmap, slirp4netns and subordinate ids: not tried.)
+for pkg in runc podman mmdebstrap; do
   if ! command -v "$pkg" >/dev/null; then
     apt_install "$pkg"
   fi
