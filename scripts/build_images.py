@@ -40,6 +40,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 REPO = Path(__file__).resolve().parent.parent
 CONTAINERS_CONF = REPO / "images" / "containers.conf"
@@ -232,8 +233,16 @@ class Built:
     cached: bool
 
 
-def build(image: Image, base: str, *, wheels_dir: str | None = None, ca_bundle: str | None = SYSTEM_CA_BUNDLE) -> Built:
-    """Build IMAGE on BASE unless its tag exists; BASE must be present (or pullable)."""
+def build(
+    image: Image,
+    base: str,
+    *,
+    wheels_dir: str | None = None,
+    ca_bundle: str | None = SYSTEM_CA_BUNDLE,
+    progress: TextIO | None = None,
+) -> Built:
+    """Build IMAGE on BASE unless its tag exists; BASE must be present (or pullable). podman's output goes
+    to `progress` (`make images`: stderr) or is kept for the error message."""
     t0 = time.monotonic()
     if not image_exists(base):
         podman("pull", "--quiet", base, timeout=TIMEOUT_S)
@@ -249,7 +258,14 @@ def build(image: Image, base: str, *, wheels_dir: str | None = None, ca_bundle: 
         args += ["--volume", f"{local[0]}:{WHEELS_MOUNT}:ro", "--build-arg", f"TORCH_FIND_LINKS={WHEELS_MOUNT}"]
     if ca_bundle and Path(ca_bundle).is_file():
         args += ["--volume", f"{Path(ca_bundle).resolve()}:{SYSTEM_CA_BUNDLE}:ro"]
-    podman(*args, str(REPO), timeout=TIMEOUT_S)
+    if progress is None:
+        podman(*args, str(REPO), timeout=TIMEOUT_S)
+    else:
+        print(f"images/{image.name}: building {tag} (from scratch: minutes)", file=progress, flush=True)
+        cmd = ["podman", *args, str(REPO)]
+        proc = subprocess.run(cmd, env=podman_env(), stdout=progress, stderr=progress, timeout=TIMEOUT_S, check=False)
+        if proc.returncode != 0:
+            raise BuildError(f"podman build exited {proc.returncode} (its output is above)")
     prune(image, tag)
     return Built(tag, time.monotonic() - t0, cached=False)
 
@@ -311,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     continue
             else:
                 base = args.base or ensure_base(log)
-            built = build(image, base, wheels_dir=args.torch_wheels, ca_bundle=args.ca_bundle)
+            built = build(image, base, wheels_dir=args.torch_wheels, ca_bundle=args.ca_bundle, progress=sys.stderr)
             what = "up to date" if built.cached else "built"
             size = image_size(built.tag) / 1e9
             print(f"images/{name}: {built.tag} {what} in {built.seconds:.0f} s, {size:.2f} GB")
