@@ -112,6 +112,7 @@ def container_args(
     pod_ip: str = "127.0.0.1",
     shared: Path | None = None,
     name: str | None = None,
+    network: str = "none",
 ) -> PodRun:
     """`podman run` arguments for POD (see the module docstring).
 
@@ -124,6 +125,7 @@ def container_args(
         pod_ip: what `status.podIP` resolves to.
         shared: where the job's PVC directories go (default: under `workdir`).
         name: the container's name (default: the pod's).
+        network: `podman run --network` (default none: loopback only, enough for a one-pod job).
     """
     c = pod.container
     pod_sc = pod_spec.get("securityContext") or {}
@@ -136,6 +138,8 @@ def container_args(
         name or pod.name,
         "--hostname",
         pod.hostname,
+        "--network",
+        network,
         "--user",
         f"{uid}:{gid}",
         "--group-add",
