@@ -27,12 +27,7 @@ PACKAGES = ("orchestrator", "training")
 
 # Circles whose fix is a one-line change in a file being changed in parallel (training/inplace/*): the
 # rest of each fix is in place (`training.entry`). Emptied, with the xfail below, when that line lands.
-KNOWN_CIRCLES: dict[frozenset[str], str] = {
-    frozenset({"training.__main__", "training.inplace.host", "training.inplace.forked"}): (
-        "training/inplace/forked.py's child still runs `from training.__main__ import main` (the whole CLI, "
-        "which may host); `from training.entry import main` closes it"
-    ),
-}
+KNOWN_CIRCLES: dict[frozenset[str], str] = {}
 
 
 @dataclass(frozen=True)

@@ -137,7 +137,7 @@ def _child(argv: list[str], env: Mapping[str, str], mask: set[int | signal.Signa
             signal.signal(sig, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a signal that came meanwhile is handled now
         os.environ.update(env)
-        from training.__main__ import main
+        from training.entry import main
 
         code = main(list(argv))
     except SystemExit as exc:
