@@ -307,3 +307,54 @@ def test_a_failure_after_leaving_is_a_fall_back_naming_the_generation() -> None:
 def test_a_failure_while_leaving_is_the_trainers_own() -> None:
     with pytest.raises(RuntimeError, match="gloo"):
         recover(_phases([], "leave"), 3)
+
+
+class _Spare:
+    """A spare process of the pool, as far as `SparePool.tick` looks at it (no process is started)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def poll(self) -> int | None:
+        return None
+
+
+def test_a_spare_whose_claim_is_forged_is_no_spare_of_the_pool(
+    inplace: InPlace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found while modelling the pool for the simulator: a claim written without the job's secret made the
+    node's only spare unusable, yet the pool still counted it and started no other one."""
+    from training.inplace import forked
+    from training.inplace.host import SparePool
+
+    started: list[dict[str, str]] = []
+
+    def start(command: list[str], argv: list[str], env: dict[str, str]) -> _Spare:
+        started.append(env)
+        return _Spare(200 + len(started))
+
+    monkeypatch.setattr(forked, "start", start)
+    store = MemoryStore()
+    pool = SparePool(inplace, store, [], [], first_trainer=1)
+    pool.procs[100], pool.spawned = (0, _Spare(100)), 1  # type: ignore[assignment]
+    store.add(inplace.spawned_key, 1)
+    inplace.write(store, inplace.spare_key(0, "ready"), "100")
+    pool.tick()
+    assert started == [], "one warm spare: nothing to start"
+    store.set(inplace.spare_key(0, "claim"), "1")  # forged: no MAC
+    pool.tick()
+    assert [env[Env.INPLACE_SPARE] for env in started] == ["1"], "a usable spare starts beside it"
+
+
+def test_a_promoted_spares_exit_code_unreadable_from_a_failed_store_counts_as_a_crash(
+    inplace: InPlace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's exception escaped `run_host` here too (exit 1, permanent); now the code is unknown, and
+    after `EXIT_CODE_WAIT_S` a crash, which the host's policy turns into a claim or a fall-back."""
+    from training.inplace import host
+
+    monkeypatch.setattr(host, "EXIT_CODE_WAIT_S", 0.0)
+    store = MemoryStore()
+    store.refuse = True
+    gone = host._Promoted(2**22 + 1, store, inplace)  # above Linux's largest pid: no such process
+    assert gone.poll() == 128 + 9

@@ -564,7 +564,8 @@ class Sim:
                 if not proc.alive and f"exit/{proc.pid}" not in self.store.orders:
                     self.store.write(f"exit/{proc.pid}", str(proc.code))
                 waiting = proc.alive and proc.spare_state in (SpareState.WARMING, SpareState.READY)
-                if waiting and self.store.read(f"node{node}/spare{proc.spare}/claim") is None:  # `_claimed`
+                # `SparePool._available`: a spare with any claim, even a forged one, is no spare of the pool
+                if waiting and not self.store.check(f"node{node}/spare{proc.spare}/claim"):
                     unclaimed += 1
             first = self.procs[self.hosts[node * self.w.nproc].pid]
             if not first.stepped and self.spawned[node] == 0:
@@ -656,6 +657,15 @@ def test_a_shutdown_while_a_host_claims_a_spare_ends_the_host_at_once() -> None:
         World(1, 2, 1, 30), [Fault(3, "kill_spare", 0), Fault(10, "kill_trainer", 1), Fault(12, "shutdown")]
     )
     assert outcome.startswith("shutdown")
+
+
+def test_a_forged_claim_on_the_nodes_only_spare_does_not_cost_the_next_recovery() -> None:
+    """A claim key written without the job's secret makes that spare unusable (no host can claim it), but the
+    pool counted it as its warm spare and started no other: the next death waited out the claim timeout
+    and restarted the group (found while modelling the pool)."""
+    forged_claim = 3  # `Sim._forge`: the claim key of spare 3 % spawned (spare 0) of node 0
+    faults = [Fault(5, "forge", forged_claim), Fault(20, "kill_trainer", 1)]
+    assert simulate(World(1, 2, 1, 2), faults) == "resumed in generation 1"
 
 
 def test_a_store_refusing_a_claim_is_a_group_restart_never_a_permanent_exit() -> None:

@@ -220,7 +220,7 @@ class SparePool:
             return
         if self.spawned == self.first_index and not _stepped(self.store, self.inplace, self.first_trainer):
             return  # the first spares start once training runs: they would slow the trainers' start-up
-        unclaimed = sum(1 for index, _ in self.procs.values() if not self._claimed(index))
+        unclaimed = sum(1 for index, _ in self.procs.values() if self._available(index))
         waiting = int(self.store.add(self.inplace.waiting_key, 0)) > 0
         if unclaimed < self.inplace.spares and not waiting and int(self.store.add(self.inplace.lost_key, 0)) > 0:
             # A recovery is under way (a rank's replacement has not stepped yet) and no host of this node
@@ -231,7 +231,7 @@ class SparePool:
             unclaimed = 0  # a host waits and the spares starting seem stuck (seen: one never got ready)
             self._end_stuck(self.inplace.timeout_s / 3)
         elif self._end_stuck(max(self.inplace.timeout_s, STUCK_SPARE_S)):
-            unclaimed = sum(1 for index, _ in self.procs.values() if not self._claimed(index))
+            unclaimed = sum(1 for index, _ in self.procs.values() if self._available(index))
         while unclaimed < self.inplace.spares:
             env = {Env.INPLACE_ROLE: ROLE_SPARE, Env.INPLACE_SPARE: str(self.spawned)}
             proc = forked.start(self.command, self.argv, env)
@@ -274,6 +274,13 @@ class SparePool:
                 proc.send_signal(signal.SIGKILL)
             ended = True
         return ended
+
+    def _available(self, index: int) -> bool:
+        """Whether spare `index` can still be claimed: it has no claim key at all. A forged claim (no MAC)
+        makes a spare unusable as a real one does (`_take_ready_spare` skips it), so such a spare is no
+        spare of the pool: another one starts beside it (it is ended with the pool). Counted as available,
+        it left the node without a usable spare, and the next death waited out the claim timeout."""
+        return not self.store.check([self.inplace.spare_key(index, "claim")])
 
     def _claimed(self, index: int) -> bool:
         """Claimed by a process of this job (a forged claim is none: such a spare is ended with the pool)."""
