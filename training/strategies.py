@@ -19,11 +19,9 @@ from torch import nn
 from training.comm_timing import CommTimer, time_fsdp_comms, timed_allreduce_hook
 from training.config import Precision, Strategy, TrainingConfig
 from training.contract import WorkerIdentity
-from training.optim import build_optimizer
 
 __all__ = [
     "Parallel",
-    "build_optimizer",  # re-exported for `training.inplace.spare`, which still imports it from here
     "clip_grad_norm",
     "ddp_bucket_order",
     "ddp_wrap",

@@ -6,6 +6,9 @@ is in docs/operations.md, "Trust boundary"."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import stat
 import subprocess
 import sys
@@ -105,9 +108,13 @@ def test_the_store_pod_refuses_to_serve_without_the_jobs_secret() -> None:
     assert "Traceback" not in proc.stderr
 
 
-def _forge_assignment(address: str, run_id: str, done: threading.Event, wrote: list[float]) -> None:
+def _forge_assignment_then_kill(address: str, run_id: str, done: threading.Event, wrote: list[float]) -> None:
     """A foreign client of a live run's store: it reads the round record (the token is no secret), waits for
-    node 0's spare 0 and writes it an assignment (rank 1, generation 5)."""
+    node 0's spare 0, writes it an assignment (rank 1, generation 5), and only then SIGKILLs a trainer of
+    the run (a pid its `stepped/<pid>` key shows), so the forgery is always in the store before the host's
+    own assignment: the order a fault at a fixed step could not promise on a loaded machine, where the
+    host's real assignment sometimes came first and the forgery overwrote it (a denial of service the
+    trust section names, not the attack this test is about)."""
     host, _, port = address.rpartition(":")
     client = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False)  # type: ignore[attr-defined]
     record = InPlace.round_record_key(run_id)
@@ -128,22 +135,32 @@ def _forge_assignment(address: str, run_id: str, done: threading.Event, wrote: l
     identity.update({Env.GROUP_WORLD_SIZE: "1", Env.RUN_ID: run_id})
     store.set(space.spare_key(0, "assign"), json.dumps({"env": identity, "generation": 5}))
     wrote.append(time.monotonic())
+    # Under the round's prefix as a PrefixStore writes it (`<prefix>/<key>`).
+    stepped = re.compile(re.escape(space.prefix.rstrip("/")) + r"/+stepped/(\d+)$")
+    while not done.is_set():
+        pids = sorted(int(m.group(1)) for m in map(stepped.match, client.list_keys()) if m)
+        if pids:
+            os.kill(pids[-1], signal.SIGKILL)
+            return
+        time.sleep(0.05)
 
 
 @pytest.mark.slow
 def test_a_foreign_assignment_of_a_live_runs_spare_is_ignored(tmp_path: Path) -> None:
     """Attack (c): in a live local run a foreign client wrote `node0/spare0/assign`; the spare took rank 1
-    of another generation and sat outside the group. Now it is ignored: rank 1 is killed after the
+    of another generation and sat outside the group. Now it is ignored: a trainer is killed after the
     forgery, its host assigns the spare, and the run recovers in place as it would have without it."""
     spec = load_spec(
-        REPO / "examples" / "digits-ddp.yaml", [*SMALL, "spec.procsPerNode=2", f"spec.metrics.port={free_port()}"]
+        REPO / "examples" / "digits-ddp.yaml",
+        [*SMALL, "spec.training.steps=60", "spec.procsPerNode=2", f"spec.metrics.port={free_port()}"],
     )
-    faults = [{"kind": "kill", "rank": 1, "step": 8}]
+    # Paced (0.5 s a step, 30 s in all) so that the spare is ready and the attacker strikes mid-run.
+    faults = [{"kind": "slow", "rank": -1, "step": 1, "generation": -1, "seconds": 0.5}]
     opts = SubmitOptions(run_dir=str(tmp_path / "run"), quiet=True, env={Env.FAULTS: json.dumps(faults)})
     run: Any = get_backend("local").launch(spec, opts)
     done, wrote = threading.Event(), []
     attacker = threading.Thread(
-        target=_forge_assignment, args=(run.store_address, run.plan.rdzv_id, done, wrote), daemon=True
+        target=_forge_assignment_then_kill, args=(run.store_address, run.plan.rdzv_id, done, wrote), daemon=True
     )
     attacker.start()
     try:

@@ -117,7 +117,7 @@ class InPlace:
         """The settings when this launch recovers in place, else None (the restart path)."""
         env = os.environ if env is None else env
         restarts = spec.spec.restarts
-        if restarts.mode == "restart" or restarts.spares < 1:
+        if not restarts.in_place:
             return None
         strategy = spec.spec.training.strategy.value
         if strategy != "ddp" and spec.spec.checkpoint.in_memory.every is None:

@@ -28,7 +28,6 @@ trainers die with their parent (`PR_SET_PDEATHSIG`), so a SIGKILLed host leaves 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import logging
 import os
@@ -64,7 +63,7 @@ from training.inplace.protocol import (
     next_state,
 )
 
-__all__ = ["die_with_parent", "run_host"]
+__all__ = ["run_host"]
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +74,6 @@ STUCK_SPARE_S = 60.0  # an unclaimed spare not ready this long after its start (
 EXIT_CODE_WAIT_S = 2.0  # how long a host waits for a dead spare's exit code to be published
 _FORWARD = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2, signal.SIGUSR1)
 _STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent exits (Linux; a no-op elsewhere)."""
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
 def _status(code: int) -> int:

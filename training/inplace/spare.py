@@ -28,7 +28,8 @@ from training.contract import Env, WorkerIdentity
 from training.contract.orders import Assignment
 from training.inplace import FORGED_RETRY_S, InPlace
 from training.inplace.group import freeze_heap
-from training.strategies import Parallel, build_optimizer, ddp_wrap, parallelize
+from training.optim import build_optimizer
+from training.strategies import Parallel, ddp_wrap, parallelize
 from training.task import load_task
 from training.worker import Prewarmed, run_worker
 
@@ -50,7 +51,7 @@ def _wait_assignment(inplace: InPlace, store: Any, index: int) -> Assignment:
     idle spare 100 store requests a second, which at 1,000 nodes is the whole throughput of one
     TCPStore (docs/performance.md), and added 5 ms on average to a recovery. The main thread waits on
     an event in 1 s slices so that Python signal handlers still run; a spare whose host is gone is
-    killed by the kernel (`die_with_parent`), one whose store is gone sees the wait fail.
+    killed by the kernel (`training.entry.die_with_parent`), one whose store is gone sees the wait fail.
 
     An assignment that is not signed by this job, or not a valid one (`Assignment.parse`), is ignored
     (logged once): the spare goes on waiting, reading the key every `FORGED_RETRY_S` until the host's own
