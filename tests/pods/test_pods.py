@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,6 +29,17 @@ from training.contract import EventKind, ExitCode, read_events
 
 pytestmark = [pytest.mark.pods, pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(420)]
 
+# A client of the store pod without the job's secret: the job-end records a forger would write (argv: the
+# store pod's address and the run id). Unsigned, the store pod must ignore them (`training.contract.orders`).
+FORGE_JOB_END = """
+import sys
+from datetime import timedelta
+from torch._C._distributed_c10d import TCPStore
+from training.rendezvous_store import failed_key, succeeded_key
+store = TCPStore(sys.argv[1], 23456, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=20))
+store.set(failed_key(sys.argv[2]), "1")
+store.set(succeeded_key(sys.argv[2]), "1")
+"""
 MakeCluster = Callable[[list[dict[str, Any]], list[Pod]], PodCluster]
 JOB_TIMEOUT_S = 300
 
@@ -304,8 +316,10 @@ def test_a_standby_pod_takes_a_lost_nodes_ranks_in_place_and_its_recreated_pod_s
     job = one(objects, "PyTorchJob")
     assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 3
     standby, nodes = "digits-ddp-worker-2", ["digits-ddp-worker-0", "digits-ddp-worker-1"]
+    store = "digits-ddp-master-0"
     killed: list[tuple[float, str]] = []
     standing_by: list[subprocess.CompletedProcess[str]] = []
+    forged: list[subprocess.CompletedProcess[str]] = []
 
     def kill(cluster: PodCluster, events: list[str]) -> None:
         if killed or "torchrig: standby: ready" not in cluster.pods[standby].logs():
@@ -316,6 +330,12 @@ def test_a_standby_pod_takes_a_lost_nodes_ranks_in_place_and_its_recreated_pod_s
             return
         victim = rank0[0] if lost == "rank 0's node" else next(n for n in nodes if n != rank0[0])
         standing_by.append(cluster.run_probe(standby, "liveness"))
+        # Issue 33: what reaches the store but holds no secret (here a process in the standby's network
+        # namespace, which the job's NetworkPolicy admits) writes the records that once ended the job:
+        # failed with 1, and succeeded. The store pod ignores both, the job goes on to succeed below.
+        forged.append(
+            cluster.exec(standby, [sys.executable, "-c", FORGE_JOB_END, cluster.pods[store].ip, "digits-ddp"])
+        )
         killed.append((time.time(), victim))
         cluster.kill(victim)
         events.append(f"harness: SIGKILL of {victim}'s PID namespace ({lost})")
@@ -324,8 +344,10 @@ def test_a_standby_pod_takes_a_lost_nodes_ranks_in_place_and_its_recreated_pod_s
     assert killed, "the job ended before the standby was ready\n" + _why(outcome, cluster)
     killed_at, victim = [killed[0][0]], killed[0][1]
     assert outcome.status == "Succeeded", _why(outcome, cluster)
-    assert cluster.pods["digits-ddp-master-0"].exit_codes == [0], "the store pod never restarts"
-    assert "passed torchrun's exit barrier" in cluster.pods["digits-ddp-master-0"].logs()
+    assert cluster.pods[store].exit_codes == [0], "the store pod never restarts"
+    assert "passed torchrun's exit barrier" in cluster.pods[store].logs()
+    assert forged[0].returncode == 0, forged[0].stderr
+    assert "ignored a store value that is no order of this job" in cluster.pods[store].logs()
     survivor = next(n for n in nodes if n != victim)
     assert cluster.pods[survivor].exit_codes == [0], "the surviving node's pod never restarts"
     assert cluster.pods[standby].exit_codes == [0], _why(outcome, cluster)
