@@ -58,6 +58,7 @@ def store_location(uri: str) -> str:
     if "://" not in uri:
         uri = "file://" + uri
     scheme, rest = uri.split("://", 1)
+    scheme = scheme.lower()  # RFC 3986 3.1: `S3://b` is `s3://b`, one place
     kind = STORE_KINDS.get(scheme)
     if kind is not None and kind.filesystem:
         return f"{kind.service}://" + os.path.normpath(rest)

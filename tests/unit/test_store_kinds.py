@@ -95,3 +95,10 @@ def test_the_storage_reports_its_kinds_atomicity(uri: str) -> None:
     if kind.in_process or kind.filesystem:  # the others would need their fsspec package and a network
         path = uri if kind.in_process else "file:///tmp/torchrig-store-kinds-test"
         assert open_storage(path).atomic_create == kind.atomic_create
+
+
+def test_a_scheme_in_capitals_is_the_same_place() -> None:
+    """URI schemes are case-insensitive (RFC 3986 3.1): `S3://b/x` and `s3://b/x` are one place, and two
+    stores in one place race each other's writes while the user counts two copies."""
+    assert store_location("S3://bucket/x") == store_location("s3://bucket/x")
+    assert store_location("FILE://./ckpt") == store_location("./ckpt")
