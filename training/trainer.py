@@ -590,6 +590,8 @@ class Trainer:
         if self.identity.is_leader and self.identity.run_dir is not None:
             result.write(RunFiles(self.identity.run_dir).result)
         self.sink.emit(Finished(step=result.steps, final_loss=result.final_loss, wall_s=result.wall_s))
+        if self.inplace is not None:
+            self.inplace.mark_finished()
         if self.identity.is_leader and result.final_checkpoint is not None and result.final_checkpoint.lost:
             print(f"torchrig: {result.final_checkpoint.reason()}", file=sys.stderr, flush=True)
         if self.identity.is_leader:

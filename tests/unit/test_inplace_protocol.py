@@ -72,6 +72,10 @@ def _fallback(decision: Decision, reason: str) -> bool:
         (W, HostObservation(stepped=True), Recovered()),
         (W, HostObservation(), Wait()),
         (W, HostObservation(exit_code=137, stepped=True), ClaimSpare()),  # stepped, then died: lost again
+        # Killed in teardown after its run was complete (a promoted spare whose starting host exited
+        # first): nothing to replace; a replacement formed a generation no finished rank would join.
+        (T, HostObservation(exit_code=137, stepped=True, finished=True), PassThrough(0)),
+        (W, HostObservation(exit_code=137, stepped=True, finished=True), PassThrough(0)),
         (D, HostObservation(stopping=True), Wait()),
         (D, HostObservation(exit_code=202, stopping=True), PassThrough(202)),
         (C, HostObservation(exit_code=137, elapsed_s=1.0, timeout_s=60.0), Wait()),

@@ -300,6 +300,12 @@ class InPlace:
         return f"stepped/{pid}"
 
     @staticmethod
+    def finished_key(pid: int) -> str:
+        """Set once trainer `pid` completed its run (every step, the final checkpoint, the `finished`
+        event): a death after it is the end of a completed run, never a rank to replace."""
+        return f"finished/{pid}"
+
+    @staticmethod
     def owner_key(rank: int) -> str:
         """The pid of the process that holds `rank` now, set before a spare is assigned it: a process of
         that rank that is not its owner (a node cut off from the store long enough for a standby to take

@@ -25,6 +25,7 @@ MAC) is decided per key; of the counters read here, forging one can do this much
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -288,6 +289,12 @@ class InPlaceGroup:
     def mark_stepped(self) -> None:
         """This process completed a step (its host may replace it in place from now on)."""
         self.inplace.write(self.store, self.inplace.stepped_key(os.getpid()), "1")
+
+    def mark_finished(self) -> None:
+        """This process completed its run: its host passes on whatever it dies of from now on (a member
+        whose parent host exited first is killed in teardown). Best effort: the store may be gone."""
+        with contextlib.suppress(Exception):
+            self.inplace.write(self.store, self.inplace.finished_key(os.getpid()), "1")
 
     def spare_ready(self) -> bool:
         """Whether this node has a warm spare ready and unclaimed (a drill kills only once one is: it

@@ -445,9 +445,14 @@ class _Beat:
 
 
 def _stepped(store: Any, inplace: InPlace, pid: int) -> bool:
+    return _marked(store, inplace, inplace.stepped_key(pid))
+
+
+def _marked(store: Any, inplace: InPlace, key: str) -> bool:
+    """Whether the (signed) mark `key` is set; False without a store (no in-place recovery then)."""
     try:
-        return inplace.read(store, inplace.stepped_key(pid)) is not None
-    except Exception:  # no store, no in-place recovery
+        return inplace.read(store, key) is not None
+    except Exception:
         return False
 
 
@@ -539,7 +544,9 @@ def run_host(inplace: InPlace, argv: list[str]) -> int:
             # count); otherwise only a dead trainer's step matters.
             watching = state is HostState.WATCHING_SPARE
             stepped = (watching or code is not None) and _stepped(store, inplace, current.pid)
-            decision = decide_host(state, HostObservation(exit_code=code, stepped=stepped, stopping=stopping))
+            finished = code not in (None, 0) and _marked(store, inplace, inplace.finished_key(current.pid))
+            seen = HostObservation(exit_code=code, stepped=stepped, finished=finished, stopping=stopping)
+            decision = decide_host(state, seen)
             if isinstance(decision, ClaimSpare):
                 if state is HostState.TRAINING:  # a replacement not yet stepped is counted lost already
                     with contextlib.suppress(Exception):  # a store error shows while claiming

@@ -233,6 +233,7 @@ class HostObservation:
     Attributes:
         exit_code: The watched trainer's exit status (a signal death is 128 + N); None while it runs.
         stepped: The watched trainer completed a step (`InPlace.stepped_key`).
+        finished: The watched trainer completed its run (`InPlace.finished_key`).
         stopping: A shutdown signal (SIGTERM, SIGINT, SIGHUP) arrived.
         claimed_pid: CLAIMING: the pid of the ready spare this look claimed, if any.
         every_rank_lost: Every rank has lost its trainer (`InPlace.lost_key`): no survivor holds state.
@@ -244,6 +245,7 @@ class HostObservation:
 
     exit_code: int | None = None
     stepped: bool = False
+    finished: bool = False
     stopping: bool = False
     claimed_pid: int | None = None
     every_rank_lost: bool = False
@@ -320,6 +322,11 @@ def decide_host(state: HostState, seen: HostObservation) -> Decision:
         return Stop() if seen.stopping else Wait()
     if seen.stopping or seen.exit_code in PASS_THROUGH:
         return PassThrough(seen.exit_code)
+    if seen.finished:
+        # Its run was complete (the final checkpoint committed) before it died: a death in teardown (a
+        # promoted spare killed with the host that started it) ends a finished rank, it leaves none to
+        # replace; a replacement would form a generation the finished ranks never join.
+        return PassThrough(0)
     if not seen.stepped:
         # A crash at start-up, a spare that fails at once: a spare would most likely fail the same way,
         # so the group restarts (bounded by restarts.max).
