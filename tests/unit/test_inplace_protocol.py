@@ -19,6 +19,7 @@ from training.inplace.host import _claim
 from training.inplace.protocol import (
     HOST_TRANSITIONS,
     SPARE_TRANSITIONS,
+    STANDBY_TRANSITIONS,
     SURVIVOR_TRANSITIONS,
     ClaimSpare,
     Decision,
@@ -27,16 +28,26 @@ from training.inplace.protocol import (
     FormObservation,
     HostObservation,
     HostState,
+    Join,
     PassThrough,
     Promote,
+    Ready,
     Recovered,
+    RoundOver,
+    SpareObservation,
     SpareState,
+    StandBy,
+    StandbyObservation,
+    StandbyState,
     StandDown,
     Stop,
     SurvivorState,
+    Take,
     Wait,
     decide_form,
     decide_host,
+    decide_spare,
+    decide_standby,
     mermaid,
     next_state,
 )
@@ -142,8 +153,83 @@ def test_a_member_gives_a_generation_up(seen: FormObservation, reason: str) -> N
     assert _fallback(decide_form(seen), reason)
 
 
+# -- the standby node and the spare ------------------------------------------------------------------------
+SW, SU, SR, SH = StandbyState.WAITING, StandbyState.WARMING, StandbyState.READY, StandbyState.HOLDING
+SIGTERM = 15
+
+
+@pytest.mark.parametrize(
+    ("state", "seen", "expected"),
+    [
+        # Waiting for a round: connect, read the recorded round, look again a second later.
+        (SW, StandbyObservation(), Wait()),
+        (SW, StandbyObservation(round_running=True), StandBy()),
+        (SW, StandbyObservation(round_running=True, stopping=SIGTERM), StandDown(128 + SIGTERM)),
+        (SW, StandbyObservation(job_over=True, member=True), StandDown(0)),  # never joins a closed rendezvous
+        (SW, StandbyObservation(member=True, unreached_s=0.0), Join()),  # no round runs: one of the next round's
+        (SW, StandbyObservation(unreached_s=10.5, gone_after_s=10.0), StandDown(0)),  # reached before, gone
+        (SW, StandbyObservation(unreached_s=9.0, gone_after_s=10.0, elapsed_s=900.0), Wait()),
+        (SW, StandbyObservation(elapsed_s=601.0, join_timeout_s=600.0), StandDown(1)),  # as torchrun's agent
+        (SW, StandbyObservation(elapsed_s=599.0, join_timeout_s=600.0), Wait()),
+        # Warming and ready: watching the round's nodes.
+        (SU, StandbyObservation(nodes=2, host_codes=(None, None)), Wait()),
+        (SU, StandbyObservation(nodes=2, host_codes=(None, None), spares_ready=True), Ready()),
+        (SU, StandbyObservation(nodes=2, host_codes=(None, None), lost=(1,)), Wait()),  # not ready: takes nothing
+        (SR, StandbyObservation(nodes=2, host_codes=(None, None), lost=(1,)), Take((1,))),
+        (SR, StandbyObservation(nodes=2, lost=(0, 1)), RoundOver()),  # every node stopped at once
+        (SR, StandbyObservation(nodes=2, lost=(0, 1), member=True), Join()),
+        (SR, StandbyObservation(nodes=2, lost=(1,), ended=(0,)), RoundOver()),  # every node gone, some ended
+        (SR, StandbyObservation(nodes=2, ended=(0, 1)), RoundOver()),
+        (SR, StandbyObservation(nodes=2, job_over=True, lost=(1,)), StandDown(0)),
+        (SR, StandbyObservation(nodes=2, store_failed="refused", unreached_s=3.0), Wait()),
+        (SR, StandbyObservation(nodes=2, store_failed="refused", unreached_s=11.0), StandDown(0)),
+        (SR, StandbyObservation(nodes=2, lost=(1,), stopping=SIGTERM), StandDown(128 + SIGTERM)),
+        # A host ended before the standby was needed: the job's end (or the store's), else start over.
+        (SU, StandbyObservation(nodes=2, host_codes=(200, None), job_over=True), StandDown(0)),
+        (SU, StandbyObservation(nodes=2, host_codes=(200, None), store_failed="refused"), StandDown(0)),
+        (SR, StandbyObservation(nodes=2, host_codes=(200, None)), RoundOver()),
+        (SR, StandbyObservation(nodes=2, host_codes=(200, None), member=True), Join()),
+        # Holding a lost node: it ends as that node's agent would.
+        (SH, StandbyObservation(host_codes=(0, None)), Wait()),
+        (SH, StandbyObservation(host_codes=(0, 0)), PassThrough(0)),
+        (SH, StandbyObservation(host_codes=(203, 203)), RoundOver()),  # the group restarts: stand by again
+        (SH, StandbyObservation(host_codes=(203, 0), member=True), Join()),
+        (SH, StandbyObservation(host_codes=(203, 2)), PassThrough(2)),  # a permanent failure wins over 203
+        (SH, StandbyObservation(host_codes=(137, 202)), PassThrough(137)),
+        (SH, StandbyObservation(host_codes=(None, None), stopping=2), StandDown(130)),
+    ],
+)
+def test_the_standby_policy(state: StandbyState, seen: StandbyObservation, expected: Decision) -> None:
+    decision = decide_standby(state, seen)
+    assert decision == expected
+    next_state(STANDBY_TRANSITIONS, state, decision)  # the table has the transition the policy decides
+
+
+def test_a_standby_that_is_done_decides_nothing() -> None:
+    with pytest.raises(ValueError, match="decides nothing"):
+        decide_standby(StandbyState.DONE, StandbyObservation())
+
+
+@pytest.mark.parametrize(
+    ("state", "seen", "expected"),
+    [
+        (SpareState.WARMING, SpareObservation(), Wait()),  # its pid published: on to READY
+        (SpareState.WARMING, SpareObservation(store_failed="timed out"), StandDown(int(ExitCode.TRAINING_FAILED))),
+        (SpareState.READY, SpareObservation(), Wait()),  # nothing assigned, or a forged assignment
+        (SpareState.READY, SpareObservation(assigned=True), Promote(0)),
+        (SpareState.READY, SpareObservation(store_failed="closed"), StandDown(int(ExitCode.TRAINING_FAILED))),
+    ],
+)
+def test_the_spare_policy(state: SpareState, seen: SpareObservation, expected: Decision) -> None:
+    decision = decide_spare(state, seen)
+    assert decision == expected
+    next_state(SPARE_TRANSITIONS, state, decision)
+    with pytest.raises(ValueError, match="decides nothing"):
+        decide_spare(SpareState.ASSIGNED, seen)
+
+
 def test_every_transition_leads_from_a_state_its_role_can_leave() -> None:
-    for table in (HOST_TRANSITIONS, SURVIVOR_TRANSITIONS, SPARE_TRANSITIONS):
+    for table in (HOST_TRANSITIONS, SURVIVOR_TRANSITIONS, SPARE_TRANSITIONS, STANDBY_TRANSITIONS):
         for (source, _), target in table.items():
             assert not source.terminal, source
             assert type(source) is type(target)

@@ -1,19 +1,19 @@
 """In-place recovery as data: each role's states, what it observes, and the decision it takes.
 
 The processes of in-place recovery (`training.inplace`) only carry decisions out: the per-rank host
-(`training.inplace.host`) and a member forming a new generation (`training.inplace.group`) look at the
-store, their child and the clock, put what they saw into an observation, and ask `decide_host` /
-`decide_form` what to do. Every exit code a recovery ends with is chosen here, so the policy can be read
-in one place, tested as a table and checked by a deterministic simulation
+(`training.inplace.host`), a member forming a new generation (`training.inplace.group`), a warm spare
+(`training.inplace.spare`) and a standby node (`training.inplace.standby`) look at the store, their
+children and the clock, put what they saw into an observation, and ask `decide_host` / `decide_form` /
+`decide_spare` / `decide_standby` what to do. Every exit code a recovery ends with is chosen here, so the
+policy can be read in one place, tested as a table and checked by a deterministic simulation
 (`tests/unit/test_protocol_sim.py`), which drives these same functions with a model store, an injected
 clock and fault schedules drawn at random.
 
-The transitions are data too (`HOST_TRANSITIONS`, `SURVIVOR_TRANSITIONS`, `SPARE_TRANSITIONS`):
-`next_state` follows them, and `mermaid` draws them for docs/architecture.md (a unit test keeps the
-drawing and the table equal). The host follows its table; the survivor's and the spare's describe what
-`training.trainer` and `training.inplace.spare` do (their only decision, whether a generation formed, is
-`decide_form`'s) and are followed by the simulator. Nothing here imports torch, touches a process or the
-store, or reads time except through a `Clock`.
+The transitions are data too (`HOST_TRANSITIONS`, `SURVIVOR_TRANSITIONS`, `SPARE_TRANSITIONS`,
+`STANDBY_TRANSITIONS`): `next_state` follows them, and `mermaid` draws them for docs/architecture.md (a
+unit test keeps the drawing and the table equal). The survivor's table orders its phases
+(`training.inplace.survivor`; its only decision, whether a generation formed, is `decide_form`'s). Nothing
+here imports torch, touches a process or the store, or reads time except through a `Clock`.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ __all__ = [
     "PASS_THROUGH",
     "REAL_CLOCK",
     "SPARE_TRANSITIONS",
+    "STANDBY_TRANSITIONS",
     "SURVIVOR_TRANSITIONS",
     "ClaimSpare",
     "Clock",
@@ -40,17 +41,27 @@ __all__ = [
     "Formed",
     "HostObservation",
     "HostState",
+    "Join",
     "PassThrough",
     "Promote",
+    "Ready",
     "RealClock",
     "Recovered",
+    "RoundOver",
+    "SpareObservation",
     "SpareState",
+    "StandBy",
     "StandDown",
+    "StandbyObservation",
+    "StandbyState",
     "Stop",
     "SurvivorState",
+    "Take",
     "Wait",
     "decide_form",
     "decide_host",
+    "decide_spare",
+    "decide_standby",
     "mermaid",
     "next_state",
 ]
@@ -139,6 +150,20 @@ class SpareState(Enum):
         return self in (SpareState.ASSIGNED, SpareState.ENDED)
 
 
+class StandbyState(Enum):
+    """A standby node's states (`training.inplace.standby`: a spare pod that takes a lost node's ranks)."""
+
+    WAITING = "waiting"  # for a round of the job to run (its nodes beating) without this node
+    WARMING = "warming"  # its hosts started, their spares warming; watching the round's nodes
+    READY = "ready"  # every spare warm, counted ready (`InPlace.standbys_key`): it may take a lost node
+    HOLDING = "holding"  # it took a lost node: its hosts are that node's hosts now
+    DONE = "done"  # it exited, or its pod joins the rendezvous (`Join`)
+
+    @property
+    def terminal(self) -> bool:
+        return self is StandbyState.DONE
+
+
 # -- decisions --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Wait:
@@ -175,7 +200,8 @@ class ClaimSpare:
 @dataclass(frozen=True)
 class Promote:
     """A spare was claimed (`pid`; 0 when a standby's own child takes the rank): assign it the rank and
-    the next generation, and watch it from now on."""
+    the next generation, and watch it from now on. To a spare (`decide_spare`): its assignment came, it is
+    that rank's trainer now (`pid` 0: itself)."""
 
     pid: int
 
@@ -222,7 +248,64 @@ class StandDown:
         return self.code
 
 
-Decision = Wait | Stop | PassThrough | ClaimSpare | Promote | Recovered | Formed | FallBack | StandDown
+@dataclass(frozen=True)
+class StandBy:
+    """A round of the job runs without this node: start its hosts (one warm spare per local rank) and watch
+    the round's nodes."""
+
+    exit_code = None
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Every spare of this standby is warm: count it ready (`InPlace.standbys_key`), so that survivors
+    forming a generation wait for it (`STANDBY_GRACE_S`)."""
+
+    exit_code = None
+
+
+@dataclass(frozen=True)
+class Take:
+    """Nodes `nodes` stopped beating without ending: take the first of them this standby wins (one
+    compare-and-set per node against every other standby); losing every race is a `Wait`."""
+
+    nodes: tuple[int, ...]
+
+    exit_code = None
+
+
+@dataclass(frozen=True)
+class RoundOver:
+    """The round ended without needing this standby (a group restart, every node gone): stop its hosts and
+    stand by for the next round."""
+
+    exit_code = None
+
+
+@dataclass(frozen=True)
+class Join:
+    """A member's pod whose round no longer needs it as a standby: join the rendezvous (run torchrun's
+    agent) after all. No exit code: the pod goes on."""
+
+    exit_code = None
+
+
+Decision = (
+    Wait
+    | Stop
+    | PassThrough
+    | ClaimSpare
+    | Promote
+    | Recovered
+    | Formed
+    | FallBack
+    | StandDown
+    | StandBy
+    | Ready
+    | Take
+    | RoundOver
+    | Join
+)
 
 
 # -- observations -----------------------------------------------------------------------------------
@@ -286,6 +369,59 @@ class FormObservation:
     nodes_lost: str | None = None
     elapsed_s: float = 0.0
     limit_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class SpareObservation:
+    """What a warm spare saw at one look (`training.inplace.spare`).
+
+    Attributes:
+        assigned: READY: a valid assignment signed by this job is in its `assign` key.
+        store_failed: The store failed (why): WARMING, it could not be reached within the in-place timeout;
+            READY, the wait for an assignment failed (the run ended, or the store was lost).
+    """
+
+    assigned: bool = False
+    store_failed: str | None = None
+
+
+@dataclass(frozen=True)
+class StandbyObservation:
+    """What a standby node saw at one look (`training.inplace.standby`).
+
+    Attributes:
+        stopping: The shutdown signal (SIGTERM, SIGINT) that arrived, if any.
+        member: A member's pod (standing by only while its round runs without it), not a spare replica.
+        round_running: WAITING: the recorded round's nodes are beating.
+        job_over: The round's agents passed torchrun's exit barrier (the job ended).
+        unreached_s: How long the store has not answered (0 when it answered at this look); None when it
+            never answered.
+        gone_after_s: The store unreachable this long: the job ended, or its master was lost.
+        elapsed_s: WAITING: time spent waiting for a round.
+        join_timeout_s: The rendezvous' `join_timeout` (a store never reached within it fails the pod, as
+            torchrun's agent does).
+        host_codes: The exit status of each of this standby's hosts (None while it runs).
+        spares_ready: WARMING: every host's spare published its pid.
+        nodes: The round's node count.
+        lost: Nodes whose beat stopped (`group.NodeWatch`) and that did not end (`InPlace.ended_key`).
+        ended: Nodes whose beat stopped after they ended.
+        store_failed: A store request of this look failed (why).
+    """
+
+    stopping: int | None = None
+    member: bool = False
+    round_running: bool = False
+    job_over: bool = False
+    unreached_s: float | None = None
+    gone_after_s: float = 10.0
+    elapsed_s: float = 0.0
+    join_timeout_s: float = 600.0
+    host_codes: tuple[int | None, ...] = ()
+    spares_ready: bool = False
+    nodes: int = 0
+    lost: tuple[int, ...] = ()
+    ended: tuple[int, ...] = ()
+    store_failed: str | None = None
 
 
 # -- policies ---------------------------------------------------------------------------------------
@@ -360,6 +496,67 @@ def decide_form(seen: FormObservation) -> Decision:
     return Wait()
 
 
+def decide_spare(state: SpareState, seen: SpareObservation) -> Decision:
+    """What a warm spare does next: `Wait` (WARMING: it published its pid, on to READY; READY: no valid
+    assignment yet, a forged one is ignored), `Promote` (it takes the rank assigned) or `StandDown` (the
+    store is gone: the spare ends as a failed worker, `TRAINING_FAILED`, with the store's error)."""
+    if state.terminal:
+        raise ValueError(f"a spare {state.value} decides nothing")
+    if seen.store_failed is not None:
+        return StandDown(int(ExitCode.TRAINING_FAILED))
+    if state is SpareState.READY and seen.assigned:
+        return Promote(0)
+    return Wait()
+
+
+def decide_standby(state: StandbyState, seen: StandbyObservation) -> Decision:
+    """What a standby node does next in `state`, having seen `seen`."""
+    if state.terminal:
+        raise ValueError("a standby that is done decides nothing")
+    if seen.stopping is not None:  # torchrun's shutdown (a held node's hosts get the signal, and are awaited)
+        return StandDown(128 + seen.stopping)
+    round_over: Decision = Join() if seen.member else RoundOver()
+    if state is StandbyState.WAITING:
+        if seen.round_running:
+            return StandBy()
+        if seen.job_over:  # a member's pod recreated as the job ended must not join a closed rendezvous
+            return StandDown(0)
+        if seen.member:
+            return Join()  # no round runs: a member's pod is one of the next round's members
+        if seen.unreached_s is not None and seen.unreached_s > seen.gone_after_s:
+            return StandDown(0)  # the store, reached before, is gone: the job ended (or its launcher died)
+        if seen.unreached_s is None and seen.elapsed_s > seen.join_timeout_s:
+            return StandDown(1)  # as torchrun's agent fails then (`RendezvousTimeoutError`)
+        return Wait()
+    if state is StandbyState.HOLDING:
+        # Its hosts are the lost node's: it ends as that node's agent would.
+        if any(code is None for code in seen.host_codes):
+            return Wait()
+        failed = [code for code in seen.host_codes if code]
+        if not failed:
+            return PassThrough(0)
+        if all(code == int(ExitCode.RECOVERY_FAILED) for code in failed):
+            return round_over  # the group falls back to a restart: this round is over
+        return PassThrough(next(code for code in failed if code != int(ExitCode.RECOVERY_FAILED)))
+    # WARMING or READY: no node taken yet.
+    if any(code is not None for code in seen.host_codes):
+        # Its spares end with the store: at the job's end, or when the master was lost.
+        return StandDown(0) if seen.job_over or seen.store_failed is not None else round_over
+    if seen.store_failed is not None:
+        return StandDown(0) if seen.unreached_s is not None and seen.unreached_s > seen.gone_after_s else Wait()
+    if seen.job_over:
+        return StandDown(0)  # the job's agents finished: nothing left to stand by for
+    if state is StandbyState.WARMING and seen.spares_ready:
+        return Ready()
+    if seen.ended and len(seen.ended) + len(seen.lost) == seen.nodes:
+        return round_over  # every node ended
+    if seen.lost and len(seen.lost) == seen.nodes:
+        return round_over  # every node stopped at once: a group restart, no node to take
+    if seen.lost and state is StandbyState.READY:
+        return Take(seen.lost)
+    return Wait()
+
+
 # -- transitions ------------------------------------------------------------------------------------
 HOST_TRANSITIONS: Mapping[tuple[HostState, type], HostState] = {
     (HostState.STANDING_BY, Wait): HostState.STANDING_BY,
@@ -398,11 +595,34 @@ SURVIVOR_TRANSITIONS: Mapping[tuple[SurvivorState, type], SurvivorState] = {
 SPARE_TRANSITIONS: Mapping[tuple[SpareState, type], SpareState] = {
     (SpareState.WARMING, Wait): SpareState.READY,
     (SpareState.WARMING, StandDown): SpareState.ENDED,
+    (SpareState.READY, Wait): SpareState.READY,
     (SpareState.READY, Promote): SpareState.ASSIGNED,
     (SpareState.READY, StandDown): SpareState.ENDED,
 }
 
-S = TypeVar("S", HostState, SurvivorState, SpareState)
+STANDBY_TRANSITIONS: Mapping[tuple[StandbyState, type], StandbyState] = {
+    (StandbyState.WAITING, Wait): StandbyState.WAITING,
+    (StandbyState.WAITING, StandBy): StandbyState.WARMING,
+    (StandbyState.WAITING, Join): StandbyState.DONE,
+    (StandbyState.WAITING, StandDown): StandbyState.DONE,
+    (StandbyState.WARMING, Wait): StandbyState.WARMING,
+    (StandbyState.WARMING, Ready): StandbyState.READY,
+    (StandbyState.WARMING, RoundOver): StandbyState.WAITING,
+    (StandbyState.WARMING, Join): StandbyState.DONE,
+    (StandbyState.WARMING, StandDown): StandbyState.DONE,
+    (StandbyState.READY, Wait): StandbyState.READY,
+    (StandbyState.READY, Take): StandbyState.HOLDING,
+    (StandbyState.READY, RoundOver): StandbyState.WAITING,
+    (StandbyState.READY, Join): StandbyState.DONE,
+    (StandbyState.READY, StandDown): StandbyState.DONE,
+    (StandbyState.HOLDING, Wait): StandbyState.HOLDING,
+    (StandbyState.HOLDING, PassThrough): StandbyState.DONE,
+    (StandbyState.HOLDING, RoundOver): StandbyState.WAITING,
+    (StandbyState.HOLDING, Join): StandbyState.DONE,
+    (StandbyState.HOLDING, StandDown): StandbyState.DONE,
+}
+
+S = TypeVar("S", HostState, SurvivorState, SpareState, StandbyState)
 
 
 def next_state(table: Mapping[tuple[S, type], S], state: S, decision: Decision) -> S:
@@ -418,11 +638,12 @@ def next_state(table: Mapping[tuple[S, type], S], state: S, decision: Decision) 
 
 
 def mermaid() -> str:
-    """The three roles' state diagrams as one Mermaid block (docs/architecture.md holds its output)."""
+    """The four roles' state diagrams as one Mermaid block (docs/architecture.md holds its output)."""
     tables: list[tuple[str, Mapping[tuple[Any, type], Any], tuple[str, ...]]] = [
         ("host", HOST_TRANSITIONS, ("TRAINING", "STANDING_BY")),
         ("survivor", SURVIVOR_TRANSITIONS, ("LEAVE",)),
         ("spare", SPARE_TRANSITIONS, ("WARMING",)),
+        ("standby", STANDBY_TRANSITIONS, ("WAITING",)),
     ]
     lines = ["```mermaid", "stateDiagram-v2"]
     for role, table, starts in tables:
