@@ -11,6 +11,8 @@ about the model is generated here, so the chart and the compilers cannot drift a
   descriptions;
 - `templates/_model.tpl`: the model's shape (which keys are sub-models, their non-null defaults,
   quantities), with which the templates resolve the values into exactly `orchestrator.loader.dump_spec`;
+- `templates/_credentials.tpl`: orchestrator.credentials' rules (value shapes in RE2 form, credential words),
+  with which `_checks.tpl` refuses an inline credential anywhere in a job given as values, as the loader does;
 - `files/rules.yaml` and `files/dashboard.json`: copies of `orchestrator/monitoring/`;
 - `ci/<example>[-trainjob]-values.yaml`: each example with every chart feature on (chart-testing's layout).
 
@@ -30,6 +32,7 @@ import yaml
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
+from orchestrator.credentials import chart_rules
 from orchestrator.model_walk import draft7, is_quantity, mergeable, model_shape, nested_model, quantities
 from orchestrator.naming import DNS1035_RE, DNS1123_LABEL_RE
 from orchestrator.spec import JobSpec
@@ -279,6 +282,18 @@ def model_template() -> str:
     )
 
 
+def credentials_template() -> str:
+    """templates/_credentials.tpl: orchestrator.credentials' rules as JSON, read by `torchrig.inlineSecretChecks`."""
+    rules = json.dumps(chart_rules(), sort_keys=True, separators=(",", ":"))
+    return (
+        f"{{{{- /* {_GENERATED} */ -}}}}\n"
+        "{{- /* What a credential written inline looks like (orchestrator/credentials.py), for _checks.tpl. */ -}}\n"
+        '{{- define "torchrig.credentialRules" -}}\n'
+        f"{rules}\n"
+        "{{- end -}}\n"
+    )
+
+
 def example_values(example: Path) -> dict[str, str]:
     """chart-testing values files (`ci/*-values.yaml`) of one example: every chart feature switched on.
 
@@ -309,6 +324,7 @@ def chart_files(repo: Path = REPO) -> dict[str, str]:
         f"{CHART_DIR}/values.yaml": values_yaml(),
         f"{CHART_DIR}/values.schema.json": json.dumps(values_schema(), indent=2) + "\n",
         f"{CHART_DIR}/templates/_model.tpl": model_template(),
+        f"{CHART_DIR}/templates/_credentials.tpl": credentials_template(),
         f"{CHART_DIR}/files/rules.yaml": (MONITORING_DIR / "rules.yaml").read_text(),
         f"{CHART_DIR}/files/dashboard.json": (MONITORING_DIR / "dashboard.json").read_text(),
     }

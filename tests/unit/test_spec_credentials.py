@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import re
 import string
 from pathlib import Path
 from typing import Any
@@ -381,3 +382,28 @@ def test_a_long_value_is_scanned_in_linear_time(text: str) -> None:
     start = time.perf_counter()
     scan_value(text)
     assert time.perf_counter() - start < 5.0
+
+
+# -- the chart's copy of the rules ---------------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    before=st.text(string.printable, max_size=6),
+    value=st.one_of(CREDENTIAL_VALUES, st.text(string.printable, max_size=40)),
+    after=st.text(string.printable, max_size=6),
+)
+def test_the_charts_re2_patterns_find_what_the_loaders_find(before: str, value: str, after: str) -> None:
+    """`re2` drops the lookarounds RE2 (Helm) lacks; whether a text holds a match must not change."""
+    from orchestrator.credentials import _VALUE_SHAPES, re2
+
+    text = before + value + after
+    for _, pattern in _VALUE_SHAPES:
+        assert bool(pattern.search(text)) == bool(re.search(re2(pattern.pattern), text)), pattern.pattern
+
+
+def test_a_lookaround_re2_cannot_express_is_refused_when_the_chart_is_generated() -> None:
+    from orchestrator.credentials import re2
+
+    with pytest.raises(ValueError, match="lookaround"):
+        re2(r"(?<=ab)c")
