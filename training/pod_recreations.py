@@ -45,9 +45,12 @@ Choices, and why:
   PyTorchJob *instance*: the operator labels pods with the job's name only, its uid is only in
   `ownerReferences`, which the downward API does not expose, and a pod's own `metadata.uid` changes with
   every recreation. So a job resubmitted under its name starts from 0 after a job that succeeded or that
-  this launcher ended, and after any change to its spec; one resubmitted identical after it was deleted
-  or torchrun itself gave up (exit 1) continues the count (delete `pod-recreations/<job>/` in the store
-  to start from 0).
+  this launcher ended, and after any change to its spec. The job's Secret (`<job>-job-secret`, mounted
+  at `Env.JOB_SECRET_FILE`) is made anew by each `torchrig submit` or `helm install` and deleted by
+  `torchrig cancel` and `helm uninstall`, so it names the instance well enough: its HMAC is part of the
+  scope, and a job deleted that way and submitted again identical starts from 0 too. Only one re-applied
+  with kubectl while its old Secret still exists continues the count (delete `pod-recreations/<job>/` in
+  the store to start from 0).
 - Only where the PyTorchJob operator started the pod: the hostname is the operator's pod name
   (`<job>-master-<i>` / `<job>-worker-<i>`, `common/util.go` `GenGeneralName`; the operator sets no
   `spec.hostname`) and the operator's rendezvous variable names the job's own host (`MASTER_ADDR` =
@@ -61,6 +64,7 @@ Choices, and why:
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import re
@@ -125,9 +129,15 @@ def pytorchjob_pod(job: str, env: Mapping[str, str], hostname: str) -> str | Non
     return hostname if fixed or elastic else None
 
 
-def spec_scope(spec_bytes: bytes) -> str:
-    """The count's scope within a job name: a digest of the job file every pod of the job mounts."""
-    return hashlib.sha256(spec_bytes).hexdigest()[:16]
+def spec_scope(spec_bytes: bytes, secret: bytes | None = None) -> str:
+    """The count's scope within a job name: a digest of the job file every pod of the job mounts and, where
+    the job has one, of its secret (`Env.JOB_SECRET_FILE`: a new one for each submission, so a job deleted
+    and submitted again identical starts from 0). The secret enters through an HMAC: the digest, written in
+    the store's key names, tells nothing of it."""
+    digest = hashlib.sha256(spec_bytes)
+    if secret:
+        digest.update(hmac.new(secret, b"torchrig pod-recreations scope", hashlib.sha256).digest())
+    return digest.hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -293,7 +303,12 @@ def open_for_pod(
         )
         return None
     from training.checkpoint.storage import open_storage
+    from training.contract.orders import SecretError, load_job_secret
 
+    try:
+        secret = load_job_secret(env)
+    except SecretError:  # the launcher refuses an unusable secret itself; the count goes on without it
+        secret = None
     i, store = found
     opened = open_storage(store.resolved_uri(run_dir), store.options, name=f"spec.checkpoint.stores[{i}]")
-    return PodRecreations(opened, spec.name, spec_scope(spec_bytes), timeout_s=timeout_s), pod
+    return PodRecreations(opened, spec.name, spec_scope(spec_bytes, secret), timeout_s=timeout_s), pod

@@ -118,6 +118,33 @@ def test_a_changed_job_file_starts_a_new_count_and_reset_clears_every_count_of_t
     assert all(k.startswith(f"{RECREATIONS_DIR}/") for k in store.objects)
 
 
+def test_a_job_submitted_again_identical_with_a_new_secret_starts_from_zero(tmp_path: Any) -> None:
+    """Each `torchrig submit` / `helm install` makes the job's Secret anew: the same job file deleted and
+    submitted again is a new count; its pods recreated under the same Secret share one."""
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        "apiVersion: torchrig/v1\nkind: TrainingJob\nmetadata: {name: job}\nspec:\n"
+        "  task: {entrypoint: training.examples.digits:task}\n  training: {steps: 1}\n"
+        "  checkpoint:\n    stores:\n      - {uri: 'file://./shared', pvc: claim}\n"
+    )
+    spec = load_worker_spec(path)
+
+    def start(secret: bytes) -> int:
+        (tmp_path / "secret").write_bytes(secret)
+        env = {Env.MASTER_ADDR: "job-master-0", Env.JOB_SECRET_FILE: str(tmp_path / "secret")}
+        opened = open_for_pod(
+            spec, path.read_bytes(), run_dir=str(tmp_path), env=env, hostname="job-worker-0", warn=print
+        )
+        assert opened is not None
+        return opened[0].record_start("job-worker-0", allowed=3).start
+
+    first, second = b"a" * 64, b"b" * 64
+    assert [start(first), start(first)] == [1, 2]  # one submission: its pod recreated once
+    assert start(second) == 1  # deleted, submitted again: a new Secret, a new count
+    assert spec_scope(b"spec", first) != spec_scope(b"spec", second) != spec_scope(b"spec")
+    assert first.hex() not in spec_scope(b"spec", first)
+
+
 def test_a_start_number_taken_meanwhile_moves_to_the_next() -> None:
     store = FakeStore()
     count = _ledger(store)
