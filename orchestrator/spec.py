@@ -596,16 +596,18 @@ def _spare_node_warnings(body: JobSpecBody) -> list[str]:
 
 
 def _shared_credential_warnings(body: JobSpecBody) -> list[str]:
-    """Two stores of one scheme with different Secrets: their keys become the same variables (AWS_*)."""
+    """Two stores of one service with different Secrets: their keys become the same variables (AWS_*).
+    Keyed by the service, not the scheme: `gs://` and `gcs://` (`az://`, `abfs://`) read one set."""
     out: list[str] = []
     first: dict[str, tuple[int, str]] = {}
     for i, store in enumerate(body.checkpoint.stores):
         if not store.secret_ref:
             continue
-        seen = first.setdefault(store.scheme, (i, store.secret_ref))
+        service = store.kind.service
+        seen = first.setdefault(service, (i, store.secret_ref))
         if seen[1] != store.secret_ref:
             out.append(
-                f"spec.checkpoint.stores[{i}].secretRef: stores[{seen[0]}] is also {store.scheme}:// with another "
+                f"spec.checkpoint.stores[{i}].secretRef: stores[{seen[0]}] is also {service}:// with another "
                 "Secret; both become the pods' environment, so a key both hold takes one value"
             )
     return out

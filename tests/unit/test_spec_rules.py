@@ -234,6 +234,11 @@ def test_every_problem_reported_at_once() -> None:
             "pods' environment, so a key both hold takes one value",
         ),
         (
+            ["spec.checkpoint.stores=[{uri: 'gs://a/x', secretRef: a}, {uri: 'gcs://b/y', secretRef: b}]"],
+            "spec.checkpoint.stores[1].secretRef: stores[0] is also gs:// with another Secret; both become the "
+            "pods' environment, so a key both hold takes one value",
+        ),
+        (
             ["spec.checkpoint.inMemory.every=5"],
             "spec.checkpoint.inMemory.every: has no effect with strategy ddp (every rank holds the whole state; "
             "a survivor hands it over)",
