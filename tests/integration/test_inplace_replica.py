@@ -1,7 +1,7 @@
 """FSDP/HSDP in-place recovery's pieces (`training.inplace.replica`) without a job: the choice of the step
 to return to from what every member holds, and a snapshot's round trip through a real FSDP2 model on a
-one-process gloo group, rebuilt the way a recovery rebuilds it. The whole path (real kills, spares,
-4 ranks, bit-exact ends) runs in tests/integration/test_inplace.py."""
+one-process gloo group, rebuilt the way a recovery rebuilds it (a process group: here, not in tests/unit).
+The whole path (real kills, spares, 4 ranks, bit-exact ends) runs in tests/integration/test_inplace.py."""
 
 from __future__ import annotations
 
