@@ -34,7 +34,7 @@ __all__ = [
     "CompileError",
     "FinalCheckpointLost",
     "JobFailed",
-    "RecoveryFailed",
+    "RestartsExhausted",
     "SpecError",
     "TorchrigError",
     "UnsupportedFeature",
@@ -97,8 +97,13 @@ class JobFailed(TorchrigError):
     exit_code = EXIT_FAILED
 
 
-class RecoveryFailed(TorchrigError):
-    """The job exhausted its restarts or could not find a checkpoint it was required to resume from."""
+class RestartsExhausted(TorchrigError):
+    """The job exhausted its restarts or could not find a checkpoint it was required to resume from.
+
+    The run's verdict, as the CLI reports it (exit 4). Not `training.inplace.group.RecoveryFailed`, which
+    is one in-place recovery giving up inside a worker (exit 203: torchrun restarts the group, a restart
+    this budget counts).
+    """
 
     exit_code = EXIT_RECOVERY
 
@@ -107,7 +112,7 @@ class FinalCheckpointLost(TorchrigError):
     """Every step ran, but the final checkpoint (`checkpoint.saveFinal`) reached no store.
 
     Not a clean success: the trained weights existed only in the workers' memory. A distinct code
-    (not `RecoveryFailed`'s) because nothing needs restarting: fix the store, then run the job again
+    (not `RestartsExhausted`'s) because nothing needs restarting: fix the store, then run the job again
     (it resumes from the newest checkpoint that was committed).
     """
 

@@ -26,7 +26,7 @@ from orchestrator.backends._local_procs import process_start_ticks
 from orchestrator.backends._local_view import LiveProgress, QuietView, RunView
 from orchestrator.backends.base import RunState, SubmitOptions
 from orchestrator.backends.ray_embedded import RAY_AUTH_MODE, embedded_ray
-from orchestrator.errors import BackendError, FinalCheckpointLost, RecoveryFailed, UnsupportedFeature
+from orchestrator.errors import BackendError, FinalCheckpointLost, RestartsExhausted, UnsupportedFeature
 from orchestrator.spec import JobSpec, parse_quantity
 from training.contract import Env, RunFiles, Summary, WorkerReport, write_json
 
@@ -221,12 +221,12 @@ def run_ray_train(
         The summary (also written to summary.json).
 
     Raises:
-        RecoveryFailed: The run failed after exhausting `restarts.max` restarts.
+        RestartsExhausted: The run failed after exhausting `restarts.max` restarts.
         FinalCheckpointLost: Every step ran but no store committed the final checkpoint.
     """
     summary = ray_train_summary(spec, run_dir, env=env, fixed_size=fixed_size, storage_path=storage_path)
     if summary.status == RunState.FAILED.value:
-        failure = FinalCheckpointLost if summary.final_checkpoint_lost() else RecoveryFailed
+        failure = FinalCheckpointLost if summary.final_checkpoint_lost() else RestartsExhausted
         raise failure(f"{summary.reason}; see {RunFiles(Path(run_dir).resolve()).summary}")
     return summary
 

@@ -36,7 +36,7 @@ from orchestrator.errors import (
     EXIT_PREEMPTED,
     FinalCheckpointLost,
     JobFailed,
-    RecoveryFailed,
+    RestartsExhausted,
     SpecError,
     UnsupportedFeature,
 )
@@ -193,7 +193,7 @@ def _watch(run: SupervisedRun, spec: Any, output: str, quiet: bool, *, new_dir: 
     if summary.status == RunState.FAILED.value:
         if summary.worker_exit is not None:
             raise JobFailed(summary.reason or f"a worker exited {summary.worker_exit}")
-        failure = FinalCheckpointLost if summary.final_checkpoint_lost() else RecoveryFailed
+        failure = FinalCheckpointLost if summary.final_checkpoint_lost() else RestartsExhausted
         raise failure(summary.reason or "the job failed")
 
 

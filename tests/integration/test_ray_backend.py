@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from orchestrator.backends import get_backend
 from orchestrator.backends.base import RunState, SubmitOptions, SupervisedRun
 from orchestrator.cli import cli
-from orchestrator.errors import RecoveryFailed
+from orchestrator.errors import RestartsExhausted
 from orchestrator.loader import dump_spec, load_spec
 from orchestrator.spec import JobSpec
 from tests.fixtures.common import REPO
@@ -138,7 +138,7 @@ def test_killed_worker_resumes_from_the_latest_committed_checkpoint(ray_local_2c
 
 
 def test_exhausted_restarts_fail_with_recovery_failed(ray_local_2cpu: object, tmp_path: Path) -> None:
-    """`torchrig run --backend ray` (launch, then wait): a failed run is RecoveryFailed, exit code 4."""
+    """`torchrig run --backend ray` (launch, then wait): a failed run is RestartsExhausted, exit code 4."""
     run_dir = tmp_path / "run"
     job = tmp_path / "job.yaml"
     job.write_text(dump_spec(tiny_digits(**{"spec.restarts.max": 0, "spec.training.steps": 10})))
@@ -150,7 +150,7 @@ def test_exhausted_restarts_fail_with_recovery_failed(ray_local_2cpu: object, tm
         env={Env.FAULTS: json.dumps(fault)},
         catch_exceptions=False,
     )
-    assert result.exit_code == RecoveryFailed.exit_code, result.output
+    assert result.exit_code == RestartsExhausted.exit_code, result.output
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: ray: the run failed"), result.stderr
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
