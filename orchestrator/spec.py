@@ -42,6 +42,7 @@ __all__ = [
     "Metadata",
     "NodesConfig",
     "RayConfig",
+    "RayClusterConfig",
     "ResourcesConfig",
     "parse_quantity",
 ]
@@ -72,6 +73,7 @@ _SUBDOMAIN_RE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*
 _NAME_PART_RE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")  # a label value; a qualified name's name
 _ENV_NAME_RE = re.compile(r"[-._a-zA-Z][-._a-zA-Z0-9]*")
 
+_CLOUD_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # Upper bounds of the counts and durations that become manifest fields or processes. Each is far beyond
 # any real job, so that a typo (an extra digit, a pasted number) is an error rather than a manifest no API
 # server takes or a render that allocates a container port per process until memory runs out.
@@ -407,6 +409,73 @@ class KubernetesConfig(Model):
 
 
 class RayConfig(Model):
+class RayClusterConfig(Model):
+    """The Ray cluster-launcher file of `torchrig render --target raycluster` (`ray up`): instance types and
+    the cloud's placement. A null instance type is chosen from `spec.resources` for the cloud
+    (`orchestrator.compile.raycluster`)."""
+
+    cloud: Literal["aws", "gcp"] = Field(default="aws", description="Cloud of the cluster file (`--cloud`).")
+    region: str | None = Field(
+        default=None, description="Region (null: us-west-2 on aws, us-central1 on gcp).", max_length=64
+    )
+    zone: str | None = Field(default=None, description="gcp: availability zone (null: the region's `-a` zone).")
+    project_id: str | None = Field(default=None, description="gcp: the project the VMs are billed to.")
+    head_instance_type: str | None = Field(
+        default=None,
+        description="Head VM type (null: m5.2xlarge on aws, n2-standard-8 on gcp). The head runs no training worker.",
+    )
+    worker_instance_type: str | None = Field(
+        default=None,
+        description=(
+            "Worker VM type, one per node of the job (null: the smallest default type with `resources.gpus` "
+            "GPUs and at least `resources.cpu` CPUs for the cloud)."
+        ),
+    )
+    spot: bool = Field(
+        default=True,
+        description=(
+            "Workers on spot (aws) or preemptible (gcp) VMs, with an on-demand worker type the autoscaler "
+            "falls back to when spot capacity is short. Preemptions drain the node (emergency checkpoint)."
+        ),
+    )
+    fallback_instance_type: str | None = Field(
+        default=None, description="On-demand fallback worker VM type (null: the worker type, on demand)."
+    )
+    idle_timeout_minutes: int = Field(
+        default=10, ge=1, le=7 * 24 * 60, description="The autoscaler removes a worker idle this long."
+    )
+    docker: bool = Field(
+        default=True,
+        description=(
+            "Run Ray in the torchrig image (`spec.ray.image`, default `spec.image`) through the launcher's "
+            "`docker:`; false: setup commands pin torch, ray and torchrig on the VM image instead."
+        ),
+    )
+    torch_version: str = Field(
+        default="2.13.0",
+        pattern=r"^[0-9]+(\.[0-9]+){1,2}([a-z0-9.+]*)$",
+        description="With `docker: false`: the torch the setup commands install (ray is `spec.ray.rayVersion`).",
+    )
+    ssh_user: str = Field(default="ubuntu", description="SSH user of the VM image.", max_length=64)
+    disk_gb: int = Field(default=200, ge=10, le=65536, description="Boot disk of each VM, GB.")
+
+    @field_validator(
+        "region",
+        "zone",
+        "project_id",
+        "head_instance_type",
+        "worker_instance_type",
+        "fallback_instance_type",
+        "ssh_user",
+    )
+    @classmethod
+    def _plain_name(cls, value: str | None) -> str | None:
+        # These land in YAML and in shell commands of the launcher: names only.
+        if value is not None and not _CLOUD_NAME_RE.fullmatch(value):
+            raise ValueError("must be a cloud name: letters, digits, '.', '_' and '-' (at most 64)")
+        return value
+
+
     """Ray placement: a local embedded cluster, or an existing one through the Ray Jobs API."""
 
     address: str | None = Field(
@@ -433,6 +502,26 @@ class RayConfig(Model):
     head_cpu: Quantity = Field(default="2", description="RayJob head CPU.")
     head_memory: Quantity = Field(default="8Gi", description="RayJob head memory.")
 
+    shared_dir: str | None = Field(
+        default=None,
+        description=(
+            "A directory every node of a remote Ray cluster mounts (NFS, EFS, Filestore), absolute. A run "
+            "submitted with `--address` keeps its run directory there (`<sharedDir>/runs/<name>/<submission>`), "
+            "so relative `file://` stores and `torchrig report` work; a `file://` store under it is shared "
+            "between nodes. Null: a remote run's directory is on the head node (`~/torchrig/runs/...`) and "
+            "its stores must be absolute or object stores."
+        ),
+    )
+    cluster: RayClusterConfig = Field(
+        default_factory=RayClusterConfig, description="The cluster file of `torchrig render --target raycluster`."
+    )
+
+    @field_validator("shared_dir")
+    @classmethod
+    def _absolute_dir(cls, value: str | None) -> str | None:
+        if value is not None and (not value.startswith("/") or "\0" in value or "/../" in value + "/"):
+            raise ValueError("must be an absolute directory (a path every node mounts), without '..'")
+        return value.rstrip("/") or "/" if value is not None else None
     @field_validator("image")
     @classmethod
     def _image(cls, value: str | None) -> str | None:

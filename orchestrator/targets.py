@@ -72,6 +72,9 @@ class Target:
         check: `"module:function"` returning warnings and raising UnsupportedFeature for what the target
             would run unsafely, called as `function(spec, *, fixed_size)` after the rules every
             Kubernetes target shares.
+        ray_cluster: it describes a remote Ray cluster (Ray's cluster launcher, `ray up`): `--cloud` picks
+            the cloud (`spec.ray.cluster.cloud`) and the remote-Ray store rules apply
+            (`checks.remote_ray_stores_problem`), as for a job submitted to one.
     """
 
     name: str
@@ -85,6 +88,7 @@ class Target:
     name_rule: NameRuleFn | None = None
     unsupported: str | None = None
     check: str | None = None
+    ray_cluster: bool = False
 
     @property
     def manifests(self) -> bool:
@@ -138,6 +142,12 @@ _REGISTRY: tuple[Target, ...] = (
         "raytrain",
         "the Ray Train plan (ScalingConfig, RunConfig, FailureConfig, CheckpointConfig)",
         "orchestrator.compile.raytrain:compile_raytrain",
+    ),
+    Target(
+        "raycluster",
+        "a Ray cluster-launcher file (`ray up`) for aws or gcp (--cloud), sized from the job",
+        "orchestrator.compile.raycluster:compile_raycluster",
+        ray_cluster=True,
     ),
 )
 

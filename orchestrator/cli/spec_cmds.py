@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import get_args
 
 import click
 
@@ -13,7 +14,7 @@ from orchestrator.compile import check_target
 from orchestrator.compile import render as render_target
 from orchestrator.errors import EXIT_USAGE, CompileError, SpecError
 from orchestrator.loader import load_spec
-from orchestrator.spec import JobSpec
+from orchestrator.spec import JobSpec, RayClusterConfig
 from orchestrator.targets import DEFAULT_TARGET, TARGETS, get_target
 
 __all__ = ["render", "schema", "validate"]
@@ -26,9 +27,11 @@ _FIXED_SIZE = click.option(
 )
 _ALLOW_POD_LOCAL = click.option(
     "--allow-pod-local-stores",
+    "--allow-node-local-stores",
+    "allow_pod_local_stores",
     is_flag=True,
-    help="Kubernetes targets: accept a multi-node job whose checkpoint stores all live inside one pod "
-    "(a warning instead of an error; each pod then keeps only its own shards).",
+    help="Kubernetes targets and Ray clusters: accept a job whose checkpoint stores all live on one pod's or "
+    "node's own disk (a warning instead of an error; each pod or node then keeps only its own shards).",
 )
 
 
@@ -108,7 +111,8 @@ def validate(
         "Targets:\n\n" + "".join(f"  {t.name:<10}  {t.summary}\n\n" for t in TARGETS.values()) + "Examples:\n\n"
         "  torchrig render examples/digits-ddp.yaml --target pytorchjob | kubectl apply -f -\n\n"
         "  torchrig render examples/tinygpt-fsdp.yaml --target trainjob --fixed-size --monitoring\n\n"
-        "  torchrig render job.yaml --target torchrun --set spec.nodes.max=2"
+        "  torchrig render job.yaml --target torchrun --set spec.nodes.max=2\n\n"
+        "  torchrig render job.yaml --target raycluster --cloud gcp > cluster.yaml && ray up -y cluster.yaml"
     )
 )
 @_JOB_ARG
@@ -121,6 +125,12 @@ def validate(
     help="What to render.",
 )
 @click.option("--monitoring", is_flag=True, help="Also render a PodMonitor and a PrometheusRule (prometheus-operator).")
+@click.option(
+    "--cloud",
+    type=click.Choice(get_args(RayClusterConfig.model_fields["cloud"].annotation)),
+    default=None,
+    help="Ray cluster files: the cloud (same as --set spec.ray.cluster.cloud=CLOUD).",
+)
 @_FIXED_SIZE
 @_ALLOW_POD_LOCAL
 @set_option
@@ -129,6 +139,7 @@ def render(
     job: str,
     target: str,
     monitoring: bool,
+    cloud: str | None,
     fixed_size: bool,
     allow_pod_local_stores: bool,
     overrides: tuple[str, ...],
@@ -142,6 +153,10 @@ def render(
     """
     if monitoring and not get_target(target).manifests:
         raise SpecError(f"--monitoring: applies to Kubernetes targets only, not {target!r}")
+    if cloud is not None:
+        if not get_target(target).ray_cluster:
+            raise SpecError(f"--cloud: applies to Ray cluster files only, not {target!r}")
+        overrides = (*overrides, f"spec.ray.cluster.cloud={cloud}")
     spec = load_spec(job, list(overrides))
     for line in check_target(spec, target, fixed_size=fixed_size, allow_pod_local_stores=allow_pod_local_stores):
         click.echo(f"warning: {line}", err=True)

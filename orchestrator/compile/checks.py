@@ -15,19 +15,27 @@
   turns it on (`authOptions`), and KubeRay refuses token mode on an older Ray. Refused rather than
   rendered without `authOptions`: the Jobs API of such a cluster would run anyone's code.
 
-The launch-plan targets (`torchrun`, `raytrain`) run where a path may well be shared (NFS on bare
-metal), so only the Kubernetes targets apply these rules. The Helm chart applies the same ones with the
+A remote Ray cluster (`torchrig submit --backend ray --address`, and the cluster file of a target with
+`Target.ray_cluster`) gets the same store rule for its nodes (`remote_ray_stores_problem`, same override):
+a `file://` store is shared there only under `spec.ray.sharedDir`, a directory every node mounts; and a
+relative `file://` store is refused unless the run directory lives under that directory, because the
+entrypoint's working directory is Ray's working-dir cache, deleted with the session.
+
+The other launch-plan targets (`torchrun`, `raytrain`) run where a path may well be shared (NFS on bare
+metal), so only the Kubernetes targets apply the Kubernetes rules. The Helm chart applies the same ones with the
 same messages (helm/torchrig/templates/_checks.tpl).
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import PurePosixPath
 
 from orchestrator.credentials import inline_secrets, secret_option_paths
 from orchestrator.errors import UnsupportedFeature
 from orchestrator.spec import JobSpec
 from orchestrator.targets import KUBERNETES_TARGETS, TARGETS, target_name_rule
+from training.config import StoreConfig
 
 __all__ = [
     "KUBERNETES_TARGETS",
@@ -37,6 +45,8 @@ __all__ = [
     "inline_credentials_problem",
     "pod_local_stores_problem",
     "ray_version_problem",
+    "remote_ray_stores_problem",
+    "remote_ray_stores_warnings",
 ]
 
 # The first Ray with token authentication (KubeRay ray-operator/controllers/ray/utils/validation.go,
@@ -79,6 +89,64 @@ def pod_local_stores_problem(spec: JobSpec) -> str | None:
         "other pods hold and lose; add a shared store: pvc: on a ReadWriteMany PersistentVolumeClaim, or an "
         "s3:// store (to accept it anyway: --allow-pod-local-stores, or the chart value allowPodLocalStores)"
     )
+
+
+def _shared_on_ray(store: StoreConfig, shared_dir: str | None) -> bool:
+    """Every node of a remote Ray cluster reaches this store: an object store, or a `file://` store under
+    `spec.ray.sharedDir` (a relative one is under the run directory, which then lives there)."""
+    if store.kind.shared:
+        return True
+    if not store.kind.filesystem or shared_dir is None:
+        return False
+    path = store.path
+    return not path.startswith("/") or PurePosixPath(path).is_relative_to(shared_dir)
+
+
+def remote_ray_stores_problem(spec: JobSpec, *, relative_only: bool = False) -> str | None:
+    """The problem with the job's stores on a remote Ray cluster, else None.
+
+    Args:
+        spec: the validated job.
+        relative_only: only the rule no override lifts: a relative `file://` store without
+            `spec.ray.sharedDir` (it would resolve into the head node's Ray working-dir cache).
+    """
+    s = spec.spec
+    shared_dir = s.ray.shared_dir
+    if shared_dir is None:
+        for i, store in enumerate(s.checkpoint.stores):
+            if store.kind.filesystem and not store.path.startswith("/"):
+                return (
+                    f"spec.checkpoint.stores[{i}].uri: {store.uri} is relative to the run directory, which on a "
+                    "remote Ray cluster is a directory of the head node, and the entrypoint's working directory is "
+                    "Ray's working-dir cache (deleted with the session); set spec.ray.sharedDir to a directory "
+                    "every node mounts (the run directory then lives there), or use an absolute file:// store on "
+                    "such a mount or an s3:// store"
+                )
+    if relative_only or any(_shared_on_ray(st, shared_dir) for st in s.checkpoint.stores):
+        return None
+    where = f"outside spec.ray.sharedDir ({shared_dir})" if shared_dir else "without spec.ray.sharedDir"
+    return (
+        f"spec.checkpoint.stores: every store is node-local (a file:// store {where} is each Ray node's own disk) "
+        "on a remote Ray cluster, so rank 0 would commit checkpoints whose shards other nodes hold and lose, and "
+        "a worker restarted on another node finds none; add a shared store: a file:// store under "
+        "spec.ray.sharedDir, a directory every node mounts (NFS), or an s3:// store (to accept it anyway: "
+        "--allow-pod-local-stores)"
+    )
+
+
+def remote_ray_stores_warnings(spec: JobSpec, *, allow_node_local_stores: bool = False) -> list[str]:
+    """`remote_ray_stores_problem` as a refusal, or a warning where the override allows it.
+
+    Raises:
+        UnsupportedFeature: naming the store and the fix.
+    """
+    relative = remote_ray_stores_problem(spec, relative_only=True)
+    if relative:
+        raise UnsupportedFeature(relative)
+    problem = remote_ray_stores_problem(spec)
+    if problem and not allow_node_local_stores:
+        raise UnsupportedFeature(problem)
+    return [problem] if problem else []
 
 
 def inline_credentials_problem(spec: JobSpec) -> str | None:
@@ -138,9 +206,11 @@ def check_target(
     Raises:
         UnsupportedFeature: naming the field to change and how.
     """
-    if target not in KUBERNETES_TARGETS:
+    t = TARGETS.get(target)
+    if t is not None and t.ray_cluster:
+        return remote_ray_stores_warnings(spec, allow_node_local_stores=allow_pod_local_stores)
+    if t is None or target not in KUBERNETES_TARGETS:
         return []
-    t = TARGETS[target]
     check_name(spec, target, fixed_size=fixed_size)
     if t.unsupported:
         t.load(t.unsupported)(spec, fixed_size=fixed_size)

@@ -105,14 +105,15 @@ def test_unknown_target_lists_the_valid_ones() -> None:
     with pytest.raises(SpecError) as e:
         get_target("slurm")
     assert str(e.value) == (
-        "--target: unknown target 'slurm'; valid targets: pytorchjob, trainjob, rayjob, torchrun, raytrain"
+        "--target: unknown target 'slurm'; valid targets: pytorchjob, trainjob, rayjob, torchrun, raytrain, raycluster"
     )
     spec = load_spec(EXAMPLES[0])
     with pytest.raises(SpecError, match=r"unknown target 'slurm'; valid targets: pytorchjob, trainjob, rayjob$"):
         compile(spec, "slurm")
-    with pytest.raises(SpecError, match=r"unknown target 'slurm'; valid targets: torchrun, raytrain$"):
+    with pytest.raises(SpecError, match=r"unknown target 'slurm'; valid targets: torchrun, raytrain, raycluster$"):
         compile_plan(spec, "slurm")
-    with pytest.raises(SpecError, match=r"valid targets: pytorchjob, trainjob, rayjob, torchrun, raytrain$"):
+    every = "pytorchjob, trainjob, rayjob, torchrun, raytrain, raycluster"
+    with pytest.raises(SpecError, match=rf"valid targets: {every}$"):
         render(spec, "slurm")
     with pytest.raises(SpecError, match=r"'torchrun' is a launch plan, not manifests"):
         compile(spec, "torchrun")
