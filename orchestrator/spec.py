@@ -41,8 +41,8 @@ __all__ = [
     "KubernetesConfig",
     "Metadata",
     "NodesConfig",
-    "RayConfig",
     "RayClusterConfig",
+    "RayConfig",
     "ResourcesConfig",
     "parse_quantity",
 ]
@@ -72,8 +72,8 @@ _DECIMAL = {
 _SUBDOMAIN_RE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _NAME_PART_RE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")  # a label value; a qualified name's name
 _ENV_NAME_RE = re.compile(r"[-._a-zA-Z][-._a-zA-Z0-9]*")
-
 _CLOUD_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
 # Upper bounds of the counts and durations that become manifest fields or processes. Each is far beyond
 # any real job, so that a typo (an extra digit, a pasted number) is an error rather than a manifest no API
 # server takes or a render that allocates a container port per process until memory runs out.
@@ -408,7 +408,6 @@ class KubernetesConfig(Model):
         return value
 
 
-class RayConfig(Model):
 class RayClusterConfig(Model):
     """The Ray cluster-launcher file of `torchrig render --target raycluster` (`ray up`): instance types and
     the cloud's placement. A null instance type is chosen from `spec.resources` for the cloud
@@ -476,6 +475,7 @@ class RayClusterConfig(Model):
         return value
 
 
+class RayConfig(Model):
     """Ray placement: a local embedded cluster, or an existing one through the Ray Jobs API."""
 
     address: str | None = Field(
@@ -501,7 +501,6 @@ class RayClusterConfig(Model):
     )
     head_cpu: Quantity = Field(default="2", description="RayJob head CPU.")
     head_memory: Quantity = Field(default="8Gi", description="RayJob head memory.")
-
     shared_dir: str | None = Field(
         default=None,
         description=(
@@ -522,6 +521,7 @@ class RayClusterConfig(Model):
         if value is not None and (not value.startswith("/") or "\0" in value or "/../" in value + "/"):
             raise ValueError("must be an absolute directory (a path every node mounts), without '..'")
         return value.rstrip("/") or "/" if value is not None else None
+
     @field_validator("image")
     @classmethod
     def _image(cls, value: str | None) -> str | None:
