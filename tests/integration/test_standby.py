@@ -17,6 +17,7 @@ from tests.unit.test_standby import EXAMPLE, _job
 from training.contract import Env
 from training.contract.orders import Signer, create_job_secret, load_job_secret
 from training.inplace import InPlace
+from training.inplace.protocol import StandDown
 from training.inplace.standby import Launch, Round, Standby, standby_wanted
 
 
@@ -164,21 +165,20 @@ def test_a_standby_whose_store_vanished_or_never_answered_ends(monkeypatch: pyte
     launch = Launch(f"127.0.0.1:{server.port}", "job", 1, 0, ["python", "-m", "training"], join_timeout_s=60)
     calls: list[float] = []
 
-    def stop() -> bool:  # the store goes away after the standby's first look (no round ran)
+    def stop() -> None:  # the store goes away after the standby's first look (no round ran)
         calls.append(time.monotonic())
         if len(calls) == 2:
             nonlocal server
             server = None
-        return False
 
-    assert standby._wait_for_round(launch, "spare", stop, seen=False) == 0
+    assert standby._wait_for_round(launch, "spare", stop, seen=False) == StandDown(0)
     assert calls[-1] - calls[1] < 10, "ended within a few seconds of the store's loss"
 
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     never = Launch(f"127.0.0.1:{port}", "job", 1, 0, ["python", "-m", "training"], join_timeout_s=1.0)
-    assert standby._wait_for_round(never, "spare", lambda: False, seen=False) == 1
+    assert standby._wait_for_round(never, "spare", lambda: None, seen=False) == StandDown(1)
 
 
 def test_a_members_pod_recreated_as_the_job_ends_exits_0_instead_of_joining_a_closed_rendezvous(

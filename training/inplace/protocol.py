@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol, TypeVar
 
@@ -76,6 +76,7 @@ PASS_THROUGH: frozenset[int] = frozenset(
         int(ExitCode.PREEMPTED),
         int(ExitCode.RECOVERY_FAILED),
         int(ExitCode.STORE_UNAVAILABLE),
+        int(ExitCode.SDC_DETECTED),  # every replica may hold the corruption: no survivor to keep
     }
 )
 
@@ -239,9 +240,11 @@ class FallBack:
 
 @dataclass(frozen=True)
 class StandDown:
-    """A standby host ends without having taken a node: 0 on a shutdown, else what its spare died of."""
+    """A standby (a standby node, a standby host, a spare) ends without having taken a rank or a node:
+    exit `code`. `reason`, when set, is said on stderr (it is no part of the decision's identity)."""
 
     code: int
+    reason: str = field(default="", compare=False)
 
     @property
     def exit_code(self) -> int:
@@ -277,7 +280,9 @@ class Take:
 @dataclass(frozen=True)
 class RoundOver:
     """The round ended without needing this standby (a group restart, every node gone): stop its hosts and
-    stand by for the next round."""
+    stand by for the next round. `reason`, when set, is said on stderr."""
+
+    reason: str = field(default="", compare=False)
 
     exit_code = None
 
@@ -286,6 +291,8 @@ class RoundOver:
 class Join:
     """A member's pod whose round no longer needs it as a standby: join the rendezvous (run torchrun's
     agent) after all. No exit code: the pod goes on."""
+
+    reason: str = field(default="", compare=False)
 
     exit_code = None
 
@@ -515,18 +522,25 @@ def decide_standby(state: StandbyState, seen: StandbyObservation) -> Decision:
         raise ValueError("a standby that is done decides nothing")
     if seen.stopping is not None:  # torchrun's shutdown (a held node's hosts get the signal, and are awaited)
         return StandDown(128 + seen.stopping)
-    round_over: Decision = Join() if seen.member else RoundOver()
+
+    def round_over(reason: str = "") -> Decision:
+        return Join(reason) if seen.member else RoundOver(reason)
+
+    gone = seen.unreached_s is not None and seen.unreached_s > seen.gone_after_s
     if state is StandbyState.WAITING:
         if seen.round_running:
             return StandBy()
         if seen.job_over:  # a member's pod recreated as the job ended must not join a closed rendezvous
-            return StandDown(0)
+            return StandDown(0, "the job's agents passed torchrun's exit barrier; the job is over")
         if seen.member:
             return Join()  # no round runs: a member's pod is one of the next round's members
-        if seen.unreached_s is not None and seen.unreached_s > seen.gone_after_s:
-            return StandDown(0)  # the store, reached before, is gone: the job ended (or its launcher died)
+        if gone:  # the store, reached before, is gone: the job ended (or its launcher died)
+            return StandDown(0, "the rendezvous store is gone; the job ended")
         if seen.unreached_s is None and seen.elapsed_s > seen.join_timeout_s:
-            return StandDown(1)  # as torchrun's agent fails then (`RendezvousTimeoutError`)
+            # As torchrun's agent fails then (`RendezvousTimeoutError`).
+            return StandDown(
+                1, f"the rendezvous store did not answer within the join timeout ({seen.join_timeout_s:.0f} s)"
+            )
         return Wait()
     if state is StandbyState.HOLDING:
         # Its hosts are the lost node's: it ends as that node's agent would.
@@ -536,22 +550,24 @@ def decide_standby(state: StandbyState, seen: StandbyObservation) -> Decision:
         if not failed:
             return PassThrough(0)
         if all(code == int(ExitCode.RECOVERY_FAILED) for code in failed):
-            return round_over  # the group falls back to a restart: this round is over
+            return round_over()  # the group falls back to a restart: this round is over
         return PassThrough(next(code for code in failed if code != int(ExitCode.RECOVERY_FAILED)))
     # WARMING or READY: no node taken yet.
     if any(code is not None for code in seen.host_codes):
         # Its spares end with the store: at the job's end, or when the master was lost.
-        return StandDown(0) if seen.job_over or seen.store_failed is not None else round_over
+        if seen.job_over or seen.store_failed is not None:
+            return StandDown(0)
+        return round_over("a host of this standby ended before it was needed; starting over")
     if seen.store_failed is not None:
-        return StandDown(0) if seen.unreached_s is not None and seen.unreached_s > seen.gone_after_s else Wait()
+        return StandDown(0, "the rendezvous store is gone; the job ended") if gone else Wait()
     if seen.job_over:
         return StandDown(0)  # the job's agents finished: nothing left to stand by for
     if state is StandbyState.WARMING and seen.spares_ready:
         return Ready()
     if seen.ended and len(seen.ended) + len(seen.lost) == seen.nodes:
-        return round_over  # every node ended
+        return round_over()  # every node ended
     if seen.lost and len(seen.lost) == seen.nodes:
-        return round_over  # every node stopped at once: a group restart, no node to take
+        return round_over()  # every node stopped at once: a group restart, no node to take
     if seen.lost and state is StandbyState.READY:
         return Take(seen.lost)
     return Wait()

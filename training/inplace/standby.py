@@ -43,14 +43,33 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from training.contract import Env, ExitCode
+from training.contract import Env
 from training.contract.orders import Assignment, Promotion, SecretError, Signer, load_job_secret
 from training.healthcheck import clear_standby, mark_standby
 from training.inplace import BEAT_S, HOST_LOST_S, InPlace, store_client
+from training.inplace.protocol import (
+    STANDBY_TRANSITIONS,
+    Decision,
+    Join,
+    PassThrough,
+    Ready,
+    RoundOver,
+    StandBy,
+    StandbyObservation,
+    StandbyState,
+    StandDown,
+    Take,
+    Wait,
+    decide_standby,
+    next_state,
+)
+
+if TYPE_CHECKING:
+    from training.inplace.group import NodeWatch
 
 __all__ = ["JOIN", "Round", "exit_barrier_passed", "round_store", "run_standby", "standby_wanted"]
 
@@ -249,7 +268,6 @@ class Standby:
         self.store = _space(raw, self.inplace)
         self.env = env
         self.hosts: list[subprocess.Popen[bytes]] = []
-        self.ready = False
         self.taken: int | None = None  # the node this standby holds
 
     def start_hosts(self) -> None:
@@ -360,52 +378,46 @@ class Standby:
         return round_store(self.raw, self.launch.run_id, self.found.round)
 
 
-def _wait_for_round(launch: Launch, role: str, stop: Any, *, seen: bool) -> tuple[Any, Round] | int | None:
-    """Connect and wait until the job's round runs (its nodes beating).
-
-    None when `stop()` or, for a member's node, when no round runs (it joins the rendezvous). 0 when the
-    job is over (its agents passed torchrun's exit barrier: a member's pod recreated as the job ended
-    must not join a closed rendezvous), or once the store, reached before (or this standby saw the job
-    run: `seen`), has been gone `STORE_GONE_S`: the job ended, or its launcher died. 1 when the store was
-    never reached within the rendezvous' join timeout, as torchrun's agent fails then
-    (`RendezvousTimeoutError`).
-    """
+def _wait_for_round(
+    launch: Launch, role: str, stopping: Callable[[], int | None], *, seen: bool
+) -> tuple[Any, Round] | Decision:
+    """Connect and wait until the job's round runs (its nodes beating): the store and the round, or what
+    `decide_standby` decided instead (`StandbyState.WAITING`: a shutdown, a member's pod joining when no
+    round runs, the job over, the store gone once reached (or once this standby saw the job run: `seen`),
+    the store never reached within the rendezvous' join timeout)."""
     started = time.monotonic()
     reached = started if seen else None  # when the store last answered
-    while not stop():
-        try:
-            timeout_s = RECONNECT_TIMEOUT_S if reached is not None else STORE_TIMEOUT_S
-            raw = store_client(launch.endpoint, timeout_s=timeout_s)
-            reached = time.monotonic()
-            found = _round_running(raw, launch.run_id, launch.secret)
-            over = found is None and job_finished(raw, launch.run_id, launch.secret)
-        except Exception:
-            found, raw, over = None, None, False
-        if found is not None:
-            return raw, found
-        if over:
-            print(
-                "torchrig: standby: the job's agents passed torchrun's exit barrier; the job is over",
-                file=sys.stderr,
-                flush=True,
-            )
-            return 0
-        if role == "member":
-            return None  # a member's pod joins the rendezvous when no round runs
+    while True:
+        raw, found, over = None, None, False
+        signum = stopping()
+        if signum is None:
+            try:
+                timeout_s = RECONNECT_TIMEOUT_S if reached is not None else STORE_TIMEOUT_S
+                raw = store_client(launch.endpoint, timeout_s=timeout_s)
+                reached = time.monotonic()
+                found = _round_running(raw, launch.run_id, launch.secret)
+                over = found is None and job_finished(raw, launch.run_id, launch.secret)
+            except Exception:
+                found, raw, over = None, None, False
         now = time.monotonic()
-        if reached is not None and now - reached > STORE_GONE_S:
-            log.info("standby: the rendezvous store is gone; the job ended")
-            return 0
-        if reached is None and now - started > launch.join_timeout_s:
-            print(
-                f"torchrig: standby: the rendezvous store {launch.endpoint} did not answer within the join "
-                f"timeout ({launch.join_timeout_s:.0f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
-            return 1
+        look = StandbyObservation(
+            stopping=signum,
+            member=role == "member",
+            round_running=found is not None,
+            job_over=over,
+            unreached_s=None if reached is None else now - reached,
+            gone_after_s=STORE_GONE_S,
+            elapsed_s=now - started,
+            join_timeout_s=launch.join_timeout_s,
+        )
+        decision = decide_standby(StandbyState.WAITING, look)
+        if isinstance(decision, StandBy) and found is not None:
+            return raw, found
+        if not isinstance(decision, Wait):
+            if isinstance(decision, StandDown) and decision.reason:
+                print(f"torchrig: standby: {decision.reason} ({launch.endpoint})", file=sys.stderr, flush=True)
+            return decision
         time.sleep(1.0)
-    return None
 
 
 def run_standby(launch: Launch, env: MutableMapping[str, str] | None = None) -> int:
@@ -421,25 +433,33 @@ def run_standby(launch: Launch, env: MutableMapping[str, str] | None = None) -> 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _stop)
     seen = False
-    while not stopping:
-        waited = _wait_for_round(launch, role, lambda: bool(stopping), seen=seen)
-        if waited is None:
-            return 128 + stopping[0] if stopping else JOIN
-        if isinstance(waited, int):
-            return waited
-        raw, found = waited
-        seen = True
-        code = _stand_by(launch, raw, found, env, stopping)
-        if code is not None:
-            return code
-        if role == "member":
-            return JOIN
-    return 128 + stopping[0]
+    while True:
+        waited = _wait_for_round(launch, role, lambda: stopping[0] if stopping else None, seen=seen)
+        if isinstance(waited, tuple):
+            raw, found = waited
+            seen = True
+            decision = _stand_by(launch, raw, found, env, stopping, member=role == "member")
+            if isinstance(decision, RoundOver):
+                continue  # stand by for the next round
+        else:
+            decision = waited
+        return _carry_out(decision)
 
 
-def _stand_by(launch: Launch, raw: Any, found: Round, env: MutableMapping[str, str], stopping: list[int]) -> int | None:
-    """One round: warm hosts, watch the beats, take a lost node. The exit code, or None when the round
-    ended without needing this standby's end (a group restart: stand by for the next one)."""
+def _carry_out(decision: Decision) -> int:
+    """The end of a standby's last decision: `JOIN` (run torchrun's agent after all) or its exit code."""
+    if isinstance(decision, Join):
+        return JOIN
+    code = decision.exit_code
+    assert isinstance(decision, StandDown | PassThrough) and code is not None, decision
+    return code
+
+
+def _stand_by(
+    launch: Launch, raw: Any, found: Round, env: MutableMapping[str, str], stopping: list[int], *, member: bool
+) -> Decision:
+    """One round: warm hosts, watch the beats, take a lost node, each step as `decide_standby` decides. The
+    last decision: how the standby ends, or `RoundOver` (stand by for the next round)."""
     from training.inplace.group import NodeWatch, nodes_behind
 
     slot = int(raw.add(InPlace.standby_slots_key(launch.run_id), 1)) - 1
@@ -459,70 +479,74 @@ def _stand_by(launch: Launch, raw: Any, found: Round, env: MutableMapping[str, s
     watch = NodeWatch(
         store, inplace, found.nodes, lost_after_s=HOST_LOST_S, behind=lambda: nodes_behind(store, inplace, world, nproc)
     )
+    state = StandbyState.WARMING
     last_reached = time.monotonic()
     try:
-        while not stopping:
-            if standby.taken is not None:
-                codes = [proc.poll() for proc in standby.hosts]
-                if any(c is None for c in codes):
+        while True:
+            look = StandbyObservation(
+                stopping=stopping[0] if stopping else None,
+                member=member,
+                host_codes=tuple(proc.poll() for proc in standby.hosts),
+                nodes=found.nodes,
+                gone_after_s=STORE_GONE_S,
+            )
+            if state is not StandbyState.HOLDING and look.stopping is None:
+                look = _watch(standby, watch, state, look)
+                if look.store_failed is None:
+                    last_reached = time.monotonic()
+                look = replace(look, unreached_s=time.monotonic() - last_reached)
+            decision = decide_standby(state, look)
+            if isinstance(decision, Wait):
+                time.sleep(POLL_S)
+            elif isinstance(decision, Ready):
+                try:
+                    store.add(inplace.standbys_key(), 1)
+                except Exception:  # not counted: the next look sees the store fail, or decides this again
                     time.sleep(POLL_S)
                     continue
-                failed = [c for c in codes if c]
-                if not failed:
-                    standby.exit_barrier()
-                    return 0
-                if all(c == int(ExitCode.RECOVERY_FAILED) for c in failed):
-                    return None  # the group falls back to a restart: this round is over
-                return next(c for c in failed if c != int(ExitCode.RECOVERY_FAILED))
-            if any(proc.poll() is not None for proc in standby.hosts):
-                try:  # its spares end with the store: at the job's end, or when the master was lost
-                    over = standby.barrier_passed()
-                except Exception:
-                    over = True
-                if over:
-                    return 0
-                log.warning("standby: a host of this standby ended before it was needed; starting over")
-                return None
-            try:
-                if standby.barrier_passed():
-                    return 0  # the job's agents finished: nothing left to stand by for
-                if not standby.ready and standby.spares_ready():
-                    store.add(inplace.standbys_key(), 1)
-                    standby.ready = True
-                    print(
-                        f"torchrig: standby: ready for round {found.round} ({found.nodes} nodes)",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                gone = watch.lost()
-                last_reached = time.monotonic()
-            except Exception:
-                if time.monotonic() - last_reached > STORE_GONE_S:
-                    log.info("standby: the rendezvous store is gone; the job ended")
-                    return 0
+                print(
+                    f"torchrig: standby: ready for round {found.round} ({found.nodes} nodes)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            elif isinstance(decision, Take):
+                # One compare-and-set per node against every other standby; losing each one is a wait.
+                if any(standby.take(node, watch.seen[node][0]) for node in decision.nodes):
+                    clear_standby()  # a node now: its exporter answers the liveness probe
+                    store.add(inplace.standbys_key(), -1)
+                else:
+                    decision = Wait()
                 time.sleep(POLL_S)
-                continue
-            ended = [n for n in gone if inplace.read(store, inplace.ended_key(n)) is not None]
-            lost = [n for n in gone if n not in ended]
-            if ended and len(ended) + len(lost) == found.nodes:
-                return None  # every node ended: the round is over
-            if lost and len(lost) == found.nodes:
-                return None  # every node stopped at once: the round is over (a group restart)
-            if lost and standby.ready:
-                for node in lost:
-                    if standby.take(node, watch.seen[node][0]):
-                        clear_standby()  # a node now: its exporter answers the liveness probe
-                        store.add(inplace.standbys_key(), -1)
-                        standby.ready = False
-                        break
-            time.sleep(POLL_S)
-        return 128 + stopping[0]
+            else:
+                if isinstance(decision, PassThrough) and decision.code == 0:
+                    standby.exit_barrier()  # torchrun's agent of the lost node would pass it now
+                if isinstance(decision, StandDown | RoundOver | Join) and decision.reason:
+                    print(f"torchrig: standby: {decision.reason}", file=sys.stderr, flush=True)
+                return decision
+            state = next_state(STANDBY_TRANSITIONS, state, decision)
     finally:
         clear_standby()
         if standby.taken is None:
-            if standby.ready:
+            if state is StandbyState.READY:
                 with contextlib.suppress(Exception):
                     store.add(inplace.standbys_key(), -1)
             standby.stop_hosts()
         elif stopping:
             standby.stop_hosts(stopping[0], grace_s=None)
+
+
+def _watch(standby: Standby, watch: NodeWatch, state: StandbyState, look: StandbyObservation) -> StandbyObservation:
+    """What the store says at one look of a standby that holds no node yet: the job's end, its spares
+    warm, the round's lost and ended nodes (or that the store failed)."""
+    try:
+        if any(code is not None for code in look.host_codes):
+            return replace(look, job_over=standby.barrier_passed())  # all this look needs to know
+        if standby.barrier_passed():
+            return replace(look, job_over=True)
+        ready = state is StandbyState.WARMING and standby.spares_ready()
+        gone = watch.lost()
+        ended = [n for n in gone if standby.inplace.read(standby.store, standby.inplace.ended_key(n)) is not None]
+    except Exception as exc:
+        return replace(look, store_failed=f"{type(exc).__name__}: {exc}")
+    lost = tuple(n for n in gone if n not in ended)
+    return replace(look, spares_ready=ready, lost=lost, ended=tuple(ended))
