@@ -23,6 +23,7 @@ from training.config import (
     Model,
     Precision,
     RestartsConfig,
+    SdcConfig,
     Strategy,
     TaskConfig,
     TrainingConfig,
@@ -549,6 +550,9 @@ class JobSpecBody(Model):
     restarts: RestartsConfig = Field(default_factory=RestartsConfig, description="Failure handling.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus and JSON-lines metrics.")
+    sdc: SdcConfig = Field(
+        default_factory=SdcConfig, description="Silent data corruption: replica agreement checks (DDP)."
+    )
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig, description="Kubernetes settings.")
     ray: RayConfig = Field(default_factory=RayConfig, description="Ray settings.")
 

@@ -147,6 +147,7 @@ def run_role(spec: WorkerSpec, role: str, run_dir: str, *, spec_path: str | None
     from training.inplace import ROLE_SPARE, InPlace
     from training.inplace.group import RecoveryFailed
     from training.preemption import PreemptedExit
+    from training.sdc import SilentDataCorruption
     from training.task import TaskLoadError
     from training.worker import run_worker
 
@@ -163,6 +164,9 @@ def run_role(spec: WorkerSpec, role: str, run_dir: str, *, spec_path: str | None
         return int(ExitCode.RECOVERY_FAILED)
     except PreemptedExit:  # stopped on SIGTERM after an emergency checkpoint (training.preemption)
         return int(ExitCode.PREEMPTED)
+    except SilentDataCorruption as exc:  # the replicas disagreed: the group restarts from a certified checkpoint
+        print(f"torchrig: error: {exc}", file=sys.stderr)
+        return int(ExitCode.SDC_DETECTED)
     except TaskLoadError as exc:
         print(f"torchrig: error: {f'{spec_path}: ' if spec_path else ''}{exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -13,7 +13,12 @@ leaves out the faults of the steps its predecessor had passed):
   is a hook on the loss inside autograd, so it comes before any of this rank's gradients (and DDP's
   first bucket) is ready; the other ranks wait for it inside the gradient all-reduce;
 - `kill_during_checkpoint`: SIGKILL right after the first save at or after `step` is staged, while its
-  upload is still in flight.
+  upload is still in flight;
+- `bitflip`: silent data corruption: one bit (`bit`, default 20: a float32 mantissa bit, so the value
+  stays finite and the loss keeps falling) of element `element` of parameter number `tensor` (in
+  `model.parameters()` order) is flipped on this rank, in `target`: `param` (the parameter, after step
+  `step`), `moment` (its optimizer state `exp_avg`, after step `step`) or `grad` (its gradient in step
+  `step`, after the gradient all-reduce and before the optimizer step). `training.sdc` must find it.
 
 Every fault writes a `fault` event before it fires.
 """
@@ -35,12 +40,17 @@ from training.metrics.base import MetricsSink
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
-__all__ = ["FAULT_EXIT_CODE", "Fault", "FaultInjector", "parse_faults"]
+__all__ = ["BITFLIP_TARGETS", "FAULT_EXIT_CODE", "Fault", "FaultInjector", "flip_bit", "parse_faults"]
 
-FaultKind = Literal["kill", "hang", "slow", "slow_backward", "exit", "kill_during_checkpoint"]
-_KINDS = ("kill", "hang", "slow", "slow_backward", "exit", "kill_during_checkpoint")
+FaultKind = Literal["kill", "hang", "slow", "slow_backward", "exit", "kill_during_checkpoint", "bitflip"]
+_KINDS = ("kill", "hang", "slow", "slow_backward", "exit", "kill_during_checkpoint", "bitflip")
 _TIMED = ("slow", "slow_backward")  # kinds that need seconds > 0
+BitflipTarget = Literal["param", "moment", "grad"]
+BITFLIP_TARGETS: tuple[BitflipTarget, ...] = ("param", "moment", "grad")
+BITFLIP_MOMENT = "exp_avg"  # the optimizer state a `moment` flip hits (Adam/AdamW's first moment)
+_BITFLIP_KEYS = {"target", "tensor", "element", "bit"}
 FAULT_EXIT_CODE = 1
 
 
@@ -53,6 +63,10 @@ class Fault:
     step: int
     generation: int = 0
     seconds: float = 0.0
+    target: BitflipTarget = "param"  # bitflip: where
+    tensor: int = 0  # bitflip: the parameter's index in `model.parameters()`
+    element: int = 0  # bitflip: the element of that tensor (flattened)
+    bit: int = 20  # bitflip: the bit of that element (0: least significant)
 
 
 def parse_faults(text: str | None) -> list[Fault]:
@@ -76,9 +90,16 @@ def parse_faults(text: str | None) -> list[Fault]:
         kind = item.get("kind")
         if kind not in _KINDS:
             raise ValueError(f"{Env.FAULTS}[{i}].kind: {kind!r} is not one of {', '.join(_KINDS)}")
-        unknown = set(item) - {"kind", "rank", "step", "generation", "seconds"}
+        unknown = (
+            set(item)
+            - {"kind", "rank", "step", "generation", "seconds"}
+            - (_BITFLIP_KEYS if kind == "bitflip" else set())
+        )
         if unknown:
             raise ValueError(f"{Env.FAULTS}[{i}]: unknown keys {sorted(unknown)}")
+        target = item.get("target", "param")
+        if target not in BITFLIP_TARGETS:
+            raise ValueError(f"{Env.FAULTS}[{i}].target: {target!r} is not one of {', '.join(BITFLIP_TARGETS)}")
         try:
             fault = Fault(
                 kind=cast(FaultKind, kind),
@@ -86,11 +107,18 @@ def parse_faults(text: str | None) -> list[Fault]:
                 step=int(item["step"]),
                 generation=int(item.get("generation", 0)),
                 seconds=float(item.get("seconds", 0.0)),
+                target=cast(BitflipTarget, target),
+                tensor=int(item.get("tensor", 0)),
+                element=int(item.get("element", 0)),
+                bit=int(item.get("bit", 20)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{Env.FAULTS}[{i}]: bad or missing field: {exc}") from None
         if fault.kind in _TIMED and fault.seconds <= 0:
             raise ValueError(f"{Env.FAULTS}[{i}].seconds: a {fault.kind} fault needs seconds > 0")
+        for name in ("tensor", "element", "bit"):
+            if getattr(fault, name) < 0:
+                raise ValueError(f"{Env.FAULTS}[{i}].{name}: must be >= 0")
         faults.append(fault)
     return faults
 
@@ -120,6 +148,9 @@ class FaultInjector:
         # spare is ready, so the drill measures recovery with a warm spare rather than its start-up.
         self.ready: Callable[[], bool] | None = None
         self.ready_wait_s = 60.0
+        self._model: nn.Module | None = None  # `arm`: what a bitflip strikes
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._step = 0  # the step in progress (`before_backward`), for a gradient flip
 
     @classmethod
     def from_env(
@@ -134,6 +165,36 @@ class FaultInjector:
         env = os.environ if env is None else env
         faults = parse_faults(env.get(Env.FAULTS))
         return cls(faults, rank=rank, generation=generation, events=events, replacement=replacement)
+
+    def arm(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Give `bitflip` faults their model and optimizer (a gradient flip hooks the optimizer's step)."""
+        self._model, self._optimizer = model, optimizer
+        if any(f.kind == "bitflip" and f.target == "grad" for f in self.faults):
+            optimizer.register_step_pre_hook(lambda *_: self._flip_grads())
+
+    def _flip_grads(self) -> None:
+        for fault in self.faults:
+            if fault.kind == "bitflip" and fault.target == "grad" and fault.step == self._step:
+                self._bitflip(fault, self._step)
+
+    def _bitflip(self, fault: Fault, step: int) -> None:
+        if fault in self._fired or self._model is None or self._optimizer is None:
+            return
+        self._fired.add(fault)
+        params = list(self._model.parameters())
+        param = params[min(fault.tensor, len(params) - 1)]
+        moment = self._optimizer.state.get(param, {}).get(BITFLIP_MOMENT)
+        tensor = {"param": param, "grad": param.grad, "moment": moment}[fault.target]
+        if tensor is None:
+            raise RuntimeError(f"{Env.FAULTS}: bitflip: parameter {fault.tensor} has no {fault.target} at step {step}")
+        flip_bit(tensor, fault.element, fault.bit)
+        self.events.emit(FaultEvent(fault="bitflip", step=step, pid=os.getpid()))
+        print(
+            f"torchrig: drill fault bitflip at step {step} (rank {fault.rank}: bit {fault.bit} of element "
+            f"{fault.element} of parameter {fault.tensor}'s {fault.target})",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def step_delay(self, step: int) -> float:
         """Extra seconds a `slow` fault adds to `step` (events are written once, when it starts)."""
@@ -152,6 +213,7 @@ class FaultInjector:
         A hook on `loss` runs first thing in autograd's backward, before any parameter gradient, so the
         delay is inside this rank's backward pass and ahead of its gradient collectives.
         """
+        self._step = step
         if self._backward_step == step or not loss.requires_grad:
             return
         delay = 0.0
@@ -179,6 +241,8 @@ class FaultInjector:
         for fault in self.faults:
             if fault.step == step and fault.kind in ("kill", "exit", "hang"):
                 self._fire(fault, step)
+            elif fault.step == step and fault.kind == "bitflip" and fault.target != "grad":
+                self._bitflip(fault, step)
 
     def after_save_staged(self, step: int) -> None:
         """Called right after the save of `step` returned (staged; the upload may still run)."""
@@ -201,3 +265,22 @@ class FaultInjector:
         elif fault.kind == "hang":
             while True:  # the watchdog (or the drill's timeout) ends this
                 time.sleep(3600)
+
+
+def flip_bit(tensor: torch.Tensor, element: int, bit: int) -> None:
+    """Flip bit `bit` of element `element` of `tensor` in place (in memory: autograd never sees it).
+
+    The bit is counted in the element's value (little-endian byte order, as on every supported device).
+
+    Raises:
+        ValueError: the element or the bit is out of range.
+    """
+    import torch
+
+    flat = tensor.detach().view(-1)
+    size = flat.element_size()
+    if not 0 <= element < flat.numel() or not 0 <= bit < 8 * size:
+        raise ValueError(f"bitflip: element {element} bit {bit} outside a tensor of {flat.numel()} x {size} bytes")
+    raw = flat.view(torch.uint8)
+    index = element * size + bit // 8
+    raw[index] = raw[index] ^ (1 << (bit % 8))

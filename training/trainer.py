@@ -34,6 +34,7 @@ from training.metrics.base import MetricsSink, StepRecord
 from training.metrics.straggler import create_straggler_detector
 from training.optim import build_optimizer, lr_at
 from training.profiling import create_step_profiler
+from training.sdc import create_sdc_monitor, fingerprint
 from training.state import ModelOptimizerState, TrainerProgress, full_params_sha256
 from training.strategies import Parallel, clip_grad_norm, ddp_bucket_order, parallelize, rewrap_ddp, unwrap_ddp
 from training.task import Task
@@ -155,6 +156,18 @@ class Trainer:
         self.straggler = create_straggler_detector(
             identity, sink, every=metrics.log_every, threshold=metrics.straggler_threshold, device=par.device
         )
+        # `sdc.every`: DDP replicas compared bit for bit every N steps and before every save (`training.sdc`).
+        self.sdc = create_sdc_monitor(
+            identity,
+            sink,
+            every=spec.spec.sdc.every,
+            state=lambda: fingerprint(self.par.model, self.optimizer, self.par.device),
+            device=par.device,
+            replicated=isinstance(par.model, nn.parallel.DistributedDataParallel),
+        )
+        if self.sdc is not None:
+            self.sdc.prefer_certified(checkpoints)
+        faults.arm(par.module, optimizer)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def run(self, wall_start: float) -> Result:
@@ -542,6 +555,8 @@ class Trainer:
                 flush=True,
             )
         self.faults.after_step(step)
+        if self.sdc is not None:
+            self.sdc.after_step(step)  # every sdc.every steps; raises SilentDataCorruption on a disagreement
         if step == cfg.steps:
             # The run reports the ranks' mean loss of its last step. Each rank's progress holds its own,
             # and a checkpoint keeps one rank's copy of that replicated value: keep the mean instead, so
@@ -553,6 +568,8 @@ class Trainer:
             self._publish_bucket_order()
             final = step == cfg.steps and self.spec.spec.checkpoint.save_final
             if final or self.checkpoints.should_save(step):
+                if self.sdc is not None:  # the saved step's replicas agree (or it raises): `certified`
+                    self.sdc.certify(step, self.checkpoints)
                 with self.watchdog.io(self.io_timeout_s):  # a synchronous save, or one waiting for the last
                     outcome = self.checkpoints.save(step, self.state, final=final)
                 if final and outcome is not None:

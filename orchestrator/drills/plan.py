@@ -87,6 +87,7 @@ class DrillContext:
     options: DrillOptions = field(default_factory=DrillOptions)
     # `checkpoint.inMemory.every`: FSDP/HSDP in place returns to a snapshot at most this many steps back.
     in_memory_every: int | None = None
+    sdc_every: int | None = None  # spec.sdc.every (the sdc drill turns a null one on at its default)
     rng: random.Random = field(default_factory=random.Random, compare=False, repr=False)
 
     @property
@@ -247,6 +248,9 @@ def fault_dicts(faults: Sequence[Fault]) -> list[dict[str, Any]]:
         entry = dataclasses.asdict(fault)
         if not fault.seconds:
             del entry["seconds"]
+        if fault.kind != "bitflip":  # where a bitflip strikes; no other kind takes these keys
+            for key in ("target", "tensor", "element", "bit"):
+                del entry[key]
         entries.append(entry)
     return entries
 

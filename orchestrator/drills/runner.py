@@ -17,6 +17,7 @@ from orchestrator.drills.scenarios import Scenario, get_scenario
 from orchestrator.drills.spec_patch import isolate_stores, revalidate
 from orchestrator.errors import SpecError, UnsupportedFeature
 from orchestrator.spec import JobSpec
+from training.config import DEFAULT_SDC_EVERY
 from training.contract import DrillEventKind, EventKind, RunFiles, Summary
 
 __all__ = ["DrillOptions", "adopt_reference", "run_drill"]
@@ -37,6 +38,7 @@ _TIMELINE_EVENTS = {
     EventKind.FIRST_STEP,
     EventKind.PREEMPTED,
     EventKind.RECOVERY,
+    EventKind.SDC,
 }
 
 
@@ -90,6 +92,7 @@ def run_drill(scenario_name: str, spec: JobSpec, options: DrillOptions) -> Drill
         options=options,
         rng=rng,
         in_memory_every=spec.spec.checkpoint.in_memory.every,
+        sdc_every=spec.spec.sdc.every or DEFAULT_SDC_EVERY,
     )
     tag = time.strftime("%Y%m%d-%H%M%S")
     plan = scenario.plan(isolate_stores(spec, tag, "run"), ctx)

@@ -41,6 +41,7 @@ from orchestrator.drills.spec_patch import patch_section, with_fallback_store
 from orchestrator.errors import SpecError
 from orchestrator.spec import JobSpec
 from training.contract import DrillEventKind, Event, EventKind, RunFiles
+from training.faults import BITFLIP_TARGETS
 
 __all__ = ["SCENARIOS", "Scenario", "get_scenario"]
 
@@ -355,6 +356,83 @@ class Straggler(Scenario):
                 f"(slowdown {float(first.get('slowdown_ratio') or 0):.2f}x the median rank)"
             )
         verdict.add(super().judge(report, history, ctx))
+        return verdict
+
+
+class SilentCorruption(Scenario):
+    name = "sdc"
+    summary = (
+        "Flip one bit of a parameter, an optimizer moment or a gradient on one rank (silent data corruption); "
+        "the replicas' fingerprints disagree and the group restarts from the newest certified checkpoint."
+    )
+    proves = (
+        "a flipped bit is found within sdc.every steps and its rank named (majority; with two ranks: "
+        "undecided between both), no checkpoint of a disagreeing step is restored, and the result is unchanged."
+    )
+    latest_fault = 0.8  # a check (every sdc.every steps, or the final save) must follow the flip
+
+    def patch(self, spec: JobSpec, ctx: DrillContext) -> JobSpec:
+        # The detecting ranks exit 206 and the group restarts (in place has no survivor to keep: every
+        # replica may carry the corruption). `sdc.every` null (off) is turned on at its default.
+        if spec.spec.sdc.every is None:
+            from training.config import DEFAULT_SDC_EVERY
+
+            spec = patch_section(spec, "sdc", every=DEFAULT_SDC_EVERY)
+        return patch_section(spec, "restarts", mode="restart")
+
+    def unmet(self, spec: JobSpec, nodes: int | None = None) -> str | None:
+        from training.config import Strategy
+
+        if spec.spec.training.strategy is not Strategy.ddp:
+            return "needs spec.training.strategy ddp: FSDP shards hold no replicas to compare"
+        return super().unmet(spec, nodes)
+
+    def faults(self, ctx: DrillContext) -> list[Fault]:
+        # The seed picks where the bit flips: seeds 0, 1, 2 cover the parameter, the moment and the gradient.
+        target = BITFLIP_TARGETS[ctx.seed % len(BITFLIP_TARGETS)]
+        return [Fault(kind="bitflip", rank=ctx.fault_rank, step=ctx.fault_step, target=target)]
+
+    def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> Verdict:
+        verdict = Verdict()
+        _succeeded_check(verdict, report)
+        every = ctx.sdc_every or 0
+        flips = [e for e in history.of(EventKind.FAULT) if e.get("kind") == "bitflip"]
+        flip = flips[0] if flips else None
+        found = [e for e in history.of(EventKind.SDC) if flip is None or e.time >= flip.time]
+        sdc = found[0] if found else None
+        flip_step = flip.step if flip is not None else None
+        verdict.check(
+            f"corruption detected within sdc.every ({every}) steps of the flip",
+            flip_step is not None and sdc is not None and sdc.step is not None and 0 <= sdc.step - flip_step < every,
+            f"flipped at step {flip_step} on rank {flip.rank if flip else None}, "
+            f"detected at step {sdc.step if sdc else None}",
+        )
+        suspects = list(sdc.get("suspects") or []) if sdc is not None else []
+        if ctx.world_size >= 3:
+            verdict.check(
+                "the majority named the flipped rank",
+                sdc is not None and bool(sdc.get("decided")) and suspects == [ctx.fault_rank],
+                f"flipped rank {ctx.fault_rank}, suspects {suspects} ({sdc.get('detail') if sdc else '-'})",
+            )
+        else:
+            # No majority between two replicas: the event says "undecided" rather than guess (replay, which
+            # would decide, is not built); the flipped rank must be among the suspects.
+            verdict.check(
+                "two replicas: the flipped rank is among the suspects, marked undecided",
+                sdc is not None and not sdc.get("decided") and ctx.fault_rank in suspects,
+                f"flipped rank {ctx.fault_rank}, suspects {suspects} ({sdc.get('detail') if sdc else '-'})",
+            )
+        restores = [e for e in history.of(EventKind.RESTORE) if sdc is not None and e.time > sdc.time]
+        uncertified = [e.step for e in restores if e.get("certified") is not True]
+        late = [e.step for e in restores if flip_step is None or e.step is None or e.step >= flip_step]
+        verdict.check(
+            "restored a certified checkpoint from before the flip (none uncertified)",
+            bool(restores) and not uncertified and not late,
+            f"restores after detection: steps {[e.step for e in restores]}; uncertified {uncertified}; "
+            f"at or after the flip {late}",
+        )
+        if report.reference_params_sha256 is not None:
+            _params_check(verdict, report)
         return verdict
 
 
@@ -754,6 +832,7 @@ SCENARIOS: dict[str, type[Scenario]] = {
         LoseStoreAtRestart,
         Hang,
         Straggler,
+        SilentCorruption,
         Partition,
         Preemption,
         PreemptionShortGrace,

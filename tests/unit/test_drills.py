@@ -280,6 +280,7 @@ def test_scenario_registry_and_unknown_name() -> None:
         "partition",
         "preempt",
         "preempt-short-grace",
+        "sdc",
     }
     with pytest.raises(SpecError, match="valid drills: kill-worker"):
         get_scenario("explode")

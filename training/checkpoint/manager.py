@@ -75,6 +75,12 @@ __all__ = ["CheckpointError", "CheckpointManager", "RestoreResult", "SaveOutcome
 log = logging.getLogger(__name__)
 
 
+def _restore_record(result: RestoreResult) -> RestoreRecord:
+    return RestoreRecord(
+        step=result.step, store=result.store, seconds=result.seconds, source=result.source, certified=result.certified
+    )
+
+
 def _node_dir(config: CheckpointConfig, identity: WorkerIdentity) -> str:
     """This node's staging (and node-local copy) directory."""
     if config.node_local.enabled:
@@ -246,6 +252,19 @@ class CheckpointManager:
         if future is not None:
             future.result()
 
+    def certify(self, step: int, agreed: bool) -> None:
+        """Record whether the replicas agreed at `step` (`training.sdc`), for the manifest of its save."""
+        self._pipeline.certified[step] = agreed
+
+    @property
+    def prefer_certified(self) -> bool:
+        """Restore the newest certified checkpoint before any newer uncertified one (`sdc` on)."""
+        return self._search.prefer_certified
+
+    @prefer_certified.setter
+    def prefer_certified(self, value: bool) -> None:
+        self._search.prefer_certified = value
+
     @property
     def manifest_extra(self) -> dict[str, Any]:
         """Plain JSON facts added to every manifest this manager commits from now on (rank 0's count)."""
@@ -288,9 +307,7 @@ class CheckpointManager:
         self._last_saved_step = result.step
         self._last_save_time = time.monotonic()
         log.info("restored step %d from %s (%s) in %.2f s", result.step, result.store, result.uri, result.seconds)
-        self.sink.on_restore(
-            RestoreRecord(step=result.step, store=result.store, seconds=result.seconds, source=result.source)
-        )
+        self.sink.on_restore(_restore_record(result))
         return result
 
     def _warm_start(self, state: dict[str, Any], search: RestoreSearch) -> RestoreResult:
@@ -310,9 +327,7 @@ class CheckpointManager:
             result.step,
             result.uri,
         )
-        self.sink.on_restore(
-            RestoreRecord(step=result.step, store=result.store, seconds=result.seconds, source=result.source)
-        )
+        self.sink.on_restore(_restore_record(result))
         return result
 
     def _run_save(

@@ -132,6 +132,9 @@ class Manifest:
             3): each file's digest is its whole SHA-256.
         digest_algorithm: The hash of the files' digests (`digest.py`): `blake3` or `sha256` (every
             manifest before version 4).
+        certified: Whether the data-parallel replicas agreed at this step (`training.sdc`: their
+            fingerprints were equal when it was staged); None: written without `sdc` (unknown). Signed
+            with the rest, so it cannot be forged where manifests are signed.
     """
 
     step: int
@@ -150,6 +153,7 @@ class Manifest:
     writer: str = ""
     digest_part_bytes: int = 0
     digest_algorithm: str = "sha256"
+    certified: bool | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -198,6 +202,8 @@ def check_layout(manifest: Manifest) -> None:
         raise ManifestLayoutError("extra must be a JSON object")
     if not valid_part_bytes(m.digest_part_bytes):
         raise ManifestLayoutError("digest_part_bytes must be 0 or a power of two from 64 KiB to 1 GiB")
+    if m.certified is not None and not isinstance(m.certified, bool):
+        raise ManifestLayoutError("certified must be true, false or absent")
     if m.digest_algorithm not in DIGEST_ALGORITHMS:
         raise ManifestLayoutError(f"digest_algorithm must be one of {', '.join(DIGEST_ALGORITHMS)}")
     seen: set[str] = set()

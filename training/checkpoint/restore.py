@@ -66,7 +66,7 @@ from training.checkpoint.storage import CheckpointStorage, open_storage
 from training.contract import Env, EventKind, WorkerIdentity
 from training.metrics.base import MetricsSink
 
-__all__ = ["LIST_RETRY_SHARE", "Candidate", "RestoreSearch", "SafeLoadPlanner", "StateMismatch"]
+__all__ = ["LIST_RETRY_SHARE", "Candidate", "RestoreSearch", "SafeLoadPlanner", "StateMismatch", "order_candidates"]
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,17 @@ class Candidate:
     step: int
     manifest: Manifest
     stores: list[int]  # indexes into the manager's stores; -1 = rank 0's node-local copy
+
+
+def order_candidates(candidates: list[Candidate], *, prefer_certified: bool = False) -> list[Candidate]:
+    """The restore order: newest first; with `prefer_certified`, every certified checkpoint (newest first)
+    before the rest (a checkpoint written without `sdc` is not certified, but still a fallback)."""
+
+    def key(c: Candidate) -> tuple[bool, int, int, float]:
+        certified = prefer_certified and c.manifest.certified is True
+        return (certified, c.step, c.manifest.generation, c.manifest.time)
+
+    return sorted(candidates, key=key, reverse=True)
 
 
 class RestoreSearch:
@@ -144,6 +155,9 @@ class RestoreSearch:
         self._attempts = 0  # rank 0: listings of the last search
         self._transient = False  # a copy failed otherwise than by its integrity check (see `restore`)
         self._mismatch: str | None = None  # the first copy whose keys or shapes did not fit the state
+        # `sdc` on: certified checkpoints (the replicas agreed at their step) come before any newer
+        # uncertified one, which may carry a corruption the replicas disagreed on (`training.sdc`).
+        self.prefer_certified = False
 
     def restore(self, state: dict[str, Any], *, required: str | None = None) -> RestoreResult | None:
         """Load the newest valid checkpoint into `state` in place; None when this job has none.
@@ -305,6 +319,7 @@ class RestoreSearch:
             seconds=time.perf_counter() - start,
             source=source,
             extra=dict(cand.manifest.extra),
+            certified=cand.manifest.certified,
         )
 
     def _load(self, state: dict[str, Any], cand: Candidate, view: _StoreView, name: str) -> str | None:
@@ -455,7 +470,7 @@ class RestoreSearch:
                 key = (step, manifest.generation, manifest.run_id)
                 if key not in found:
                     found[key] = Candidate(step, manifest, [])
-        return sorted(found.values(), key=lambda c: (c.step, c.manifest.generation, c.manifest.time), reverse=True)
+        return order_candidates(list(found.values()), prefer_certified=self.prefer_certified)
 
     def _node_local_copy(self, cand: Candidate) -> _StoreView | None:
         """Collective: this node's node-local copy of `cand` when every node holds all its files (sizes)."""

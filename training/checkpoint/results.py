@@ -58,6 +58,7 @@ class RestoreResult:
     seconds: float
     source: str  # "store" | "node-local" | "init" (a `checkpoint.initFrom` warm start)
     extra: dict[str, Any] = field(default_factory=dict)  # the manifest's `extra` (untrusted: validate before use)
+    certified: bool | None = None  # the manifest's `certified` (`training.sdc`)
 
 
 @dataclass

@@ -132,6 +132,9 @@ class SavePipeline:
         self._reflink_ok: dict[int, bool] = {}  # filesystem -> whether reflinks work on it
         # Plain JSON facts the trainer adds to every manifest from now on (`CheckpointManager.manifest_extra`).
         self.manifest_extra: dict[str, Any] = {}
+        # Step -> whether the replicas agreed at it (`CheckpointManager.certify`); by step, since an
+        # asynchronous save commits after later steps have run.
+        self.certified: dict[int, bool] = {}
         self._retention_due: list[tuple[CheckpointStorage, Manifest]] = []  # `_commit` -> `retire`
 
     def close(self) -> None:
@@ -300,6 +303,7 @@ class SavePipeline:
             restart_count=ident.generation,
             writer=writer,
             extra=dict(self.manifest_extra),
+            certified=self.certified.pop(step, None),
             digest_part_bytes=DIGEST_PART_BYTES,
             digest_algorithm=DIGEST_ALGORITHM,
         )

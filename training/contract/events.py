@@ -34,6 +34,7 @@ __all__ = [
     "Profile",
     "Recovery",
     "Restore",
+    "Sdc",
     "Stacks",
     "Start",
     "StepTimes",
@@ -67,6 +68,7 @@ class EventKind(str, enum.Enum):
     RECOVERY = "recovery"  # the group recovered from a lost rank: in place (spare) or by a group restart
     PREEMPTED = "preempted"  # SIGTERM (eviction, spot notice, Ctrl-C): stopped after an emergency checkpoint
     PROFILE = "profile"  # `metrics.profile`: this rank captured steps with torch.profiler (trace, table)
+    SDC = "sdc"  # rank 0: the data-parallel replicas' fingerprints disagreed (`training.sdc`)
 
     def __str__(self) -> str:
         return self.value
@@ -109,6 +111,7 @@ class Restore:
     store: str
     seconds: float
     source: str = "store"  # "store" | "node-local"
+    certified: bool | None = None  # the manifest's `certified` (None: written without `sdc`)
     kind: EventKind = field(default=EventKind.RESTORE, init=False, repr=False)
 
 
@@ -194,6 +197,26 @@ class Straggler:
     threshold: float
     ratios: list[float] = field(default_factory=list)
     kind: EventKind = field(default=EventKind.STRAGGLER, init=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Sdc:
+    """Rank 0: the replicas' fingerprints disagreed at `step` (`training.sdc`); the group restarts from the
+    newest certified checkpoint.
+
+    `suspects` are the ranks outside the majority (`decided`), or, with no majority (two ranks), every
+    rank outside the largest group (`decided` false: `detail` says so); `suspect_hosts` their host names
+    (a pod's name on Kubernetes); `fingerprints` every rank's, by rank (16 hex digits).
+    """
+
+    step: int
+    suspects: list[int]
+    suspect_hosts: list[str]
+    decided: bool
+    fingerprints: list[str]
+    last_agreed_step: int | None
+    detail: str
+    kind: EventKind = field(default=EventKind.SDC, init=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -339,6 +362,7 @@ Payload = (
     | FirstStep
     | StepTimes
     | Straggler
+    | Sdc
     | Stacks
     | Watchdog
     | Fault

@@ -35,7 +35,12 @@ for SIGKILL, an OOM kill or a lost node; 143 for SIGTERM, a preemption). torchri
   rank stops rather than start over from step 0 (`checkpoint.resume: never` starts over on purpose);
   a later start may find it back.
 
-200 to 205 lie above 128 + 64 (the highest signal), so they are never mistaken for a signal death.
+- `SDC_DETECTED` (206): the data-parallel replicas' fingerprints disagreed (`training.sdc`: silent data
+  corruption, an `sdc` event names the suspects). Retryable: the group restarts from the newest
+  certified checkpoint (one whose replicas agreed); an in-place host passes it through, since every
+  rank's state may carry the corruption and no survivor's can be trusted.
+
+200 to 206 lie above 128 + 64 (the highest signal), so they are never mistaken for a signal death.
 `torchrun` itself exits 1 when its worker group failed and it has no restart left: under a PyTorchJob
 (where torchrun owns the restart budget) that is permanent, as it should be; the TrainJob, whose restarts
 belong to its JobSet, fails its Job only on `PERMANENT` codes and restarts on the rest.
@@ -64,6 +69,7 @@ class ExitCode(IntEnum):
     PREEMPTED = 202  # stopped on SIGTERM after an emergency checkpoint (training.preemption)
     STORE_LOST = 204  # torchrun's agent lost its rendezvous store (its host pod died): restart the job
     STORE_UNAVAILABLE = 205  # restore: a checkpoint store could not be read, none that could holds one
+    SDC_DETECTED = 206  # the replicas disagreed (training.sdc): restart from the newest certified checkpoint
 
     @property
     def retryable(self) -> bool:

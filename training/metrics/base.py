@@ -73,6 +73,7 @@ class RestoreRecord:
     store: str
     seconds: float
     source: str = "store"  # "store" or "node-local"
+    certified: bool | None = None  # the manifest's `certified` (None: written without `sdc`)
 
 
 class MetricsSink:

@@ -216,7 +216,15 @@ class EventsJsonlSink(MetricsSink):
         self.emit(StoreFailure(store=store, error=error))
 
     def on_restore(self, record: RestoreRecord) -> None:
-        self.emit(Restore(step=record.step, store=record.store, seconds=record.seconds, source=record.source))
+        self.emit(
+            Restore(
+                step=record.step,
+                store=record.store,
+                seconds=record.seconds,
+                source=record.source,
+                certified=record.certified,
+            )
+        )
 
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
         self.emit(Eval(step=step, metrics=metrics))

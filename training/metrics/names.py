@@ -84,6 +84,9 @@ RESTORE_DURATION: Final = "torchrig_restore_duration_seconds"  # gauge: last res
 RANK_SLOWDOWN = "torchrig_rank_slowdown_ratio"  # gauge: this rank's compute time over the median rank's
 STRAGGLER_RANK = "torchrig_straggler_rank"  # gauge: the slowest rank over metrics.stragglerThreshold, else -1
 
+# -- silent data corruption (training.sdc) ---------------------------------------------------------
+SDC_DETECTED: Final = "torchrig_sdc_detected_total"  # counter (rank 0): the replicas' fingerprints disagreed
+
 # -- evaluation and events --------------------------------------------------------------------------
 EVAL_METRIC: Final = "torchrig_eval_metric"  # gauge by metric
 EVENTS: Final = "torchrig_events_total"  # counter by event (fixed set)
@@ -107,6 +110,7 @@ EVENT_NAMES: Final = frozenset(
         str(EventKind.FINISHED),
         str(EventKind.STRAGGLER),
         str(EventKind.STACKS),
+        str(EventKind.SDC),
         OTHER_EVENT,
     }
 )

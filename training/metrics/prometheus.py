@@ -274,6 +274,10 @@ class PrometheusSink(MetricsSink):
             names.STRAGGLER_RANK, "The slowest rank when its slowdown exceeds metrics.stragglerThreshold, else -1."
         ).labels(*v)
         self._straggler.set(-1)
+        self._sdc = counter(
+            names.SDC_DETECTED,
+            "Replica disagreements (silent data corruption) found by sdc.every checks; rank 0 counts them.",
+        ).labels(*v)
 
         now = time.time()
         self._start_time.set(now)
@@ -441,6 +445,8 @@ class PrometheusSink(MetricsSink):
     def on_event(self, event: EventKind | str, **fields: Any) -> None:
         label = str(event) if str(event) in names.EVENT_NAMES else names.OTHER_EVENT
         self._events.labels(*self._base_values, label).inc()
+        if str(event) == str(EventKind.SDC):
+            self._sdc.inc()
 
     def close(self) -> None:
         """Stop serving (idempotent)."""
