@@ -27,12 +27,17 @@ def test_required_alerts_are_complete() -> None:
         "TorchrigRestartsTooFrequent",
         "TorchrigCheckpointStoreFailing",
         "TorchrigStraggler",
+        "TorchrigSilentDataCorruption",
     }
     assert required <= set(by_name)
     for name, rule in by_name.items():
         assert rule["labels"]["severity"] in {"warning", "critical"}, name
         assert rule["annotations"]["summary"] and rule["annotations"]["description"], name
-        assert "for" in rule or name in {"TorchrigRestartsTooFrequent", "TorchrigRestartBudgetNearlyExhausted"}, name
+        assert "for" in rule or name in {
+            "TorchrigRestartsTooFrequent",
+            "TorchrigRestartBudgetNearlyExhausted",
+            "TorchrigSilentDataCorruption",  # one disagreement is enough: no `for`
+        }, name
     assert "quantile_over_time(0.5" in by_name["TorchrigThroughputDropped"]["expr"]
     assert names.LAST_STEP_TIMESTAMP in by_name["TorchrigTrainingStalled"]["expr"]
     assert names.STRAGGLER_RANK in by_name["TorchrigStraggler"]["expr"]

@@ -323,3 +323,34 @@ def test_restore_prefers_the_newest_certified_checkpoint() -> None:
     candidates = [Candidate(s, manifest(s, c), [0]) for s, c in ((10, True), (20, True), (30, None), (40, False))]
     assert [c.step for c in order_candidates(candidates)] == [40, 30, 20, 10]
     assert [c.step for c in order_candidates(candidates, prefer_certified=True)] == [20, 10, 40, 30]
+
+
+# -- the metric -----------------------------------------------------------------------------------------
+def test_the_sdc_counter_counts_and_carries_over_a_restart_in_the_run_directory(tmp_path: Any) -> None:
+    from training.contract import RunFiles
+    from training.contract.events import Sdc
+    from training.metrics import names
+    from training.metrics.jsonl import EventsJsonlSink
+    from training.metrics.prometheus import PrometheusSink
+
+    identity = WorkerIdentity(job="j", rank=0, world_size=2, node="n", run_dir=str(tmp_path))
+    labels = {"training_job": "j", "rank": "0", "node": "n"}
+    first = PrometheusSink(identity)
+    events = EventsJsonlSink(str(tmp_path), identity, log_every=10)
+    try:
+        assert first.registry.get_sample_value(names.SDC_DETECTED, labels) == 0  # exported from the start
+        event = Sdc(
+            step=7, suspects=[1], suspect_hosts=["h"], decided=True, fingerprints=[], last_agreed_step=5, detail=""
+        )
+        first.emit(event)
+        events.emit(event)
+        assert first.registry.get_sample_value(names.SDC_DETECTED, labels) == 1
+    finally:
+        first.close()
+        events.close()
+    assert RunFiles(str(tmp_path)).events.exists()
+    successor = PrometheusSink(identity)  # the restarted rank 0, in the same run directory
+    try:
+        assert successor.registry.get_sample_value(names.SDC_DETECTED, labels) == 1
+    finally:
+        successor.close()

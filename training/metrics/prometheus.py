@@ -28,12 +28,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Metr
 from prometheus_client.registry import Collector
 
 from training import __version__
-from training.contract import Env, EventKind, WorkerIdentity
+from training.contract import Env, EventKind, RunFiles, WorkerIdentity
+from training.contract.events import read_events
 from training.metrics import names
 from training.metrics.base import CheckpointRecord, MetricsSink, RestoreRecord, SlowdownRecord, StepRecord
 from training.metrics.gpu import GpuCollector, GpuReader
 
-__all__ = ["PORT_ATTEMPTS", "PrometheusSink", "default_bind_address"]
+__all__ = ["PORT_ATTEMPTS", "PrometheusSink", "default_bind_address", "prior_sdc_events"]
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,11 @@ class _StepHistogram(Collector):
                 elif sample.name.endswith("_sum"):
                     metric.samples[i] = sample._replace(value=total)
         return metrics
+
+
+def prior_sdc_events(path: str | os.PathLike[str]) -> int:
+    """How many `sdc` events an events.jsonl holds (0 when there is none yet)."""
+    return sum(1 for event in read_events(path) if event.kind == EventKind.SDC)
 
 
 def default_bind_address(configured: str | None) -> str:
@@ -278,6 +284,10 @@ class PrometheusSink(MetricsSink):
             names.SDC_DETECTED,
             "Replica disagreements (silent data corruption) found by sdc.every checks; rank 0 counts them.",
         ).labels(*v)
+        if identity.is_leader and identity.run_dir is not None:
+            # The rank that finds a disagreement exits at once (exit 206), before a scrape sees its count: its
+            # successor in the run directory starts from the `sdc` events there, so the counter still rises.
+            self._sdc.inc(prior_sdc_events(RunFiles(identity.run_dir).events))
 
         now = time.time()
         self._start_time.set(now)
