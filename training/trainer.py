@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import math
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -32,11 +31,11 @@ from training.evaluation import evaluate
 from training.faults import FaultInjector
 from training.metrics.base import MetricsSink, StepRecord
 from training.metrics.straggler import create_straggler_detector
-from training.optim import build_optimizer, lr_at
+from training.optim import lr_at
 from training.profiling import create_step_profiler
 from training.sdc import create_sdc_monitor, fingerprint
 from training.state import ModelOptimizerState, TrainerProgress, full_params_sha256
-from training.strategies import Parallel, clip_grad_norm, ddp_bucket_order, parallelize, rewrap_ddp, unwrap_ddp
+from training.strategies import Parallel, clip_grad_norm, ddp_bucket_order, rewrap_ddp
 from training.task import Task
 from training.watchdog import StepWatchdog
 
@@ -80,22 +79,6 @@ def control_group(checkpoints: CheckpointManagerLike | None) -> Any:
 
 
 MANIFEST_BUCKETS = "ddp_buckets"  # manifest `extra`: DDP's rebuilt bucket layout (`_publish_bucket_order`)
-ABANDON_WAIT_S = 5.0  # how long a recovery waits for the broken group's checkpoint manager to close
-
-
-def _abandon(checkpoints: CheckpointManagerLike, limit_s: float) -> None:
-    """Close the broken group's checkpoint manager (a save in flight fails with its group), waiting at
-    most `limit_s`: a manager that does not close in time is left to its daemon thread."""
-
-    def close() -> None:
-        try:
-            checkpoints.close()
-        except Exception:
-            log.debug("closing the broken group's checkpoint manager failed", exc_info=True)
-
-    closer = threading.Thread(target=close, name="torchrig-abandon-ckpt", daemon=True)
-    closer.start()
-    closer.join(timeout=limit_s)
 
 
 class Trainer:
@@ -317,7 +300,9 @@ class Trainer:
         # The whole recovery (leaving the broken group, abandoning its checkpoint manager, forming the
         # next one) runs under the in-place limit, not the step timeout: this rank is not hung.
         with self.watchdog.io(limit * 3):
-            self._recover_in_place(group, failure, limit)
+            from training.inplace import survivor
+
+            survivor.recover_trainer(self, group, failure, limit, control_group=control_group)
         self.par.comm.failed = False
 
     def _snapshot(self) -> None:
@@ -331,120 +316,6 @@ class Trainer:
                 self.replicas.blocked_s,
                 self.replicas.last_s,
             )
-
-    def _rebuild_sharded(self) -> tuple[Parallel, torch.optim.Optimizer]:
-        """A new model and optimizer on the new group, as a restarted worker builds them (its state comes
-        from the in-memory replicas next)."""
-        from training.inplace import sockets
-
-        device = self.par.device
-        torch.manual_seed(self.cfg.seed)
-        model = self.task.build_model()
-        with sockets.recording():  # HSDP's mesh creates groups: cut on the next failure like the rest
-            par = parallelize(model, self.task.blocks(model), self.cfg, self.identity, device)
-        return par, build_optimizer(par.model, self.cfg.optimizer)
-
-    def _recover_in_place(self, group: InPlaceGroup, failure: str, limit: float) -> None:
-        from training.inplace import survivor
-        from training.inplace.group import StateSync
-
-        start, cpu_start = time.perf_counter(), time.thread_time()
-        phases: dict[str, float] = {}
-
-        def mark(phase: str) -> None:
-            phases[phase] = round(time.perf_counter() - start, 4)
-            log.debug("in-place: %s at %.3f s", phase, phases[phase])
-
-        print(
-            f"torchrig: in-place: rank {self.identity.rank}: collective failed after step {self.progress.step} "
-            f"({failure}); re-forming the group",
-            file=sys.stderr,
-            flush=True,
-        )
-        sharded = self.replicas is not None
-        synced: list[StateSync] = []  # what SYNC found
-
-        def leave() -> None:
-            old_checkpoints, self.checkpoints = self.checkpoints, None
-            # Drop every reference to the broken groups before destroying them (DDP's reducer would keep them
-            # alive); `group.leave` first cuts their connections, which wakes the survivors blocked on us.
-            if sharded:
-                self.state["app"] = None  # the old model and optimizer go with the broken group
-            else:
-                unwrap_ddp(self.par)
-                self.state["app"] = ModelOptimizerState(self.par.module, self.optimizer)
-            if self.preemption is not None:
-                self.preemption.disconnect()
-            if self.replicas is not None:
-                self.replicas.disconnect()
-            group.leave()
-            mark("destroyed")
-            if self.replicas is not None:  # its exchange in flight fails on the cut connections
-                self.replicas.abandon(min(limit, ABANDON_WAIT_S))
-            if old_checkpoints is not None:
-                _abandon(old_checkpoints, min(limit, ABANDON_WAIT_S))
-                del old_checkpoints
-            mark("left")
-
-        def form() -> None:
-            preemption = self.preemption
-            group.form(generation, cancelled=lambda: preemption is not None and preemption.requested)
-            mark("formed")
-
-        def sync() -> None:
-            if self.replicas is not None:
-                with group.ledger.recording():
-                    self.replicas.connect()
-                reached = self.progress.step
-                self.par, self.optimizer = self._rebuild_sharded()
-                self.state["app"] = ModelOptimizerState(self.par.model, self.optimizer)
-                plan = self.replicas.sync(self.state, has_state=True, at=reached)
-                found = StateSync(
-                    step=plan.step, source=-1, replaced=sorted(plan.sends), progress=self.progress.state_dict()
-                )
-            else:
-                found = group.sync_state(
-                    self.par.module, self.optimizer, self.progress, has_state=True, bucket_order=self.par.bucket_order
-                )
-                self.par.bucket_order = found.bucket_order
-                rewrap_ddp(self.par)
-                self.state["app"] = ModelOptimizerState(self.par.model, self.optimizer)
-            synced.append(found)
-            mark("state")
-
-        def rewire() -> None:
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.checkpoint_factory is not None:
-                self.checkpoints = self.checkpoint_factory()
-            mark("checkpoints")
-            if self.preemption is not None:
-                self.preemption.reconnect(control_group(self.checkpoints))
-            mark("preemption")
-
-        generation = group.generation + 1
-        # LEAVE -> FORM -> SYNC -> REWIRE -> RESUMED; a failure after LEAVE is `RecoveryFailed` (the fallback).
-        survivor.recover(survivor.Phases(leave=leave, form=form, sync=sync, rewire=rewire), generation)
-        seconds = round(time.perf_counter() - start, 3)
-        self.sink.emit(
-            Recovery(
-                path="inplace",
-                step=synced[0].step,
-                seconds=seconds,
-                inplace_generation=group.generation,
-                replaced_ranks=synced[0].replaced,
-                role="survivor",
-                source="replica" if sharded else "peer",
-                cpu_s=round(time.thread_time() - cpu_start, 3),
-                phases=phases,
-            )
-        )
-        self.watchdog.beat(self.progress.step)
-        print(
-            f"torchrig: in-place: rank {self.identity.rank}: generation {group.generation} formed in {seconds:.2f} s, "
-            f"resuming after step {synced[0].step} (replaced ranks {synced[0].replaced})",
-            file=sys.stderr,
-            flush=True,
-        )
 
     def _feed(self) -> _Feed:
         cfg, identity, progress = self.cfg, self.identity, self.progress

@@ -112,6 +112,17 @@ def test_exit_codes_come_only_from_decisions(module: str) -> None:
     assert not chosen, "exit codes chosen outside training.inplace.protocol:\n" + "\n".join(chosen)
 
 
+@pytest.mark.parametrize("module", MODULES)
+def test_no_exit_code_is_even_named(module: str) -> None:
+    """The exit codes' names (`ExitCode`, `PERMANENT`, ...) appear nowhere in these modules' code (their
+    docstrings aside): what a code means to recovery is the protocol's."""
+    tree = ast.parse((ROOT / module).read_text())
+    names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    attrs = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names}
+    assert not CODE_NAMES & (names | attrs | imported), module
+
+
 def test_every_allowance_is_still_needed() -> None:
     """An allowance whose function no longer spells a code goes (the list only shrinks with the code)."""
     used = {(module, function) for module in MODULES for function, _, _ in _exit_codes((ROOT / module).read_text())}

@@ -28,6 +28,7 @@ from training.contract import Env, WorkerIdentity
 from training.contract.orders import Assignment
 from training.inplace import FORGED_RETRY_S, InPlace
 from training.inplace.group import freeze_heap
+from training.inplace.protocol import Promote, SpareObservation, SpareState, StandDown, decide_spare
 from training.optim import build_optimizer
 from training.strategies import Parallel, ddp_wrap, parallelize
 from training.task import load_task
@@ -72,11 +73,22 @@ def _wait_assignment(inplace: InPlace, store: Any, index: int) -> Assignment:
     threading.Thread(target=wait, name="torchrig-assign", daemon=True).start()
     while not done.wait(1.0):
         pass
-    if failed:
-        raise failed[0]
-    while (assignment := inplace.read_order(store, key, Assignment.parse)) is None:
+    while True:
+        assignment: Assignment | None = None
+        try:
+            if failed:
+                raise failed[0]
+            assignment = inplace.read_order(store, key, Assignment.parse)
+            seen = SpareObservation(assigned=assignment is not None)
+        except Exception as exc:
+            failed[:] = [exc]
+            seen = SpareObservation(store_failed=f"{type(exc).__name__}: {exc}")
+        decision = decide_spare(SpareState.READY, seen)
+        if isinstance(decision, Promote) and assignment is not None:
+            return assignment
+        if isinstance(decision, StandDown):
+            raise failed[0]  # this process ends on the store's error (`training.entry`: the decision's code)
         time.sleep(FORGED_RETRY_S)
-    return assignment
 
 
 CONNECT_ATTEMPT_S = 5.0  # one attempt at the store; a spare retries until the in-place timeout
@@ -190,8 +202,15 @@ def run_spare(spec: WorkerSpec, inplace: InPlace, *, run_dir: str) -> dict[str, 
     _preimport(spec)
     gc.collect()  # the rehearsal's garbage, before the rest is frozen
     freeze_heap()  # a recovery's gc.collect then skips everything built so far
-    store = _connect(inplace)
-    inplace.write(store, inplace.spare_key(index, "ready"), str(os.getpid()))
+    try:
+        store = _connect(inplace)
+        inplace.write(store, inplace.spare_key(index, "ready"), str(os.getpid()))
+    except Exception as exc:
+        # Unreachable within the in-place timeout: the spare ends on the store's error (`training.entry`
+        # exits with the decision's code, `TRAINING_FAILED`); its host's pool starts another.
+        decision = decide_spare(SpareState.WARMING, SpareObservation(store_failed=f"{type(exc).__name__}: {exc}"))
+        assert isinstance(decision, StandDown), decision
+        raise
     log.info("spare %d: ready (pid %d)", index, os.getpid())
     assignment = _wait_assignment(inplace, store, index)
     assigned_at, assigned_cpu, modules = time.perf_counter(), time.thread_time(), frozenset(sys.modules)
