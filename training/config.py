@@ -199,8 +199,42 @@ class RestartsConfig(Model):
             "Watchdog: a rank that completes no step for this long exits, so the launcher restarts the "
             "group from the last checkpoint (hang detection). Covers the first step too; start-up (process group, "
             "model, opening the stores) has the larger of this and `checkpoint.ioTimeoutSeconds`, and "
-            "checkpoint I/O has its own limit, `checkpoint.ioTimeoutSeconds`."
+            "checkpoint I/O has its own limit, `checkpoint.ioTimeoutSeconds`. With `hangDetection: auto` this is "
+            "the cap of the derived step deadline."
         ),
+    )
+    hang_detection: Literal["auto", "fixed"] = Field(
+        default="auto",
+        description=(
+            "`auto`: each rank derives its step deadline from the intervals between the steps it completed "
+            "(hangMultiplier x their p99, at least hangFloorSeconds, at most stepTimeoutSeconds), so a hung "
+            "rank is ended in seconds instead of after stepTimeoutSeconds; the first hangWarmupSteps steps, "
+            "checkpoint I/O, start-up, recoveries and the final evaluation are not judged by it, and the first "
+            "step after any of these has a deadline of its own (torchrig_step_deadline_seconds shows both). "
+            "`fixed`: every step has stepTimeoutSeconds."
+        ),
+    )
+    hang_multiplier: float = Field(
+        default=10.0,
+        ge=2.0,
+        le=1000.0,
+        description="`hangDetection: auto`: the step deadline is this multiple of the p99 of recent step intervals.",
+    )
+    hang_floor_seconds: float = Field(
+        default=1.0,
+        gt=0,
+        le=MAX_TIMEOUT_S,
+        description=(
+            "`hangDetection: auto`: the shortest step deadline, whatever the step times (a loaded host, a "
+            "garbage collection or a slow collective must not look like a hang). Raise it when a job's steps "
+            "vary a lot after warm-up."
+        ),
+    )
+    hang_warmup_steps: int = Field(
+        default=20,
+        ge=5,
+        le=1000,
+        description="`hangDetection: auto`: steps each rank completes (per process) before its deadline is derived.",
     )
     preempt_grace_seconds: float = Field(
         default=30.0,

@@ -163,7 +163,8 @@ class Trainer:
         self.watchdog.beat(self.progress.step)
         final_loss, samples_per_s = self.train()
         self.watchdog.beat(self.progress.step)
-        eval_metrics = self.evaluate() if self.cfg.eval_at_end else {}
+        with self.watchdog.fixed("evaluation"):  # no step: never judged by a deadline derived from steps
+            eval_metrics = self.evaluate() if self.cfg.eval_at_end else {}
         self.watchdog.beat(self.progress.step)
         self.close()
         result = Result(
@@ -257,16 +258,18 @@ class Trainer:
         self._snapshot()  # FSDP in place: a replica of the starting state (restored or fresh)
         while self.progress.step < self.cfg.steps:
             try:
-                if self.profiler is not None:
-                    self.profiler.before_step(self.progress.step + 1)
+                if self.profiler is not None and not self.profiler.done:  # its start and export are no step
+                    with self.watchdog.fixed("profile"):
+                        self.profiler.before_step(self.progress.step + 1)
                 record = self.step(self.progress.step + 1, feed)
                 train_s += record.step_s
                 if not stepped and self.inplace is not None:
                     self.inplace.mark_stepped()
                 stepped = True
                 self.after_step(record)
-                if self.profiler is not None:
-                    self.profiler.after_step(record.step)
+                if self.profiler is not None and not self.profiler.done:
+                    with self.watchdog.fixed("profile"):
+                        self.profiler.after_step(record.step)
                 continue
             except Exception as exc:
                 from training.inplace.group import is_peer_failure

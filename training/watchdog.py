@@ -18,6 +18,13 @@ still importing torch are not a hang.
 Before that, at `DUMP_AT` of the timeout, every rank dumps its stacks (`training.stacks`): all ranks
 of a hung group fall silent at the same step, so each writes its dump while every peer is still alive
 (a rank that exits first would turn its peers' blocked collective into an error, and no dump).
+
+With `restarts.hangDetection: auto` (the default) a step's limit is not the fixed timeout but a
+deadline derived from the steps this rank completed so far (`training.deadlines`: a multiple of their
+p99 with a floor, the fixed timeout as the cap, warm-up and the first step after each phase above
+apart), so a hang is detected in seconds. Other phases that are no step (the final evaluation, a
+profiler's capture) run under `with watchdog.fixed(phase):` and keep the fixed timeout. The deadlines
+are published as `torchrig_step_deadline_seconds{phase=...}` (`MetricsSink.on_deadlines`).
 """
 
 from __future__ import annotations
@@ -29,32 +36,67 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from training.contract.events import EventKind, Watchdog
 from training.contract.exit_codes import ExitCode
+from training.deadlines import FIRST_STEP, STEP, DeadlinePolicy, StepDeadlines
 from training.metrics.base import MetricsSink
 
 if TYPE_CHECKING:
     from training.stacks import StackDumper
 
-__all__ = ["DUMP_AT", "WATCHDOG_EXIT_CODE", "StepWatchdog"]
+__all__ = ["DUMP_AT", "WATCHDOG_EXIT_CODE", "Overdue", "StepWatchdog"]
 
 log = logging.getLogger(__name__)
 
 WATCHDOG_EXIT_CODE = int(ExitCode.HUNG)  # 201: retryable (>= 128) and no signal death (training.contract)
 DUMP_AT = 0.75  # share of the timeout after which a silent rank dumps its stacks (once per silence)
+POLL_MAX_S = 0.25  # the thread checks at a twentieth of the current limit, within these bounds
+POLL_MIN_S = 0.01
+
+
+@dataclass(frozen=True)
+class Overdue:
+    """What the watchdog found: a silence past the limit of the phase it fell into."""
+
+    silent_s: float
+    timeout_s: float
+    setting: str  # the setting that names the limit
+    phase: str  # "step", "first_step", "checkpoint_io", "startup", or a `fixed` phase's name
+
+    def describe(self) -> str:
+        """What went silent for how long, and the limit, for the log line before the exit."""
+        what = _WHAT.get(self.phase, f"{self.phase.replace('_', ' ')} unfinished")
+        if self.setting == AUTO_SETTING:
+            limit = f"a deadline of {self.timeout_s:.3g}s derived from the steps so far, {AUTO_SETTING}"
+        else:
+            limit = f"{self.setting}={self.timeout_s}"
+        return f"{what} for {self.silent_s:.1f}s ({limit})"
+
+
+_WHAT = {
+    STEP: "no step completed",
+    FIRST_STEP: "no step completed",
+    "startup": "start-up unfinished",
+    "checkpoint_io": "checkpoint I/O unfinished",
+}
+AUTO_SETTING = "restarts.hangDetection: auto"
 
 
 class StepWatchdog:
-    """Background thread that kills the process when `beat()` is not called for `timeout_s`.
+    """Background thread that kills the process when `beat()` is not called within the current limit.
 
     Args:
-        timeout_s: Seconds without a completed step (the first period also covers start-up and restore).
-        events: Where the `watchdog` event goes before the exit.
-        poll_s: Check interval (default: a tenth of the timeout, at most 0.25 s: a hang is detected at
-            most that late, and in-place recovery's target is the timeout + 1 s).
+        timeout_s: Seconds without a completed step (`restarts.stepTimeoutSeconds`; the cap of derived
+            deadlines).
+        events: Where the `watchdog` event goes before the exit, and where the deadlines are published.
+        poll_s: Check interval (default: a twentieth of the current limit, at most 0.25 s and at least
+            0.01 s: a hang is detected at most that late).
         stacks: Dumps this rank's stacks before the exit (None: no dump).
+        policy: How a step's deadline follows from the steps seen (None: always `timeout_s`).
+        clock: The monotonic clock (tests pass a fake one and call `overdue` without the thread).
     """
 
     def __init__(
@@ -64,16 +106,24 @@ class StepWatchdog:
         *,
         poll_s: float | None = None,
         stacks: StackDumper | None = None,
+        policy: DeadlinePolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.timeout_s = timeout_s
-        # (seconds, the setting that names them, the phase): replaced whole, so the thread reads a
-        # consistent pair; `io` switches it for the duration of checkpoint I/O.
-        self._limit: tuple[float, str, str] = (timeout_s, "restarts.stepTimeoutSeconds", "step")
+        self.policy = policy if policy is not None else DeadlinePolicy(auto=False, cap_s=timeout_s)
+        self.deadlines = StepDeadlines(self.policy)
+        self.clock = clock
+        # (seconds, the setting that names them, the phase) of a phase that is no step, replaced whole
+        # so the thread reads a consistent triple; None: a step, judged by `deadlines`.
+        self._limit: tuple[float, str, str] | None = None
+        self._depth = 0  # nested phases (`io` inside a recovery's `io`)
+        self._phases: dict[str, float] = {}  # the last limit of each phase, for the gauge
+        self._published: dict[str, float] = {}
         self.events = events
         self.stacks = stacks
         self._dumped_for: float | None = None  # the beat whose silence was dumped
-        self.poll_s = poll_s if poll_s is not None else min(0.25, timeout_s / 10)
-        self._last = time.monotonic()
+        self.poll_s = poll_s
+        self._last = clock()
         self._step = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="torchrig-watchdog", daemon=True)
@@ -84,15 +134,31 @@ class StepWatchdog:
         self.waiting_grace_s = 0.0
 
     def start(self) -> StepWatchdog:
-        self._last = time.monotonic()
+        self._last = self.clock()
         self._thread.start()
         return self
 
     def beat(self, step: int | None = None) -> None:
         """A step completed (or a long phase such as the final evaluation begins)."""
-        self._last = time.monotonic()
+        now = self.clock()
+        self._last = now
+        if self._depth == 0:
+            self.deadlines.beat(now, step)
         if step is not None:
             self._step = step
+
+    def limit(self) -> tuple[float, str, str]:
+        """(seconds, the setting that names them, the phase) that judge the silence now."""
+        fixed = self._limit
+        if fixed is not None:
+            return fixed
+        deadlines = self.deadlines
+        if not self.policy.auto:  # one limit for every step: no first steps apart
+            return self.timeout_s, "restarts.stepTimeoutSeconds", STEP
+        phase, seconds = deadlines.phase, deadlines.deadline_s
+        if seconds < self.timeout_s:
+            return seconds, AUTO_SETTING, phase
+        return seconds, "restarts.stepTimeoutSeconds", phase
 
     @contextlib.contextmanager
     def io(self, timeout_s: float) -> Iterator[None]:
@@ -115,22 +181,61 @@ class StepWatchdog:
             yield
 
     @contextlib.contextmanager
+    def fixed(self, phase: str) -> Iterator[None]:
+        """A phase that is no step and has no limit of its own (the final evaluation, a profiler's
+        capture): the fixed `restarts.stepTimeoutSeconds`, never a deadline derived from steps."""
+        with self._phase(self.timeout_s, "restarts.stepTimeoutSeconds", phase):
+            yield
+
+    @contextlib.contextmanager
     def _phase(self, timeout_s: float, setting: str, phase: str) -> Iterator[None]:
         previous = self._limit
         # The thread reads `_limit` before `_last`: setting `_last` first means it never pairs the
         # old silence with a shorter limit (here or when the block ends).
-        self._last = time.monotonic()
+        self._last = self.clock()
+        self._depth += 1
+        self.deadlines.pause()
         self._limit = (timeout_s, setting, phase)
+        self._phases[phase] = timeout_s
         try:
             yield
         finally:
-            self._last = time.monotonic()
+            now = self.clock()
+            self._last = now
+            self._depth -= 1
+            if self._depth == 0:
+                self.deadlines.resume(now)
             self._limit = previous
 
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+        if self.policy.auto:
+            log.info("watchdog: %s", self.deadlines.summary())
+
+    def deadline_gauges(self) -> dict[str, float]:
+        """Each phase's current limit in seconds: `step` and `first_step` (derived or the cap),
+        `collective` (a step's deadline plus the in-place grace of a rank waiting for its peers, where
+        in place), and the last limit of every other phase entered so far."""
+        deadlines = self.deadlines
+        out = {STEP: deadlines.step_s, FIRST_STEP: deadlines.first_step_s, **self._phases}
+        if self.waiting is not None:
+            out["collective"] = deadlines.step_s + self.waiting_grace_s
+        return out
+
+    def overdue(self) -> Overdue | None:
+        """The silence now, when it is past the current limit (None: within it, or a rank of an in-place
+        group waiting in a collective for a peer, within its grace)."""
+        timeout_s, setting, phase = self.limit()
+        silent = self.clock() - self._last
+        if silent <= timeout_s:
+            return None
+        if phase in (STEP, FIRST_STEP) and silent <= timeout_s + self.waiting_grace_s:
+            waiting = self.waiting
+            if waiting is not None and waiting():
+                return None
+        return Overdue(silent_s=silent, timeout_s=timeout_s, setting=setting, phase=phase)
 
     def _dump(self) -> None:
         last = self._last
@@ -142,26 +247,39 @@ class StepWatchdog:
         except Exception:  # forensics must never keep a hung rank from exiting
             log.exception("the stack dump failed")
 
+    def _publish(self) -> None:
+        gauges = self.deadline_gauges()
+        if gauges != self._published:
+            self._published = gauges
+            try:
+                self.events.on_deadlines(dict(gauges))
+            except Exception:  # a metrics problem must never stop the watchdog
+                log.debug("publishing the deadlines failed", exc_info=True)
+
+    def _poll(self) -> float:
+        if self.poll_s is not None:
+            return self.poll_s
+        return min(POLL_MAX_S, max(POLL_MIN_S, self.limit()[0] / 20))
+
     def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            timeout_s, setting, phase = self._limit
-            silent = time.monotonic() - self._last
-            if silent > timeout_s * DUMP_AT:
+        while not self._stop.wait(self._poll()):
+            self._publish()
+            timeout_s = self.limit()[0]
+            if self.clock() - self._last > timeout_s * DUMP_AT:
                 self._dump()
-            if silent > timeout_s and phase == "step" and silent <= timeout_s + self.waiting_grace_s:
-                waiting = self.waiting
-                if waiting is not None and waiting():
-                    continue
-            if silent > timeout_s:
-                self._dump()  # when a poll jumped straight past DUMP_AT
-                self.events.emit(Watchdog(step=self._step, silent_s=round(silent, 3), timeout_s=timeout_s, phase=phase))
-                what = {"step": "no step completed", "startup": "start-up unfinished"}.get(
-                    phase, "checkpoint I/O unfinished"
+            found = self.overdue()
+            if found is None:
+                continue
+            self._dump()  # when a poll jumped straight past DUMP_AT
+            self.events.emit(
+                Watchdog(
+                    step=self._step, silent_s=round(found.silent_s, 3), timeout_s=found.timeout_s, phase=found.phase
                 )
-                msg = (
-                    f"torchrig: watchdog: {what} for {silent:.1f}s ({setting}={timeout_s}) after step "
-                    f"{self._step}; exiting so the group restarts"
-                )
-                print(msg, file=sys.stderr, flush=True)
-                logging.shutdown()
-                os._exit(WATCHDOG_EXIT_CODE)
+            )
+            print(
+                f"torchrig: watchdog: {found.describe()} after step {self._step}; exiting so the group restarts",
+                file=sys.stderr,
+                flush=True,
+            )
+            logging.shutdown()
+            os._exit(WATCHDOG_EXIT_CODE)

@@ -27,6 +27,7 @@ import torch.distributed as tdist
 from training.config import WorkerSpec
 from training.contract import Env, WorkerIdentity
 from training.contract.events import Recovery
+from training.deadlines import DeadlinePolicy
 from training.determinism import configure_determinism
 from training.distributed import device_for, init_process_group
 from training.faults import FaultInjector
@@ -114,7 +115,10 @@ def run_worker(
     sink = create_sinks(spec, identity)
     sink.on_start(identity)
     stacks = StackDumper(identity, sink).install()  # stacks/gen-G/rank-R.txt on SIGUSR1 and the watchdog
-    watchdog = StepWatchdog(spec.spec.restarts.step_timeout_seconds, sink, stacks=stacks).start()
+    restarts = spec.spec.restarts  # the step deadline: derived from the step times, or fixed (`hangDetection`)
+    watchdog = StepWatchdog(
+        restarts.step_timeout_seconds, sink, stacks=stacks, policy=DeadlinePolicy.from_restarts(restarts)
+    ).start()
     faults = FaultInjector.from_env(
         rank=identity.rank, generation=identity.generation, events=sink, replacement=prewarmed is not None
     )

@@ -10,6 +10,7 @@ and the outside actions to carry out on the running job (kill a node, damage a s
 from __future__ import annotations
 
 import random
+import statistics
 from typing import Any, ClassVar
 
 from orchestrator.backends.base import RunState
@@ -286,13 +287,32 @@ class CrashDuringCheckpoint(Scenario):
         return verdict
 
 
+# The hang drill's `restarts.hangFloorSeconds` and `hangMultiplier` (at most the job's own): tighter than
+# the defaults, as its step timeout is shorter; `make soak` runs 2,000 steps at these without an alarm.
+HANG_FLOOR_S = 0.5
+HANG_MULTIPLIER = 5.0
+HANG_DETECTION_SLACK_S = 1.0  # the target: detected within 3x the median step time plus this
+
+
 class Hang(Scenario):
     name = "hang"
     summary = "One rank stops making progress without dying; the step watchdog detects it and the group restarts."
-    proves = "a silent hang is turned into a restart within restarts.stepTimeoutSeconds, not a stuck job."
+    proves = (
+        "a silent hang is detected in seconds (a step deadline derived from the step times, restarts.hangDetection "
+        "auto; restarts.stepTimeoutSeconds when fixed) and recovered from, not a stuck job."
+    )
 
     def patch(self, spec: JobSpec, ctx: DrillContext) -> JobSpec:
-        return _short_watchdog(spec, ctx)
+        spec = _short_watchdog(spec, ctx)
+        restarts = spec.spec.restarts
+        if restarts.hang_detection != "auto":
+            return spec
+        return patch_section(
+            spec,
+            "restarts",
+            hang_floor_seconds=min(restarts.hang_floor_seconds, HANG_FLOOR_S),
+            hang_multiplier=min(restarts.hang_multiplier, HANG_MULTIPLIER),
+        )
 
     def faults(self, ctx: DrillContext) -> list[Fault]:
         return [Fault(kind="hang", rank=ctx.fault_rank, step=ctx.fault_step)]
@@ -321,8 +341,43 @@ class Hang(Scenario):
         verdict.note(f"stack dumps: {RunFiles(history.run_dir).stacks_dir(generation)}")
         for rank, frame in sorted(innermost_frames(dumps).items()):
             verdict.note(f"rank {rank} was in {frame}")
+        self._judge_detection(verdict, history, ctx, fired)
         verdict.add(super().judge(report, history, ctx))
         return verdict
+
+    @staticmethod
+    def _judge_detection(verdict: Verdict, history: RunHistory, ctx: DrillContext, fired: list[Event]) -> None:
+        """With `hangDetection: auto` and the fault past warm-up, the hung rank's watchdog judged it by a
+        derived deadline and fired within 3x the median step time + 1 s of its last step."""
+        from orchestrator.loader import load_spec
+
+        restarts = load_spec(RunFiles(history.run_dir).job, allow_inline_secrets=True).spec.restarts
+        if restarts.hang_detection != "auto" or ctx.fault_step < restarts.hang_warmup_steps + 2:
+            verdict.note(f"hang detection: {restarts.hang_detection}, judged by restarts.stepTimeoutSeconds")
+            return
+        hung = [e for e in fired if e.rank == ctx.fault_rank]
+        verdict.check(
+            "the hung rank's watchdog fired", bool(hung), f"watchdog events of ranks {[e.rank for e in fired]}"
+        )
+        if not hung:
+            return
+        fault = min((e.time for e in history.of(EventKind.FAULT) if e.get("kind") == "hang"), default=hung[0].time)
+        steps = [
+            float(e.get("step_s")) for e in history.of(EventKind.STEP_TIMES) if e.time <= fault and e.get("step_s")
+        ]
+        median = statistics.median(steps) if steps else 0.0
+        silent, deadline = float(hung[0].get("silent_s")), float(hung[0].get("timeout_s"))
+        bound = 3 * median + HANG_DETECTION_SLACK_S
+        verdict.check(
+            "hang detected by the derived step deadline",
+            deadline < restarts.step_timeout_seconds,
+            f"deadline {deadline:.3f} s (restarts.stepTimeoutSeconds {restarts.step_timeout_seconds:g} s)",
+        )
+        verdict.check(
+            "hang detected within 3x the median step time + 1 s",
+            silent <= bound,
+            f"silent {silent:.3f} s, bound {bound:.3f} s (median step {median * 1000:.1f} ms)",
+        )
 
 
 class Straggler(Scenario):

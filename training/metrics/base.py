@@ -100,6 +100,10 @@ class MetricsSink:
     def on_slowdown(self, record: SlowdownRecord) -> None:
         """The ranks' slowdowns of the last window (every rank gets every rank's)."""
 
+    def on_deadlines(self, deadlines: dict[str, float]) -> None:
+        """The step watchdog's limit of each phase in seconds, when one changed (`training.watchdog`; from
+        its thread, not the training loop's)."""
+
     def on_event(self, event: EventKind | str, **fields: Any) -> None:
         """Anything else worth a line in the run's history (faults, watchdog, the end of training).
 
@@ -162,6 +166,9 @@ class FanOut(MetricsSink):
 
     def on_slowdown(self, record: SlowdownRecord) -> None:
         self._each("on_slowdown", record)
+
+    def on_deadlines(self, deadlines: dict[str, float]) -> None:
+        self._each("on_deadlines", deadlines)
 
     def on_event(self, event: EventKind | str, **fields: Any) -> None:
         self._each("on_event", event, **fields)

@@ -13,7 +13,8 @@ Labels are bounded on purpose:
   one-series `torchrig_exporter_info` only, so a restart continues the same series (counters reset and
   `rate()` handles that) instead of creating a new set of series per restart.
 - `store` (checkpoint store name, bounded by the spec), `gpu` (device index), `metric` (eval metric
-  name, bounded by the task), `source` (restore source) and `event` (a fixed set, see `EVENT_NAMES`).
+  name, bounded by the task), `source` (restore source), `event` (a fixed set, see `EVENT_NAMES`) and
+  `phase` (the step watchdog's phases, a fixed set).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ LABEL_EVENT: Final = "event"
 LABEL_PORT: Final = "port"
 LABEL_LOCAL_RANK: Final = "local_rank"
 LABEL_VERSION: Final = "version"
+LABEL_PHASE: Final = "phase"
 
 # Labels on every series of a worker.
 BASE_LABELS: Final = (LABEL_JOB, LABEL_RANK, LABEL_NODE)
@@ -83,6 +85,9 @@ RESTORE_DURATION: Final = "torchrig_restore_duration_seconds"  # gauge: last res
 # -- stragglers (every logEvery steps, training.metrics.straggler) -----------------------------------
 RANK_SLOWDOWN = "torchrig_rank_slowdown_ratio"  # gauge: this rank's compute time over the median rank's
 STRAGGLER_RANK = "torchrig_straggler_rank"  # gauge: the slowest rank over metrics.stragglerThreshold, else -1
+
+# -- hang detection (the step watchdog, training.watchdog) -------------------------------------------
+STEP_DEADLINE: Final = "torchrig_step_deadline_seconds"  # gauge by phase: how long a rank may be silent
 
 # -- silent data corruption (training.sdc) ---------------------------------------------------------
 SDC_DETECTED: Final = "torchrig_sdc_detected_total"  # counter (rank 0): the replicas' fingerprints disagreed

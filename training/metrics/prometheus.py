@@ -280,6 +280,12 @@ class PrometheusSink(MetricsSink):
             names.STRAGGLER_RANK, "The slowest rank when its slowdown exceeds metrics.stragglerThreshold, else -1."
         ).labels(*v)
         self._straggler.set(-1)
+        self._deadline = gauge(
+            names.STEP_DEADLINE,
+            "The step watchdog's limit by phase: step and first_step (derived from the step times with "
+            "restarts.hangDetection auto), collective (in place), checkpoint_io, startup, evaluation.",
+            [names.LABEL_PHASE],
+        )
         self._sdc = counter(
             names.SDC_DETECTED,
             "Replica disagreements (silent data corruption) found by sdc.every checks; rank 0 counts them.",
@@ -451,6 +457,10 @@ class PrometheusSink(MetricsSink):
                 self._slowdown_child = self._slowdown.labels(*self._base_values)
             self._slowdown_child.set(record.ratios[self.identity.rank])
         self._straggler.set(record.straggler)
+
+    def on_deadlines(self, deadlines: dict[str, float]) -> None:
+        for phase, seconds in deadlines.items():  # a fixed set of phases (`training.watchdog`)
+            self._deadline.labels(*self._base_values, phase).set(seconds)
 
     def on_event(self, event: EventKind | str, **fields: Any) -> None:
         label = str(event) if str(event) in names.EVENT_NAMES else names.OTHER_EVENT
