@@ -147,6 +147,8 @@ class RayOptions:
     """Options only the Ray backend reads."""
 
     address: str | None = None  # Jobs API address (http://HEAD:8265); None runs an embedded local Ray
+    allow_node_local_stores: bool = False  # a remote cluster: only node-local stores is a warning, not an error
+    probe: bool = True  # a remote cluster: check first that it can run the job (ray_jobs.probe_cluster)
 
 
 @dataclass

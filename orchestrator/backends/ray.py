@@ -10,12 +10,16 @@ Two ways to run:
   The run directory gets the same files as a local run. Run ids are `ray://<run dir>`.
 - `--address http://HOST:8265` (or `spec.ray.address`): submits through the Ray Jobs API
   (`ray_jobs`); the entrypoint `python -m orchestrator.backends.ray_entry --spec job.yaml` runs the
-  same code on the cluster. Run ids are `ray://HOST:PORT/<submission_id>`.
+  same code on the cluster. Run ids are `ray://HOST:PORT/<submission_id>`. Such a cluster's nodes are
+  other machines: the remote-Ray store rules apply (`compile.checks.remote_ray_stores_problem`), a
+  probe checks that the cluster can run the job before it is queued, and the run directory lives on
+  the cluster (`ray_jobs.remote_run_dir`).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -47,8 +51,9 @@ class RayBackend(Backend):
     name: ClassVar[str] = "ray"
     capabilities: ClassVar[Capabilities] = Capabilities(elastic=True, multi_node=True, gpus=True, supervised=True)
 
-    def __init__(self, address: str | None = None) -> None:
+    def __init__(self, address: str | None = None, *, verbose: bool = False) -> None:
         self.address = address or os.environ.get("RAY_ADDRESS") or None
+        ray_jobs.configure_logging(verbose)
 
     def _address(self, spec: JobSpec, options: SubmitOptions) -> str | None:
         address = options.ray.address or spec.spec.ray.address
@@ -63,11 +68,19 @@ class RayBackend(Backend):
         address = self._address(spec, options)
         request: dict[str, Any] = {"plan": plan.to_dict()}
         if address:
+            from orchestrator.compile.checks import remote_ray_stores_warnings
+
+            warnings = remote_ray_stores_warnings(spec, allow_node_local_stores=options.ray.allow_node_local_stores)
             working_dir = "<staged copy of the working directory>"
+            submission_id = ray_jobs.new_submission_id(spec)
             request["jobs_api"] = {
                 "address": address,
+                "submission_id": submission_id,
+                "run_dir": ray_jobs.remote_run_dir(spec, options.run_dir, submission_id),
                 "entrypoint": ENTRYPOINT,
                 "runtime_env": ray_jobs.runtime_env(spec, options, working_dir=working_dir),
+                "probe": options.ray.probe,
+                "warnings": warnings,
             }
         else:
             run_dir = str(Path(options.run_dir or new_run_dir(spec.name)).resolve())
@@ -101,7 +114,16 @@ class RayBackend(Backend):
     def _schedule(self, dryrun: DryRun) -> RunHandle:
         """Jobs API: submit and return. Embedded Ray: a detached supervisor process runs it; return at once."""
         if "jobs_api" in dryrun.request:
-            return ray_jobs.submit_job(dryrun.spec, dryrun.options, str(dryrun.request["jobs_api"]["address"]))
+            jobs_api = dryrun.request["jobs_api"]
+            for warning in jobs_api.get("warnings", []):
+                print(f"warning: {warning}", file=sys.stderr)
+            return ray_jobs.submit_job(
+                dryrun.spec,
+                dryrun.options,
+                str(jobs_api["address"]),
+                submission_id=str(jobs_api["submission_id"]),
+                probe=bool(jobs_api.get("probe", True)),
+            )
         run_dir = self._local_run_dir(dryrun)
         preflight_here(dryrun.spec, run_dir)
         return start_detached(dryrun, run_dir, dryrun.request)
@@ -136,6 +158,8 @@ class RayBackend(Backend):
 
     def _list(self) -> list[RunStatus]:
         if not self.address:
-            raise BackendError("ray: set RAY_ADDRESS=http://HOST:8265 to list the jobs of a Ray cluster")
+            raise BackendError(
+                "ray: give --address http://HOST:8265 (or set RAY_ADDRESS) to list the jobs of a Ray cluster"
+            )
         host = self.address.split("://", 1)[-1].rstrip("/")
         return [self._status(f"{host}/{sub}") for sub in ray_jobs.list_jobs(self.address)]

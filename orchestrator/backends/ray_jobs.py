@@ -13,37 +13,62 @@ out secret-like files (`SECRET_EXCLUDES`: `.env`, keys, `.netrc`, kubeconfigs, c
 directories), `.git`, `.venv` and `runs/` whatever the ignore files say. The same patterns go into the
 submission's `excludes` so that Ray's packaging would drop them too. Symbolic links that leave the
 working directory are not staged: Ray's zip follows links and would pack their targets.
+
+Before the job is queued, a probe job with the same runtime env and the same entrypoint `python`
+(`probe_cluster`) imports torch, ray and torchrig on the cluster and lists its nodes' GPUs; a cluster
+that cannot run the job is refused in one line naming what is missing (a cluster started from a venv
+that was not activated runs the system `python`, which has none of them).
+
+Where a remote run's directory lives (`remote_run_dir`): `--run-dir` (absolute, a path of the
+cluster), else `<spec.ray.sharedDir>/runs/<name>/<submission>` on the directory every node mounts,
+else `$HOME/torchrig/runs/<name>/<submission>` on the head node (`ray rsync-down` brings it back for
+`torchrig report`). Never the entrypoint's working directory: that is Ray's working-dir cache,
+deleted with the session. The entrypoint gets it as `TORCHRIG_RUN_DIR`.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import shlex
 import shutil
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator import __version__
 from orchestrator.backends.api_timeout import api_timeout
 from orchestrator.backends.base import RunHandle, RunState, RunStatus, SubmitOptions
 from orchestrator.backends.ray_run import worker_env
 from orchestrator.compile.rayjob import entrypoint as rayjob_entrypoint
-from orchestrator.errors import BackendError
+from orchestrator.errors import BackendError, SpecError
 from orchestrator.spec import JobSpec
+from training.contract import Env
 
 __all__ = [
     "ENTRYPOINT",
     "JOB_METADATA_KEY",
+    "PROBE_MARKER",
     "SECRET_EXCLUDES",
     "WORKING_DIR_EXCLUDES",
+    "ClusterProbe",
     "StagedUpload",
+    "configure_logging",
     "job_logs",
     "job_status",
     "jobs_client",
     "list_jobs",
+    "new_submission_id",
+    "parse_probe",
+    "probe_cluster",
+    "probe_problem",
+    "remote_run_dir",
     "runtime_env",
     "split_run_id",
     "stage_working_dir",
@@ -91,6 +116,236 @@ _STATES = {
 }
 
 
+# The probe (`probe_cluster`): one JSON line after this marker in its log, read back bounded.
+PROBE_MARKER = "TORCHRIG_PROBE "
+PROBE_METADATA_KEY = "torchrig.io/probe"
+PROBE_TIMEOUT_S = 180.0  # the runtime env's setup (upload, pip) counts too
+_PROBE_LOG_CHARS = 64 * 1024
+# pyproject's floors: torch>=2.6, ray[train]>=2.50 (Ray Train v2).
+MIN_VERSIONS = {"torch": (2, 6), "ray": (2, 50)}
+# What the probe imports: the packages, then torchrig's modules that the entrypoint's job imports.
+_PROBE_CODE = """
+import importlib, json, sys
+out = {"python": sys.executable, "python_version": sys.version.split()[0], "versions": {}, "missing": {}}
+for name, module in (("torch", "torch"), ("ray", "ray"), ("torchrig", "orchestrator"),
+                     ("torchrig", "orchestrator.backends.ray_run"), ("torchrig", "training.ray_train")):
+    try:
+        imported = importlib.import_module(module)
+        if "." not in module:
+            out["versions"][name] = str(getattr(imported, "__version__", "?"))
+    except BaseException as exc:
+        out["missing"].setdefault(name, (type(exc).__name__ + ": " + str(exc))[:300])
+if "ray" in out["versions"]:
+    try:
+        import ray
+        ray.init(logging_level="ERROR", log_to_driver=False)
+        out["gpus_per_node"] = [float(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n.get("Alive")]
+        try:
+            from ray._private.state import state
+            config = state.get_cluster_config()
+            groups = config.node_group_configs if config else []
+            out["node_groups"] = [[float(g.resources.get("GPU", 0)), int(g.max_count)] for g in groups]
+        except Exception:
+            out["node_groups"] = []
+    except BaseException as exc:
+        out["missing"]["cluster"] = (type(exc).__name__ + ": " + str(exc))[:300]
+print(MARKER + json.dumps(out), flush=True)
+""".replace("MARKER", repr(PROBE_MARKER))
+_verbose = False  # `-v`: Ray's own INFO lines (packaging, uploads) reach the terminal
+
+
+class _WarningsOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _verbose or record.levelno >= logging.WARNING
+
+
+def configure_logging(verbose: bool) -> None:
+    """Let Ray's own INFO lines through (`-v`) or keep them out of the CLI's output (the default)."""
+    global _verbose
+    _verbose = verbose
+
+
+def _quiet_ray_logs() -> None:
+    # Ray's loggers set INFO on themselves (ray.dashboard.modules.*) and print through the handler of the
+    # `ray` logger: a filter there drops what is below WARNING whatever the logger's level.
+    for handler in logging.getLogger("ray").handlers:
+        if not any(isinstance(f, _WarningsOnly) for f in handler.filters):
+            handler.addFilter(_WarningsOnly())
+
+
+def new_submission_id(spec: JobSpec) -> str:
+    """A fresh Jobs API submission id for the job (also the name of its run directory on the cluster)."""
+    return f"torchrig-{spec.name}-{uuid.uuid4().hex[:8]}"
+
+
+def remote_run_dir(spec: JobSpec, run_dir: str | None, submission_id: str) -> str:
+    """The run directory of a remote run, as a shell word the entrypoint expands on the cluster.
+
+    Raises:
+        SpecError: a relative `--run-dir` (it would land in Ray's working-dir cache).
+    """
+    if run_dir is not None:
+        if not run_dir.startswith("/"):
+            raise SpecError(
+                f"--run-dir: {run_dir!r} is relative; on a remote Ray cluster give an absolute path of the cluster "
+                "(under spec.ray.sharedDir to read the run from here), or leave it out"
+            )
+        return shlex.quote(run_dir)
+    tail = f"runs/{spec.name}/{submission_id}"  # DNS-1035 name and hex: nothing to quote
+    shared = spec.spec.ray.shared_dir
+    return shlex.quote(f"{shared.rstrip('/')}/{tail}") if shared else f'"$HOME"/torchrig/{tail}'
+
+
+@dataclass(frozen=True)
+class ClusterProbe:
+    """What the probe found on the cluster, with the entrypoint's `python`."""
+
+    python: str
+    python_version: str
+    versions: dict[str, str]  # torch, ray, torchrig -> version
+    missing: dict[str, str]  # package (or "cluster") -> the error importing it
+    gpus_per_node: list[float]  # of the nodes alive now
+    node_groups: list[tuple[float, int]]  # autoscaler node types: (GPUs per node, max nodes; -1 unbounded)
+
+
+def _strings(value: Any, limit: int = 16) -> dict[str, str]:
+    if not isinstance(value, dict):
+        return {}
+    return {str(k)[:40]: str(v)[:300] for k, v in list(value.items())[:limit]}
+
+
+def parse_probe(log: str) -> ClusterProbe | None:
+    """The probe's report from its log (untrusted: the last marker line of the log's tail, types checked),
+    or None when there is none."""
+    lines = [line for line in log[-_PROBE_LOG_CHARS:].splitlines() if line.startswith(PROBE_MARKER)]
+    if not lines:
+        return None
+    try:
+        data = json.loads(lines[-1][len(PROBE_MARKER) :])
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+
+    def numbers(key: str) -> list[Any]:
+        value = data.get(key)
+        return value[:4096] if isinstance(value, list) else []
+
+    gpus = [float(g) for g in numbers("gpus_per_node") if isinstance(g, (int, float))]
+    groups = [
+        (float(g[0]), int(g[1]))
+        for g in numbers("node_groups")
+        if isinstance(g, list) and len(g) == 2 and all(isinstance(x, (int, float)) for x in g)
+    ]
+    return ClusterProbe(
+        python=str(data.get("python", "?"))[:300],
+        python_version=str(data.get("python_version", "?"))[:40],
+        versions=_strings(data.get("versions")),
+        missing=_strings(data.get("missing")),
+        gpus_per_node=gpus,
+        node_groups=groups,
+    )
+
+
+def _version(text: str) -> tuple[int, ...] | None:
+    parts = text.split("+", maxsplit=1)[0].split(".")[:2]
+    return tuple(int(p) for p in parts) if len(parts) == 2 and all(p.isdigit() for p in parts) else None
+
+
+def probe_problem(spec: JobSpec, probe: ClusterProbe) -> str | None:
+    """Why the cluster cannot run `spec`, in one line, else None."""
+    python = f"its entrypoint python ({probe.python}, Python {probe.python_version})"
+    packages = {k: v for k, v in probe.missing.items() if k != "cluster"}
+    if packages:
+        what = "; ".join(f"{name} ({error})" for name, error in packages.items())
+        return (
+            f"{python} cannot import {what}: install torch>=2.6, ray[train,default]>=2.50 and torchrig's "
+            "dependencies into the Python that runs `ray start` on every node, and start Ray from that "
+            "environment activated (the entrypoint runs the `python` on ray start's PATH)"
+        )
+    if "cluster" in probe.missing:
+        return f"{python} could not connect to the cluster: {probe.missing['cluster']}"
+    for name, floor in MIN_VERSIONS.items():
+        found = _version(probe.versions.get(name, ""))
+        if found is not None and found < floor:
+            need = ".".join(map(str, floor))
+            return f"{python} has {name} {probe.versions[name]}; torchrig needs {name} >= {need}"
+    if probe.versions.get("torchrig") not in (None, __version__):
+        return (
+            f"{python} imports torchrig {probe.versions['torchrig']}, this is torchrig {__version__}: the job's "
+            "working directory should bring its own (an installed torchrig shadows it on the cluster's sys.path)"
+        )
+    gpus = spec.spec.resources.gpus
+    if gpus:
+        fit = sum(1 for g in probe.gpus_per_node if g >= gpus)
+        for per_node, most in probe.node_groups:
+            if per_node >= gpus:
+                fit = spec.spec.nodes.min if most < 0 else fit + most
+        if fit < spec.spec.nodes.min:
+            seen = ", ".join(f"{g:g}" for g in probe.gpus_per_node) or "none"
+            return (
+                f"spec.resources.gpus: the job needs {spec.spec.nodes.min} node(s) with {gpus} GPU(s) each "
+                f"(spec.nodes.min), and the cluster has {fit} (GPUs per live node: {seen}; no autoscaler node "
+                "type adds more)"
+            )
+    return None
+
+
+def probe_cluster(client: Any, address: str, spec: JobSpec, env: dict[str, Any], timeout_s: float) -> None:
+    """Run the probe on the cluster with the job's runtime env; raise when the cluster cannot run the job.
+
+    The probe is a Jobs API job of its own, so its `python` is the one the job's entrypoint will get (a
+    Ray task would run in the Python of Ray's workers instead). It is deleted once read.
+
+    Raises:
+        BackendError: in one line, what is missing (or that the probe did not finish in `timeout_s`).
+    """
+    probe_id = f"torchrig-probe-{spec.name}-{uuid.uuid4().hex[:8]}"
+    where = f"the Ray cluster at {address}"
+    try:
+        client.submit_job(
+            entrypoint="python -c " + shlex.quote(_PROBE_CODE),
+            submission_id=probe_id,
+            runtime_env=env,
+            metadata={PROBE_METADATA_KEY: spec.name},
+        )
+    except Exception as exc:
+        raise BackendError(f"{where} refused the probe job: {_first_line(exc)}") from None
+    deadline = time.monotonic() + timeout_s
+    try:
+        status = ""
+        while time.monotonic() < deadline:
+            status = str(getattr(client.get_job_status(probe_id), "value", ""))
+            if status in ("SUCCEEDED", "FAILED", "STOPPED"):
+                break
+            time.sleep(0.25)
+        else:
+            with _suppressed():
+                client.stop_job(probe_id)
+            raise BackendError(f"{where}: the probe job {probe_id} did not finish in {timeout_s:g} s (state {status})")
+        log = str(client.get_job_logs(probe_id))
+    except BackendError:
+        raise
+    except Exception as exc:
+        raise BackendError(f"{where}: reading the probe job {probe_id}: {_first_line(exc)}") from None
+    finally:
+        with _suppressed():
+            client.delete_job(probe_id)
+    probe = parse_probe(log)
+    if probe is None:
+        last = (log.strip().splitlines() or [f"no output; the job {status}"])[-1][:300]
+        raise BackendError(f"{where} cannot run the job: its entrypoint `python` did not run the probe: {last}")
+    problem = probe_problem(spec, probe)
+    if problem:
+        raise BackendError(f"{where} cannot run the job: {problem}")
+
+
+def _suppressed() -> Any:
+    import contextlib
+
+    return contextlib.suppress(Exception)
+
+
 def split_run_id(run_id: str) -> tuple[str | None, str]:
     """`HOST:PORT/<submission>` -> (http://HOST:PORT, submission); a run dir -> (None, dir)."""
     text = run_id.removeprefix("ray://")
@@ -124,6 +379,7 @@ def jobs_client(address: str) -> Any:
             kwargs.setdefault("timeout", timeout)
             return super()._do_request(method, endpoint, **kwargs)
 
+    _quiet_ray_logs()
     try:
         return _BoundedClient(address)
     except Exception as exc:  # ConnectionError, requests' Timeout and friends
@@ -134,11 +390,12 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
-def runtime_env(spec: JobSpec, options: SubmitOptions, working_dir: str) -> dict[str, Any]:
-    """The submission's runtime env: `spec.ray.runtimeEnv` plus the worker env and the working directory."""
+def runtime_env(spec: JobSpec, options: SubmitOptions, working_dir: str, run_dir: str | None = None) -> dict[str, Any]:
+    """The submission's runtime env: `spec.ray.runtimeEnv` plus the worker env and the working directory
+    (`run_dir`: none here when the entrypoint sets it)."""
     env: dict[str, Any] = dict(spec.spec.ray.runtime_env)
     env_vars = dict(env.get("env_vars") or {})
-    env_vars.update(worker_env(spec, options, options.run_dir))
+    env_vars.update(worker_env(spec, options, run_dir))
     env["env_vars"] = env_vars
     env["working_dir"] = working_dir
     env["excludes"] = [*env.get("excludes", []), *WORKING_DIR_EXCLUDES]
@@ -237,29 +494,55 @@ def stage_working_dir(source: Path, target: Path) -> StagedUpload:
     return out
 
 
-def submit_job(spec: JobSpec, options: SubmitOptions, address: str) -> RunHandle:
-    """Submit the job to the cluster at `address`; returns at once with `ray://HOST:PORT/<submission>`."""
+def submit_job(
+    spec: JobSpec,
+    options: SubmitOptions,
+    address: str,
+    *,
+    submission_id: str | None = None,
+    probe: bool = True,
+    probe_timeout_s: float = PROBE_TIMEOUT_S,
+) -> RunHandle:
+    """Submit the job to the cluster at `address`; returns at once with `ray://HOST:PORT/<submission>`.
+
+    Args:
+        spec: the validated job.
+        options: `run_dir` is a path of the cluster (`remote_run_dir`).
+        address: the Jobs API.
+        submission_id: default a new one (`new_submission_id`).
+        probe: first check that the cluster can run the job (`probe_cluster`).
+        probe_timeout_s: how long the probe may take.
+
+    Raises:
+        BackendError: the cluster cannot be reached, cannot run the job (the probe), or refused it.
+    """
     from orchestrator.loader import dump_spec
 
     client = jobs_client(address)
-    submission_id = f"torchrig-{spec.name}-{uuid.uuid4().hex[:8]}"
+    submission_id = submission_id or new_submission_id(spec)
+    run_dir = remote_run_dir(spec, options.run_dir, submission_id)
     with tempfile.TemporaryDirectory(prefix="torchrig-ray-") as tmp:
         # A staged copy, so the resolved spec sits at the root as job.yaml without touching the user's tree.
         staged = Path(tmp) / "working_dir"
         left_out = stage_working_dir(Path.cwd(), staged)
         print(left_out.summary(), file=sys.stderr)
         (staged / "job.yaml").write_text(dump_spec(spec))
+        # The run directory comes with the entrypoint, expanded on the cluster ($HOME is the head's).
+        env = runtime_env(spec, options, working_dir=str(staged), run_dir=None)
+        if probe:  # same runtime env: Ray uploads the working directory once (content-addressed)
+            probe_cluster(client, address, spec, env, probe_timeout_s)
         try:
             client.submit_job(
-                entrypoint=ENTRYPOINT,
+                entrypoint=f"{Env.RUN_DIR}={run_dir} {ENTRYPOINT}",
                 submission_id=submission_id,
-                runtime_env=runtime_env(spec, options, working_dir=str(staged)),
+                runtime_env=env,
                 metadata={JOB_METADATA_KEY: spec.name},
             )
         except Exception as exc:
             raise BackendError(f"Ray Jobs API at {address} refused the job: {_first_line(exc)}") from None
+    print(f"run dir (on the cluster): {run_dir}", file=sys.stderr)
     host = address.split("://", 1)[1].rstrip("/")
-    return RunHandle("ray", f"{host}/{submission_id}", info={"address": address})
+    return RunHandle("ray", f"{host}/{submission_id}", info={"address": address, "run_dir": run_dir})
 
 
 def job_status(handle: RunHandle, address: str, ident: str) -> RunStatus:

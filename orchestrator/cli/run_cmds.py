@@ -57,14 +57,45 @@ backend_option = click.option(
 )
 
 
-def _split_ref(ref: str, backend_name: str | None) -> tuple[str, str]:
-    """`ray://id` -> (ray, id); a plain path -> (local, path) unless --backend says otherwise."""
+_RAY = "ray"  # the backend that `--address` (a Ray Jobs API) belongs to
+
+address_option = click.option(
+    "--address",
+    envvar="RAY_ADDRESS",
+    default=None,
+    metavar="URL",
+    help="Ray: the cluster's Jobs API (http://HOST:8265); default $RAY_ADDRESS. A RUN that is a bare "
+    "submission id is looked up there.",
+)
+verbose_option = click.option(
+    "--verbose", "-v", is_flag=True, help="Ray: also print Ray's own INFO lines (packaging, uploads)."
+)
+
+
+def _split_ref(ref: str, backend_name: str | None, address: str | None = None) -> tuple[str, str]:
+    """`ray://id` -> (ray, id); a plain path -> (local, path) unless --backend says otherwise. With a
+    Ray address, a RUN that is neither a reference nor an existing path is a submission on that cluster:
+    (ray, ADDRESS/RUN)."""
     if "://" in ref:
         scheme, _, rest = ref.partition("://")
         if backend_name and backend_name != scheme:
             raise SpecError(f"RUN: {ref!r} belongs to backend {scheme!r}, not --backend {backend_name!r}")
         return scheme, rest
-    return backend_name or "local", ref
+    name = backend_name or "local"
+    if address and backend_name in (None, _RAY) and not Path(ref).exists():
+        return _RAY, f"{address.rstrip('/')}/{ref}"
+    return name, ref
+
+
+def _get_backend(name: str, address: str | None = None, *, verbose: bool = False) -> Any:
+    """The backend `name`; the Ray backend with the cluster `address` and Ray's log lines as `-v` says."""
+    if name == _RAY:
+        from orchestrator.backends.ray import RayBackend
+
+        return RayBackend(address=address, verbose=verbose)
+    from orchestrator.backends import get_backend
+
+    return get_backend(name)
 
 
 def _status_dict(st: RunStatus) -> dict[str, Any]:
@@ -314,7 +345,17 @@ def run(
 @click.option("--backend", "backend_name", default="kubernetes", show_default=True, help="kubernetes, ray or local.")
 @click.option("--nodes", type=int, default=None, help="Local: emulated nodes (agents).")
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None, help="Local: run directory.")
-@click.option("--address", default=None, help="Ray: Jobs API address (http://HOST:8265).")
+@address_option
+@click.option(
+    "--allow-node-local-stores",
+    "--allow-pod-local-stores",
+    "allow_node_local_stores",
+    is_flag=True,
+    help="Ray with --address: accept a job whose checkpoint stores all live on each node's own disk (a "
+    "warning instead of an error; each node then keeps only its own shards).",
+)
+@click.option("--no-probe", is_flag=True, help="Ray with --address: skip the check that the cluster can run the job.")
+@verbose_option
 @click.option("--context", default=None, help="Kubernetes: kubeconfig context.")
 @click.option("--namespace", "-n", default=None, help="Kubernetes: namespace (default metadata.namespace).")
 @click.option("--fixed-size", is_flag=True, help="Run an elastic spec at fixed size on a non-elastic target.")
@@ -329,6 +370,9 @@ def submit(
     nodes: int | None,
     run_dir: str | None,
     address: str | None,
+    allow_node_local_stores: bool,
+    no_probe: bool,
+    verbose: bool,
     context: str | None,
     namespace: str | None,
     fixed_size: bool,
@@ -337,19 +381,21 @@ def submit(
     dry_run: bool,
     worker: str | None,
 ) -> None:
-    """Submit JOB and return at once with its RUN reference (`backend://id`) for status/logs/cancel."""
-    from orchestrator.backends import get_backend
+    """Submit JOB and return at once with its RUN reference (`backend://id`) for status/logs/cancel.
 
+    On a Ray cluster (--backend ray --address URL, or $RAY_ADDRESS) a probe job first checks that the
+    cluster imports torch, ray and torchrig and has the GPUs the job asks for; the run directory lives
+    on the cluster (under spec.ray.sharedDir when set)."""
     spec = _load(job, overrides)
     options = SubmitOptions(
         run_dir=run_dir,
         fixed_size=fixed_size,
         dry_run=dry_run,
         local=LocalOptions(nodes=nodes, worker=worker),
-        ray=RayOptions(address=address),
+        ray=RayOptions(address=address, allow_node_local_stores=allow_node_local_stores, probe=not no_probe),
         kubernetes=KubernetesOptions(context=context, namespace=namespace),
     )
-    backend = get_backend(backend_name)
+    backend = _get_backend(backend_name, address, verbose=verbose)
     dryrun = backend.dry_run(spec, options)
     if dry_run:
         click.echo(str(dryrun), nl=False)
@@ -364,17 +410,20 @@ def submit(
 @click.command()
 @click.argument("run_ref", metavar="RUN")
 @backend_option
+@address_option
+@verbose_option
 @output_option
 @click.option("--stacks", is_flag=True, help="Local runs: every live rank dumps its Python stacks into RUN/stacks/.")
 @handle_errors
-def status(run_ref: str, backend_name: str | None, output: str, stacks: bool) -> None:
+def status(
+    run_ref: str, backend_name: str | None, address: str | None, verbose: bool, output: str, stacks: bool
+) -> None:
     """Show RUN's state. Exit code: 0 succeeded, 1 failed, 10 running/pending, 11 cancelled, 12 unknown,
     13 preempted."""
-    from orchestrator.backends import get_backend
     from orchestrator.cli.stacks_cmd import report_stacks
 
-    name, run_id = _split_ref(run_ref, backend_name)
-    st = get_backend(name).status(run_id)
+    name, run_id = _split_ref(run_ref, backend_name, address)
+    st = _get_backend(name, address, verbose=verbose).status(run_id)
     if stacks:
         st.details["stacks"] = report_stacks(name, run_id, echo=output == "text")
     if output == "json":
@@ -390,31 +439,33 @@ def status(run_ref: str, backend_name: str | None, output: str, stacks: bool) ->
 @click.command()
 @click.argument("run_ref", metavar="RUN")
 @backend_option
+@address_option
+@verbose_option
 @click.option("--rank", type=int, default=None, help="Only this global rank's lines.")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new lines until the run ends.")
 @handle_errors
-def logs(run_ref: str, backend_name: str | None, rank: int | None, follow: bool) -> None:
+def logs(
+    run_ref: str, backend_name: str | None, address: str | None, verbose: bool, rank: int | None, follow: bool
+) -> None:
     """Print RUN's worker logs (every rank's lines carry a `[rank<R>]:` prefix locally)."""
-    from orchestrator.backends import get_backend
-
     if rank is not None and rank < 0:
         raise SpecError("--rank: must be >= 0")
-    name, run_id = _split_ref(run_ref, backend_name)
-    for line in get_backend(name).logs(run_id, rank=rank, follow=follow):
+    name, run_id = _split_ref(run_ref, backend_name, address)
+    for line in _get_backend(name, address, verbose=verbose).logs(run_id, rank=rank, follow=follow):
         click.echo(line)
 
 
 @click.command()
 @click.argument("run_ref", metavar="RUN")
 @backend_option
+@address_option
+@verbose_option
 @output_option
 @handle_errors
-def cancel(run_ref: str, backend_name: str | None, output: str) -> None:
+def cancel(run_ref: str, backend_name: str | None, address: str | None, verbose: bool, output: str) -> None:
     """Stop RUN: ranks get SIGTERM, then SIGKILL after a grace period; checkpoints are kept."""
-    from orchestrator.backends import get_backend
-
-    name, run_id = _split_ref(run_ref, backend_name)
-    st = get_backend(name).cancel(run_id)
+    name, run_id = _split_ref(run_ref, backend_name, address)
+    st = _get_backend(name, address, verbose=verbose).cancel(run_id)
     if output == "json":
         emit_json(_status_dict(st))
     else:
@@ -423,13 +474,14 @@ def cancel(run_ref: str, backend_name: str | None, output: str) -> None:
 
 @click.command(name="list")
 @backend_option
+@address_option
+@verbose_option
 @output_option
 @handle_errors
-def list_runs(backend_name: str | None, output: str) -> None:
-    """List runs (local: the run directories under ./runs, or $TORCHRIG_RUNS_DIR)."""
-    from orchestrator.backends import get_backend
-
-    runs = get_backend(backend_name or "local").list_runs()
+def list_runs(backend_name: str | None, address: str | None, verbose: bool, output: str) -> None:
+    """List runs (local: the run directories under ./runs, or $TORCHRIG_RUNS_DIR; ray: torchrig's jobs on
+    the cluster at --address or $RAY_ADDRESS)."""
+    runs = _get_backend(backend_name or "local", address, verbose=verbose).list_runs()
     if output == "json":
         emit_json([_status_dict(st) for st in runs])
         return

@@ -18,9 +18,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(400)]
 def test_jobs_api_submission_runs_the_job_on_the_cluster(ray_head_cluster: str, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     backend = RayBackend(address=ray_head_cluster)
-    handle = backend.submit(
-        tiny_digits(), SubmitOptions(run_dir=str(run_dir), ray=RayOptions(address=ray_head_cluster))
-    )
+    # The run directory is a path of the cluster (here this machine), under the directory every node mounts.
+    spec = tiny_digits(**{"spec.ray.sharedDir": str(tmp_path)})
+    handle = backend.submit(spec, SubmitOptions(run_dir=str(run_dir), ray=RayOptions(address=ray_head_cluster)))
     host = ray_head_cluster.removeprefix("http://")
     assert str(handle).startswith(f"ray://{host}/torchrig-digits-ddp-")
 

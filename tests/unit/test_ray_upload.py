@@ -91,7 +91,7 @@ def _submit(root: Path, monkeypatch: pytest.MonkeyPatch, scratch: Path) -> _Reco
     client = _RecordingClient(scratch)
     monkeypatch.chdir(root)
     monkeypatch.setattr(ray_jobs, "jobs_client", lambda address: client)
-    ray_jobs.submit_job(load_spec(DIGITS), SubmitOptions(), "http://127.0.0.1:8265")
+    ray_jobs.submit_job(load_spec(DIGITS), SubmitOptions(), "http://127.0.0.1:8265", probe=False)
     return client
 
 
@@ -101,7 +101,8 @@ def test_the_upload_holds_no_secret_and_nothing_git_ignored(
     monkeypatch.delenv("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", raising=False)
     client = _submit(work_tree, monkeypatch, tmp_path)
     assert client.names == sorted([*KEPT, "job.yaml"])
-    line = capsys.readouterr().err.strip()
+    line, run_dir = capsys.readouterr().err.strip().split("\n")
+    assert run_dir.startswith('run dir (on the cluster): "$HOME"/torchrig/runs/digits-ddp/torchrig-digits-ddp-')
     assert line.startswith("not uploaded to the Ray cluster: 12 secret-like (")
     assert "3 git-ignored" in line and "1 links out of the directory" in line and "\n" not in line
     for rel in (".env", ".kube/", "id_rsa", "creds"):
