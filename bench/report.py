@@ -127,8 +127,15 @@ def _mttr(results: Results) -> list[str]:
         f"| torchrig group restart | {_seconds(mt.get('torchrig_restart_s'))} | {lost.get('torchrig_restart')} |",
         f"| torchrun + naive save-every-N | {_seconds(mt.get('torchrun_naive_s'))} | {lost.get('torchrun_naive')} |",
         f"| Ray Train FailureConfig | {_seconds(mt.get('ray_train_s'))} | {lost.get('ray_train')} |",
+        f"| torchrig in place on Ray | {_seconds(mt.get('ray_inplace_s'))} | {lost.get('ray_inplace')} |",
         "",
     ]
+    if isinstance(mt.get("ray_inplace_vs_ray_train_ratio"), (int, float)):
+        lines += [
+            f"In place on Ray vs Ray Train FailureConfig: {mt['ray_inplace_vs_ray_train_ratio']:.3f}x the MTTR "
+            f"(target <= 0.1x); final params bit-identical in {mt.get('ray_inplace_bit_exact', 'n/a')} checked runs.",
+            "",
+        ]
     if isinstance(mt.get("inplace_vs_torchrun_ratio"), (int, float)):
         lines += [
             f"In place vs plain torchrun: {mt['inplace_vs_torchrun_ratio']:.2f}x the MTTR (target <= 0.5x); "

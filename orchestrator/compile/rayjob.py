@@ -28,6 +28,13 @@ writable: the Ray CLI is KubeRay's program, not torchrig's), Guaranteed resource
 token, and no command. The submitter carries none of the labels that select the job's pods: it is no
 member of the job, and the NetworkPolicy lets it reach only the head's dashboard.
 
+A job that recovers in place (`restarts.in_place`, 2+ ranks) runs it under Ray too: each Ray Train worker
+is its rank's host and the host of each node's local rank 0 keeps `restarts.spares` warm spares, processes
+of the worker pod beside its ranks that Ray does not know of (`training.ray_train`). So the worker pod asks
+for its node's resources plus each spare's share of a rank (CPU and memory / procsPerNode; no GPU: a
+promoted spare trains on its dead rank's device), and `num-cpus` pins what Ray may hand out to what the
+ranks reserve (`compile_raytrain`), leaving the spares' share to them.
+
 After the job ends KubeRay deletes the Ray cluster (`shutdownAfterJobFinishes`) once
 `ttlSecondsAfterFinished` has passed (`rayjob_controller.go` handleShutdownAfterJobFinishes); until then
 its pods hold their nodes and GPUs. Unless the spec sets `kubernetes.ttlSecondsAfterFinished`, a RayJob
@@ -36,12 +43,15 @@ waits `CLUSTER_TTL_S` (the RayJob and its submitter Job, with the driver's log, 
 
 from __future__ import annotations
 
+import math
+from decimal import Decimal
 from typing import Any
 
 from orchestrator.compile import _common as c
 from orchestrator.compile import _pod as p
+from orchestrator.compile.raytrain import compile_raytrain
 from orchestrator.naming import RAY_WORKER_GROUP
-from orchestrator.spec import JobSpec
+from orchestrator.spec import JobSpec, parse_quantity
 
 __all__ = [
     "API_VERSION",
@@ -52,6 +62,7 @@ __all__ = [
     "cluster_ttl_seconds",
     "compile_rayjob",
     "entrypoint",
+    "worker_resources",
 ]
 
 API_VERSION = "ray.io/v1"
@@ -77,6 +88,30 @@ def cluster_ttl_seconds(spec: JobSpec) -> int | None:
 def entrypoint(spec_path: str = c.SPEC_FILE) -> str:
     """The RayJob entrypoint: the preflight (no CUDA check on the head), then the Ray entry."""
     return c.shell_join([*p.launcher(spec_path, gpu_check=False), "python", "-m", ENTRY_MODULE, "--spec", spec_path])
+
+
+def _hosts_spares(spec: JobSpec) -> bool:
+    """Whether the job's Ray Train workers host spares (`training.ray_train`): in place with 2+ ranks, and
+    DDP or in-memory replicas of the shards (what `training.inplace.InPlace.from_spec` asks of a launch)."""
+    s = spec.spec
+    recoverable = s.training.strategy.value == "ddp" or s.checkpoint.in_memory.every is not None
+    return s.restarts.in_place and s.max_world_size >= 2 and recoverable
+
+
+def worker_resources(spec: JobSpec) -> dict[str, Any]:
+    """The worker pod's requests = limits: its node's (`_common.resources`), plus each warm spare's share of
+    a rank when the job recovers in place (the module docstring)."""
+    res = c.resources(spec)
+    s = spec.spec
+    if not _hosts_spares(spec):
+        return res
+    share = Decimal(s.restarts.spares) / s.procs_per_node
+    millicores = math.ceil(parse_quantity(s.resources.cpu) * (1 + share) * 1000)
+    mebibytes = math.ceil(parse_quantity(s.resources.memory) * (1 + share) / (1 << 20))
+    for side in ("requests", "limits"):
+        res[side]["cpu"] = f"{millicores}m"
+        res[side]["memory"] = f"{mebibytes}Mi"
+    return res
 
 
 def _container(
@@ -181,11 +216,15 @@ def compile_rayjob(spec: JobSpec, *, fixed_size: bool = False) -> list[dict[str,
         "numOfHosts": 1,
         "rayStartParams": {},
         "template": _pod(
-            spec, "worker", _container(spec, "ray-worker", image, c.resources(spec), c.metrics_ports(spec))
+            spec, "worker", _container(spec, "ray-worker", image, worker_resources(spec), c.metrics_ports(spec))
         ),
     }
     if s.resources.gpus > 0:
         worker_group["rayStartParams"]["num-gpus"] = str(s.resources.gpus)
+    if _hosts_spares(spec):
+        # What the ranks reserve, not the pod's limit (KubeRay's default): the rest is the spares'.
+        per_rank = compile_raytrain(spec, fixed_size=fixed_size).scaling.resources_per_worker["CPU"]
+        worker_group["rayStartParams"]["num-cpus"] = str(math.ceil(per_rank * s.procs_per_node))
     cluster: dict[str, Any] = {
         "rayVersion": s.ray.ray_version,
         "authOptions": {"mode": "token"},  # see the module docstring

@@ -70,7 +70,8 @@ class DrillReport(_Checks):
     resumed_from_step: int | None = None
     lost_steps: int | None = None
     mttr_seconds: float | None = None
-    recovery_path: str | None = None  # "inplace" (a spare, no restore) | "restart" (the group, from a checkpoint)
+    # "inplace" (a spare, no restore) | "restart" (the group, from a checkpoint; "ray-restart": Ray Train's)
+    recovery_path: str | None = None
     restored_from: list[dict[str, Any]] = field(default_factory=list)
     final_params_match_reference: bool | None = None
     final_loss: float | None = None

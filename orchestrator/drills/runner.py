@@ -205,6 +205,11 @@ def _compare_with_reference(
         report.final_params_match_reference = None
 
 
+def _restart_path(backend: str) -> str:
+    """How a group restart is named in a report: on Ray it is Ray Train's (`FailureConfig`), not torchrun's."""
+    return "ray-restart" if backend == "ray" else "restart"
+
+
 def _fill_from_run(report: DrillReport, summary: Summary, history: RunHistory, outcome: Outcome) -> None:
     report.status = summary.status
     report.run_dir = str(history.run_dir)
@@ -237,7 +242,7 @@ def _fill_from_run(report: DrillReport, summary: Summary, history: RunHistory, o
     in_place = [e for e in history.of(EventKind.RECOVERY) if e.time >= t_fault and e.get("path") == "inplace"]
     recovered_at = t_fault
     if restores:
-        report.recovery_path = "restart"
+        report.recovery_path = _restart_path(report.backend)
         report.resumed_from_step = restores[0].step or 0
         recovered_at = max(t_fault, restores[0].time)
     elif in_place:
@@ -245,7 +250,7 @@ def _fill_from_run(report: DrillReport, summary: Summary, history: RunHistory, o
         report.resumed_from_step = min(e.step for e in in_place if e.step is not None)
         recovered_at = min(e.time for e in in_place)
     elif any(e for e in history.of(EventKind.START) if e.time > t_fault):
-        report.recovery_path = "restart"
+        report.recovery_path = _restart_path(report.backend)
         report.resumed_from_step = 0  # restarted with nothing to restore: started over
     if report.resumed_from_step is not None and report.fault_step is not None:
         # A restart redoes every step done since the restored one, those the job still completed between

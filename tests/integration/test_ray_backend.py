@@ -37,6 +37,8 @@ def tiny_digits(**extra: Any) -> JobSpec:
         "spec.checkpoint.keep=10",
         "spec.metrics.enabled=false",
         "spec.metrics.logEvery=5",
+        # Ray Train's own recovery (its FailureConfig group restart); in place on Ray: test_ray_inplace.py.
+        "spec.restarts.mode=restart",
         *[f"{k}={v}" for k, v in extra.items()],
     ]
     return load_spec(REPO / "examples" / "digits-ddp.yaml", overrides)
@@ -219,7 +221,12 @@ def test_sigterm_to_a_ray_train_worker_takes_an_emergency_checkpoint_and_loses_n
     assert pid != os.getpid()
     os.kill(pid, signal.SIGTERM)
     summary = run.wait().to_dict()
+    assert_preempted_and_resumed_losing_no_step(run_dir, summary)
 
+
+def assert_preempted_and_resumed_losing_no_step(run_dir: Path, summary: dict[str, Any]) -> None:
+    """Rank 1 got the SIGTERM; both ranks stopped at one agreed step after committing its emergency
+    checkpoint, and the restarted group (generation 1) restored exactly that step."""
     history = events(run_dir)
     preempted = [e for e in history if e["event"] == "preempted"]
     assert sorted(e["rank"] for e in preempted) == [0, 1], preempted

@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -51,7 +52,10 @@ _ORIGINAL: dict[int, Any] = {}
 
 
 def warm_up() -> None:
-    """Import what every trainer and spare needs (a failure here is left for the child to report)."""
+    """Import what every trainer and spare needs (a failure here is left for the child to report); nothing
+    when the children will not be forked (`can_fork`): a fresh interpreter imports its own."""
+    if not can_fork():
+        return
     for name in WARM_MODULES:
         try:
             importlib.import_module(name)
@@ -66,8 +70,10 @@ def remember_signal_handlers(signals: Sequence[int]) -> None:
 
 
 def can_fork() -> bool:
-    """Whether a child can be forked from this process (no CUDA context here, `os.fork` exists)."""
-    if not hasattr(os, "fork"):
+    """Whether a child can be forked from this process (no CUDA context here, `os.fork` exists, and this
+    is the main thread: a host running in a thread of a multithreaded process, a Ray Train worker's
+    training thread, starts fresh interpreters instead of forking a copy of the other threads' state)."""
+    if not hasattr(os, "fork") or threading.current_thread() is not threading.main_thread():
         return False
     torch = sys.modules.get("torch")
     try:

@@ -484,8 +484,14 @@ def _await_promotion(
     return dataclasses.replace(inplace, node_rank=orders.node), orders.next_spare
 
 
-def run_host(inplace: InPlace, argv: list[str]) -> int:
-    """Run this rank's trainer, replace it with a spare when it dies; returns the exit status."""
+def run_host(
+    inplace: InPlace, argv: list[str], *, on_main_thread: Callable[[Callable[[], None]], None] | None = None
+) -> int:
+    """Run this rank's trainer, replace it with a spare when it dies; returns the exit status.
+
+    `on_main_thread`: where the host runs outside the main thread (a Ray Train worker,
+    `training.ray_train`), how to run a function there: the signal forwarding is installed through it.
+    """
     rank = int(os.environ.get(Env.RANK, "0"))
     local_rank = int(os.environ.get(Env.LOCAL_RANK, "0"))
     command = [sys.executable, "-m", "training", *argv]
@@ -507,8 +513,14 @@ def run_host(inplace: InPlace, argv: list[str]) -> int:
             stopping = True
         current.signal(signum)
 
-    for sig in _FORWARD:
-        signal.signal(sig, _forward)
+    def _install_forwarding() -> None:
+        for sig in _FORWARD:
+            signal.signal(sig, _forward)
+
+    if on_main_thread is None:
+        _install_forwarding()
+    else:
+        on_main_thread(_install_forwarding)
     state = HostState.STANDING_BY if standby else HostState.TRAINING
     first_index = 0
     if standby:
