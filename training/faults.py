@@ -268,7 +268,8 @@ class FaultInjector:
 
 
 def flip_bit(tensor: torch.Tensor, element: int, bit: int) -> None:
-    """Flip bit `bit` of element `element` of `tensor` in place (in memory: autograd never sees it).
+    """Flip bit `bit` of element `element` of `tensor` (of this rank's shard, for a DTensor) in place (in
+    memory: autograd never sees it).
 
     The bit is counted in the element's value (little-endian byte order, as on every supported device).
 
@@ -277,6 +278,9 @@ def flip_bit(tensor: torch.Tensor, element: int, bit: int) -> None:
     """
     import torch
 
+    to_local = getattr(tensor, "to_local", None)  # FSDP/HSDP: this rank's shard of a DTensor
+    if callable(to_local):
+        tensor = to_local()
     flat = tensor.detach().view(-1)
     size = flat.element_size()
     if not 0 <= element < flat.numel() or not 0 <= bit < 8 * size:

@@ -19,10 +19,10 @@ restarts, and the restore takes the newest certified checkpoint (`CheckpointMana
 no checkpoint of a step whose replicas disagreed is ever committed, because every save is preceded by a
 check. The result is then bit-identical to an uninterrupted run (the resume is deterministic).
 
-Not covered: FSDP shards (no two ranks hold the same bits, so there is nothing to compare: detection is
-off with a log line); HSDP (the replica dimension could be compared, not built yet: off too);
-corruption before the gradient all-reduce (it is averaged into every replica alike) and inside a
-collective.
+HSDP compares along its replica dimension: the ranks that hold the same shard (`replica_groups`) must
+agree, each group decided on its own. Not covered: FSDP shards (no two ranks hold the same bits, so
+there is nothing to compare: detection is off with a log line); corruption before the gradient
+all-reduce (it is averaged into every replica alike) and inside a collective.
 
 The fingerprint is a position-dependent integer hash over the raw bits, not a float sum: each tensor's
 bytes are read as int32 words (bytes when the size is not a multiple of 4), word i is multiplied by the
@@ -39,6 +39,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,8 +55,11 @@ __all__ = [
     "SilentDataCorruption",
     "create_sdc_monitor",
     "decide",
+    "decide_groups",
     "fingerprint",
     "fingerprint_tensors",
+    "replica_groups",
+    "replica_shards",
     "state_tensors",
 ]
 
@@ -159,15 +163,21 @@ def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[to
     """What the replicas must agree on, in a fixed order: the parameters, then each parameter's optimizer
     state (its tensors by key). Buffers are left out: DDP overwrites them from rank 0 at every forward,
     and BatchNorm's running statistics differ between ranks in between."""
-    tensors: list[torch.Tensor] = list(model.parameters())
+    tensors: list[torch.Tensor] = [_local(p) for p in model.parameters()]
     for group in optimizer.param_groups:
         for param in group["params"]:
             state = optimizer.state.get(param, {})
             for key in sorted(state, key=str):
                 value = state[key]
                 if isinstance(value, torch.Tensor):
-                    tensors.append(value)
+                    tensors.append(_local(value))
     return tensors
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2/HSDP), the tensor itself otherwise."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
 
 
 def fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> int:
@@ -218,6 +228,26 @@ def decide(fingerprints: Sequence[int]) -> Decision:
     return Decision(False, tuple(r for r, f in enumerate(fingerprints) if f != top), decided=False)
 
 
+def decide_groups(fingerprints: Sequence[int], groups: Sequence[Sequence[int]]) -> Decision:
+    """`decide` within each replica group (global ranks that must hold the same bits), merged: the union of
+    the suspects, decided only when every disagreeing group had a majority."""
+    suspects: list[int] = []
+    decided = True
+    for group in groups:
+        within = decide([fingerprints[r] for r in group])
+        suspects += [group[i] for i in within.suspects]
+        decided = decided and within.decided
+    if not suspects:
+        return Decision(agreed=True, suspects=(), decided=True)
+    return Decision(agreed=False, suspects=tuple(sorted(suspects)), decided=decided)
+
+
+def replica_groups(world_size: int, shards: int) -> list[list[int]]:
+    """The replica groups of a job whose state is split into `shards` parts, shard index = rank % shards
+    (HSDP's mesh is nodes x local ranks: rank = node * shards + local rank); DDP is `shards` 1."""
+    return [list(range(s, world_size, shards)) for s in range(shards)]
+
+
 class SilentDataCorruption(RuntimeError):
     """The replicas disagreed: the group restarts from the newest certified checkpoint."""
 
@@ -232,6 +262,8 @@ class SdcMonitor:
         state: Returns this rank's fingerprint (`fingerprint` over the model and optimizer).
         exchange: All-gathers the fingerprints.
         hosts: All-gathers the host names (only on a disagreement).
+        groups: The replica groups, global ranks that must agree (default: every rank, DDP). HSDP's are
+            the ranks that hold the same shard (`replica_groups`).
     """
 
     def __init__(
@@ -243,8 +275,10 @@ class SdcMonitor:
         state: Callable[[], int],
         exchange: Exchange,
         hosts: HostExchange,
+        groups: Sequence[Sequence[int]] | None = None,
     ) -> None:
         self.identity = identity
+        self.groups = [list(g) for g in groups] if groups is not None else [list(range(identity.world_size))]
         self.sink = sink
         self.every = max(1, every)
         self.state = state
@@ -260,7 +294,7 @@ class SdcMonitor:
         """Fingerprint, exchange, decide (collective); raises SilentDataCorruption on a disagreement."""
         fingerprints = self.exchange(self.state())
         self.last_checked = step
-        decision = decide(fingerprints)
+        decision = decide_groups(fingerprints, self.groups)
         if decision.agreed:
             self.last_agreed = step
             return decision
@@ -335,22 +369,24 @@ def create_sdc_monitor(
     every: int | None,
     state: Callable[[], int],
     device: torch.device,
-    replicated: bool,
+    shards: int | None,
 ) -> SdcMonitor | None:
     """The monitor of a data-parallel job (None: `sdc.every` null, one rank, no group, or no replicas).
 
     Args:
         state: This rank's fingerprint now (`fingerprint` of the current model and optimizer).
         device: Where the fingerprints are exchanged (the default group's device).
-        replicated: Every rank holds a full replica (DDP). FSDP and HSDP shard the state: off, with a log line.
+        shards: Parts the state is split into (`replica_shards`): 1 for DDP, the shard dimension for HSDP
+            (its replicas are compared), None for FSDP (no two ranks hold the same bits: off, with a log line).
     """
     import torch.distributed as tdist
 
     if every is None or identity.world_size <= 1 or not tdist.is_initialized():
         return None
-    if not replicated:
+    groups = replica_groups(identity.world_size, shards) if shards else []
+    if not any(len(g) > 1 for g in groups):
         if identity.is_leader:
-            log.info("sdc: replica agreement is off: the state is sharded (FSDP/HSDP), no two ranks hold the same bits")
+            log.info("sdc: replica agreement is off: no two ranks hold the same state (FSDP shards, or one replica)")
         return None
     return SdcMonitor(
         identity,
@@ -359,4 +395,16 @@ def create_sdc_monitor(
         state=state,
         exchange=all_gather_fingerprints(device),
         hosts=all_gather_hosts(device),
+        groups=groups,
     )
+
+
+def replica_shards(model: nn.Module, mesh: Any) -> int | None:
+    """What `create_sdc_monitor` compares: 1 for a DDP model (full replicas), the size of HSDP's `shard`
+    dimension (ranks r and r + shards hold the same shard), None for FSDP (a 1-D mesh: shards only)."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return 1
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    if "replicate" in names and "shard" in names:
+        return int(mesh["shard"].size())
+    return None

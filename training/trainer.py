@@ -33,7 +33,7 @@ from training.metrics.base import MetricsSink, StepRecord
 from training.metrics.straggler import create_straggler_detector
 from training.optim import lr_at
 from training.profiling import create_step_profiler
-from training.sdc import create_sdc_monitor, fingerprint
+from training.sdc import create_sdc_monitor, fingerprint, replica_shards
 from training.state import ModelOptimizerState, TrainerProgress, full_params_sha256
 from training.strategies import Parallel, clip_grad_norm, ddp_bucket_order, rewrap_ddp
 from training.task import Task
@@ -146,7 +146,7 @@ class Trainer:
             every=spec.spec.sdc.every,
             state=lambda: fingerprint(self.par.model, self.optimizer, self.par.device),
             device=par.device,
-            replicated=isinstance(par.model, nn.parallel.DistributedDataParallel),
+            shards=replica_shards(par.model, par.mesh),
         )
         if self.sdc is not None:
             self.sdc.prefer_certified(checkpoints)

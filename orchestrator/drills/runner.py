@@ -17,7 +17,7 @@ from orchestrator.drills.scenarios import Scenario, get_scenario
 from orchestrator.drills.spec_patch import isolate_stores, revalidate
 from orchestrator.errors import SpecError, UnsupportedFeature
 from orchestrator.spec import JobSpec
-from training.config import DEFAULT_SDC_EVERY
+from training.config import DEFAULT_SDC_EVERY, Strategy
 from training.contract import DrillEventKind, EventKind, RunFiles, Summary
 
 __all__ = ["DrillOptions", "adopt_reference", "run_drill"]
@@ -93,6 +93,7 @@ def run_drill(scenario_name: str, spec: JobSpec, options: DrillOptions) -> Drill
         rng=rng,
         in_memory_every=spec.spec.checkpoint.in_memory.every,
         sdc_every=spec.spec.sdc.every or DEFAULT_SDC_EVERY,
+        sdc_replicas=nodes if spec.spec.training.strategy is Strategy.hsdp else nodes * spec.spec.procs_per_node,
     )
     tag = time.strftime("%Y%m%d-%H%M%S")
     plan = scenario.plan(isolate_stores(spec, tag, "run"), ctx)

@@ -438,8 +438,10 @@ class SilentCorruption(Scenario):
     def unmet(self, spec: JobSpec, nodes: int | None = None) -> str | None:
         from training.config import Strategy
 
-        if spec.spec.training.strategy is not Strategy.ddp:
-            return "needs spec.training.strategy ddp: FSDP shards hold no replicas to compare"
+        if spec.spec.training.strategy is Strategy.fsdp:
+            return "needs replicas to compare (spec.training.strategy ddp, or hsdp on 2+ nodes): FSDP only shards"
+        if spec.spec.training.strategy is Strategy.hsdp and (nodes or self.needs_nodes) < 2:
+            return "hsdp compares its replicas across nodes: run it on 2+ nodes (--nodes 2)"
         return super().unmet(spec, nodes)
 
     def faults(self, ctx: DrillContext) -> list[Fault]:
@@ -463,7 +465,7 @@ class SilentCorruption(Scenario):
             f"detected at step {sdc.step if sdc else None}",
         )
         suspects = list(sdc.get("suspects") or []) if sdc is not None else []
-        if ctx.world_size >= 3:
+        if ctx.sdc_replicas >= 3:
             verdict.check(
                 "the majority named the flipped rank",
                 sdc is not None and bool(sdc.get("decided")) and suspects == [ctx.fault_rank],

@@ -25,9 +25,12 @@ from training.sdc import (
     SdcMonitor,
     SilentDataCorruption,
     decide,
+    decide_groups,
     fingerprint,
     fingerprint_tensors,
     position_constant,
+    replica_groups,
+    replica_shards,
     tensor_constant,
 )
 
@@ -148,6 +151,36 @@ def test_the_majority_is_never_a_suspect(fingerprints: list[int]) -> None:
     if decision.decided and not decision.agreed:
         assert 2 * (len(fingerprints) - len(decision.suspects)) > len(fingerprints)
         assert len({fingerprints[r] for r in range(len(fingerprints)) if r not in decision.suspects}) == 1
+
+
+def test_hsdp_replicas_are_the_ranks_that_hold_the_same_shard_and_each_group_decides_alone() -> None:
+    assert replica_groups(4, 1) == [[0, 1, 2, 3]]  # DDP: one group
+    assert replica_groups(6, 2) == [[0, 2, 4], [1, 3, 5]]  # HSDP, 3 nodes x 2 shards
+    # shard 0's replicas agree; shard 1's rank 5 disagrees with ranks 1 and 3 (its majority)
+    fingerprints = [7, 100, 7, 100, 7, 9]
+    decision = decide_groups(fingerprints, replica_groups(6, 2))
+    assert decision.suspects == (5,) and decision.decided
+    # the two shards' fingerprints differ by nature: that is no disagreement
+    assert decide_groups([7, 100, 7, 100], replica_groups(4, 2)).agreed
+    # 2 nodes: each shard has two replicas, so a disagreement is undecided between them
+    undecided = decide_groups([7, 100, 8, 100], replica_groups(4, 2))
+    assert undecided.suspects == (0, 2) and not undecided.decided
+
+
+def test_what_is_compared_follows_the_strategy() -> None:
+    class Mesh:  # DeviceMesh's surface used: mesh_dim_names, mesh[name].size()
+        def __init__(self, names: tuple[str, ...], shard: int) -> None:
+            self.mesh_dim_names, self._shard = names, shard
+
+        def __getitem__(self, name: str) -> Any:
+            return self
+
+        def size(self) -> int:
+            return self._shard
+
+    assert replica_shards(nn.Linear(1, 1), None) is None  # one process or FSDP without a mesh
+    assert replica_shards(nn.Linear(1, 1), Mesh(("shard",), 4)) is None  # FSDP: shards only
+    assert replica_shards(nn.Linear(1, 1), Mesh(("replicate", "shard"), 4)) == 4  # HSDP
 
 
 # -- the monitor (fake exchanges) -----------------------------------------------------------------------
