@@ -132,6 +132,9 @@ class StepWatchdog:
         # (which has no collective in flight) fires first and only that rank is replaced.
         self.waiting: Callable[[], bool] | None = None
         self.waiting_grace_s = 0.0
+        # This rank has a gradient collective in flight (None: `waiting`, where set). Such a rank dumps its
+        # stacks early (`dump_due`): the peer it waits for may be hung under a shorter derived deadline.
+        self.in_collective: Callable[[], bool] | None = None
 
     def start(self) -> StepWatchdog:
         self._last = self.clock()
@@ -237,6 +240,20 @@ class StepWatchdog:
                 return None
         return Overdue(silent_s=silent, timeout_s=timeout_s, setting=setting, phase=phase)
 
+    def dump_due(self) -> bool:
+        """Whether the silence now calls for a stack dump: past `DUMP_AT` of the current limit, or, with
+        derived deadlines, of the floor while a gradient collective is in flight. Each rank derives its
+        own deadline; a hung peer whose deadline is shorter would exit first, this rank's collective
+        would then fail, and the group would lose the dump that shows where it waited."""
+        limit_s, _, phase = self.limit()
+        silent = self.clock() - self._last
+        if silent > limit_s * DUMP_AT:
+            return True
+        if not (self.policy.auto and phase in (STEP, FIRST_STEP) and silent > self.policy.floor_s * DUMP_AT):
+            return False
+        probe = self.in_collective if self.in_collective is not None else self.waiting
+        return probe is not None and probe()
+
     def _dump(self) -> None:
         last = self._last
         if self.stacks is None or self._dumped_for == last:
@@ -264,8 +281,7 @@ class StepWatchdog:
     def _run(self) -> None:
         while not self._stop.wait(self._poll()):
             self._publish()
-            timeout_s = self.limit()[0]
-            if self.clock() - self._last > timeout_s * DUMP_AT:
+            if self.dump_due():
                 self._dump()
             found = self.overdue()
             if found is None:

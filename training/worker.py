@@ -224,6 +224,8 @@ def run_worker(
             watchdog=watchdog,
         )
         trainer.preemption = preemption
+        watching = trainer  # with derived deadlines a rank in a collective dumps its stacks early
+        watchdog.in_collective = lambda: watching.par.comm.pending > 0
         if group is not None:
             trainer.inplace = group
             trainer.replicas = replicas

@@ -308,3 +308,28 @@ def test_the_deadlines_are_exported_as_a_gauge_by_phase() -> None:
     assert gauge(FIRST_STEP) == policy.cap_s  # no first steps seen yet
     assert gauge("checkpoint_io") == 30.0
     assert gauge("collective") is None  # not in place
+
+
+def test_a_rank_in_a_collective_dumps_before_a_peer_with_a_shorter_deadline_exits() -> None:
+    """Each rank derives its own deadline: a rank waiting in a collective dumps at 3/4 of the floor, the
+    shortest deadline any peer can have, so its dump is written before the hung peer exits."""
+    policy = _policy(floor_s=0.5, cap_s=100.0)
+    clock = Clock()
+    dog = _watchdog(policy, clock)
+    _train(dog, clock, [0.2] * 31)  # slow steps: this rank's deadline is 10 x 0.2 = 2 s
+    assert dog.limit()[0] == pytest.approx(2.0)
+    busy = [False]
+    dog.in_collective = lambda: busy[0]
+    clock.advance(0.4)  # past 3/4 of the floor, far from 3/4 of this rank's deadline
+    assert not dog.dump_due()
+    busy[0] = True
+    assert dog.dump_due()
+    with dog.io(30.0):  # checkpoint I/O is judged by its own limit, collectives or not
+        clock.advance(0.4)
+        assert not dog.dump_due()
+    fixed = _watchdog(_policy(auto=False, cap_s=2.0), clock)
+    fixed.in_collective = lambda: True
+    clock.advance(0.4)
+    assert not fixed.dump_due()  # one limit for every rank: the group dumps at 3/4 of it together
+    clock.advance(1.2)
+    assert fixed.dump_due()
