@@ -351,7 +351,11 @@ class Hang(Scenario):
         derived deadline and fired within 3x the median step time + 1 s of its last step."""
         from orchestrator.loader import load_spec
 
-        restarts = load_spec(RunFiles(history.run_dir).job, allow_inline_secrets=True).spec.restarts
+        try:
+            restarts = load_spec(RunFiles(history.run_dir).job, allow_inline_secrets=True).spec.restarts
+        except SpecError as exc:  # no job file in the run directory: nothing says how it was judged
+            verdict.note(f"hang detection not judged: {RunFiles(history.run_dir).job}: {exc}")
+            return
         if restarts.hang_detection != "auto" or ctx.fault_step < restarts.hang_warmup_steps + 2:
             verdict.note(f"hang detection: {restarts.hang_detection}, judged by restarts.stepTimeoutSeconds")
             return
