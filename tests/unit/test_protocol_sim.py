@@ -32,7 +32,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -679,8 +679,10 @@ class Sim:
             if self.tick_no >= proc.exit_tick:
                 self._die(proc, 0)
             return
-        quiet = proc.survivor is None and proc.rank is not None and proc.stepped  # training: no request
-        self._look(proc, lambda: self._proc_look(proc), talks=not quiet)
+        if proc.survivor is None and proc.rank is not None and proc.stepped:
+            self._proc_look(proc)  # training: it sends the store no request
+        else:
+            self._look(proc, lambda: self._proc_look(proc))
 
     def _proc_look(self, proc: Proc) -> None:
         if proc.spare_state is SpareState.WARMING:
@@ -934,12 +936,17 @@ class Sim:
     def _standing_by(self, index: int, host: Host) -> None:
         """`_await_promotion`: a standby's host waits for its orders (a forged one is ignored)."""
         proc = self.procs[host.pid]
+        key = f"node{host.node}/host{host.local}/promote"
+        if proc.alive and not host.stopping and key not in self.store.orders:
+            return  # its one blocking wait for the key goes on: `decide_host` would say Wait
         try:
-            orders = self.store.read(f"node{host.node}/host{host.local}/promote")
+            orders = self.store.read(key)
         except StoreDown:
             orders = None
-        seen = HostObservation(stopping=host.stopping, exit_code=None if proc.alive else proc.code)
-        decision = decide_host(host.state, replace(seen, promoted=orders is not None))
+        seen = HostObservation(
+            stopping=host.stopping, exit_code=None if proc.alive else proc.code, promoted=orders is not None
+        )
+        decision = decide_host(host.state, seen)
         host.state = next_state(HOST_TRANSITIONS, host.state, decision)
         if isinstance(decision, StandDown):
             host.exit = decision.exit_code
@@ -1045,7 +1052,7 @@ class Sim:
         hosts = [self.hosts[i] for i in standby.hosts]
         codes = tuple(h.exit if h.exit is not None or h.alive else KILLED for h in hosts)
         stopping = 15 if standby.stopping else None
-        seen = StandbyObservation(stopping=stopping, host_codes=codes, nodes=self.w.nodes, gone_after_s=1.0)
+        ready, lost, ended, failed, unreached = False, (), (), None, None
         if standby.state is not StandbyState.HOLDING and stopping is None and all(c is None for c in codes):
             try:
                 ready = standby.state is StandbyState.WARMING and all(
@@ -1053,12 +1060,22 @@ class Sim:
                     for local in range(self.w.nproc)
                 )
                 gone = self._watch(standby, HOST_LOST_S, None)
-                ended = [n for n in gone if self.store.read(f"node{n}/ended") is not None]
+                ended = tuple(n for n in gone if self.store.read(f"node{n}/ended") is not None)
                 lost = tuple(n for n in gone if n not in ended)
-                seen = replace(seen, spares_ready=ready, lost=lost, ended=tuple(ended))
                 standby.reached = self.t
             except StoreDown as exc:
-                seen = replace(seen, store_failed=str(exc), unreached_s=self.t - standby.reached)
+                failed, unreached = str(exc), self.t - standby.reached
+        seen = StandbyObservation(
+            stopping=stopping,
+            host_codes=codes,
+            nodes=self.w.nodes,
+            gone_after_s=1.0,
+            spares_ready=ready,
+            lost=lost,
+            ended=ended,
+            store_failed=failed,
+            unreached_s=unreached,
+        )
         decision = decide_standby(standby.state, seen)
         if isinstance(decision, Take):
             try:
