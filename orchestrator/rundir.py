@@ -29,6 +29,7 @@ from training.contract import (
     read_json,
     read_jsonl,
 )
+from training.contract.events import sdc_quarantine
 
 __all__ = [
     "EarlierCheckpoints",
@@ -48,6 +49,7 @@ __all__ = [
     "recoveries_from_events",
     "run_state",
     "runs_root",
+    "sdc_of",
     "world_sizes_from_events",
 ]
 
@@ -236,7 +238,19 @@ def build_summary(
         reason=reason or None,
         final_checkpoint=final,
         preempted=preempted,
+        sdc=sdc_of(events),
+        quarantined_hosts=sdc_quarantine(events) or None,
     )
+
+
+def sdc_of(events: Iterable[Event]) -> list[dict[str, Any]] | None:
+    """Rank 0's `sdc` events, as summary.json lists them (None: there was none)."""
+    found = [
+        {key: e.get(key) for key in ("suspects", "suspect_hosts", "decided")} | {"step": e.step}
+        for e in events
+        if e.kind is EventKind.SDC and e.rank == 0
+    ]
+    return found or None
 
 
 def _int(value: Any) -> int | None:

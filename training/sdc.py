@@ -13,7 +13,8 @@ fingerprints (8 bytes per rank, one collective on the default group) and `decide
   largest group and the event says `undecided`. Deterministic replay of the step, which would decide
   between two ranks, is not built: the event says so rather than guess.
 
-On a disagreement rank 0 writes an `sdc` event (step, suspects, their hosts, every fingerprint) and
+On a disagreement rank 0 writes an `sdc` event (step, suspects, their hosts, every fingerprint, and the
+hosts to quarantine: suspects already named by an earlier `sdc` event of the run, `sdc_quarantine`) and
 every rank raises `SilentDataCorruption`: the worker exits retryably (`TRAINING_FAILED`), the group
 restarts, and the restore takes the newest certified checkpoint (`CheckpointManager.prefer_certified`):
 no checkpoint of a step whose replicas disagreed is ever committed, because every save is preceded by a
@@ -44,8 +45,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from training.contract import WorkerIdentity
-from training.contract.events import Sdc
+from training.contract import EventKind, RunFiles, WorkerIdentity
+from training.contract.events import Event, Sdc, read_events, sdc_quarantine
 from training.metrics.base import MetricsSink
 
 __all__ = [
@@ -301,19 +302,31 @@ class SdcMonitor:
         hosts = self.hosts(self.identity.node)  # collective too: every rank saw the same fingerprints
         message = f"silent data corruption at step {step}: {decision.describe()}"
         if self.identity.is_leader:
+            suspect_hosts = [hosts[r] for r in decision.suspects]
+            quarantined = self.quarantined(suspect_hosts)
+            if quarantined:
+                message += f"; quarantine (suspected before): {', '.join(quarantined)}"
             self.sink.emit(
                 Sdc(
                     step=step,
                     suspects=list(decision.suspects),
-                    suspect_hosts=[hosts[r] for r in decision.suspects],
+                    suspect_hosts=suspect_hosts,
                     decided=decision.decided,
                     fingerprints=[f"{f:016x}" for f in fingerprints],
                     last_agreed_step=self.last_agreed,
                     detail=decision.describe(),
+                    quarantined_hosts=quarantined,
                 )
             )
         print(f"torchrig: rank {self.identity.rank}: {message}", file=sys.stderr, flush=True)
         raise SilentDataCorruption(message)
+
+    def quarantined(self, suspect_hosts: list[str]) -> list[str]:
+        """The hosts to keep out after this detection: `sdc_quarantine` over the run directory's earlier
+        `sdc` events (the restarts before this one) and this one's suspects."""
+        earlier = read_events(RunFiles(self.identity.run_dir).events) if self.identity.run_dir is not None else []
+        now = Event(time=0.0, rank=0, generation=0, kind=EventKind.SDC, data={"suspect_hosts": suspect_hosts})
+        return sdc_quarantine([*earlier, now])
 
     def after_step(self, step: int) -> None:
         """Check when `step` is due (every `every` steps)."""

@@ -387,3 +387,37 @@ def test_the_sdc_counter_counts_and_carries_over_a_restart_in_the_run_directory(
         assert successor.registry.get_sample_value(names.SDC_DETECTED, labels) == 1
     finally:
         successor.close()
+
+
+# -- quarantine: a host suspected twice --------------------------------------------------------------------
+def test_a_host_suspected_in_two_detections_is_quarantined_in_the_event_and_the_summary(tmp_path: Any) -> None:
+    from orchestrator.rundir import build_summary
+    from training.contract import RunFiles, read_events
+    from training.contract.events import sdc_quarantine
+    from training.metrics.jsonl import EventsJsonlSink
+
+    identity = WorkerIdentity(job="j", rank=0, world_size=4, node="host-0", run_dir=str(tmp_path))
+    events = EventsJsonlSink(str(tmp_path), identity, log_every=10)
+    mine, others = [11], [11, 11, 11]
+    try:
+        for step in (5, 10):  # the same rank goes wrong again after the restart
+            mon = monitor(others, mine, events)
+            mon.identity = WorkerIdentity(job="j", rank=0, world_size=4, node="host-0", run_dir=str(tmp_path))
+            others[1] = 12
+            with pytest.raises(SilentDataCorruption):
+                mon.after_step(step)
+            others[1] = 11
+    finally:
+        events.close()
+    first, second = [e for e in read_events(RunFiles(str(tmp_path)).events) if e.kind == EventKind.SDC]
+    assert first.get("quarantined_hosts") == [] and second.get("quarantined_hosts") == ["host-2"]
+    assert sdc_quarantine([first]) == [] and sdc_quarantine([first, second]) == ["host-2"]
+    summary = build_summary(tmp_path, status="succeeded", wall_s=1.0, stores=[])
+    assert summary.quarantined_hosts == ["host-2"]
+    assert summary.sdc == [
+        {"step": 5, "suspects": [2], "suspect_hosts": ["host-2"], "decided": True},
+        {"step": 10, "suspects": [2], "suspect_hosts": ["host-2"], "decided": True},
+    ]
+    assert (
+        "quarantined_hosts" not in build_summary(tmp_path / "none", status="succeeded", wall_s=1.0, stores=[]).to_dict()
+    )

@@ -11,12 +11,14 @@ from __future__ import annotations
 import enum
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from training.contract.files import read_jsonl
 
 __all__ = [
+    "SDC_QUARANTINE_AFTER",
     "CheckpointCommitted",
     "CheckpointCorrupt",
     "CheckpointFenced",
@@ -42,6 +44,7 @@ __all__ = [
     "Straggler",
     "Watchdog",
     "read_events",
+    "sdc_quarantine",
 ]
 
 
@@ -216,7 +219,26 @@ class Sdc:
     fingerprints: list[str]
     last_agreed_step: int | None
     detail: str
+    quarantined_hosts: list[str] = field(default_factory=list)  # `sdc_quarantine`: suspects seen before
     kind: EventKind = field(default=EventKind.SDC, init=False, repr=False)
+
+
+SDC_QUARANTINE_AFTER = 2  # `sdc` events naming a host before it is quarantined
+
+
+def sdc_quarantine(events: Iterable[Event]) -> list[str]:
+    """The hosts named among the suspects of at least SDC_QUARANTINE_AFTER `sdc` events: a device seen
+    computing wrong twice should be kept out (drained, tainted) until it is tested. Untrusted input: a
+    host that is not a string is skipped."""
+    seen: dict[str, int] = {}
+    for event in events:
+        if event.kind != EventKind.SDC:
+            continue
+        hosts = event.get("suspect_hosts")
+        for host in set(hosts) if isinstance(hosts, list) else ():
+            if isinstance(host, str):
+                seen[host] = seen.get(host, 0) + 1
+    return sorted(h for h, n in seen.items() if n >= SDC_QUARANTINE_AFTER)
 
 
 @dataclass(frozen=True)

@@ -153,6 +153,10 @@ class Summary:
             start resumes from `step` when `committed`.
         worker_exit: A worker's permanent exit code (2: the spec or task to fix, 3: a setting, the machine
             or the checkpoints) that ended the run without a restart (`training.contract.exit_codes`).
+        sdc: The replicas' disagreements (`training.sdc`), rank 0's `sdc` events: `{step, suspects,
+            suspect_hosts, decided}` each (absent when there was none).
+        quarantined_hosts: Hosts named among the suspects of 2+ of them (`sdc_quarantine`): keep them out
+            of the next jobs (cordon, a NoSchedule taint) until tested.
     """
 
     status: RunStatusName
@@ -174,10 +178,20 @@ class Summary:
     preempted: dict[str, Any] | None = None
     recoveries: dict[str, int] = field(default_factory=dict)  # recovery path -> count (`inplace`, `restart`)
     worker_exit: int | None = None
+    sdc: list[dict[str, Any]] | None = None
+    quarantined_hosts: list[str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        for optional in ("reason", "failure_log", "final_checkpoint", "preempted", "worker_exit"):
+        for optional in (
+            "reason",
+            "failure_log",
+            "final_checkpoint",
+            "preempted",
+            "worker_exit",
+            "sdc",
+            "quarantined_hosts",
+        ):
             if data[optional] is None:
                 del data[optional]
         return data
