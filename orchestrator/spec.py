@@ -12,6 +12,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, field_validator, model_validator
+from pydantic.alias_generators import to_camel
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from orchestrator.credentials import inline_secrets
@@ -645,6 +646,7 @@ class JobSpec(Model):
         out += [finding.warning() for finding in inline_secrets(self)]  # only a local run accepts them
         out += _in_memory_warnings(s)
         out += _spare_node_warnings(s)
+        out += _hang_detection_warnings(s)
         out += [
             f"spec.checkpoint.stores[{i}].uri: memory:// lives in each worker process and is gone when it exits: "
             "nothing in it outlives the run or a restart (for tests; use file:// or an object store)"
@@ -684,6 +686,22 @@ def _spare_node_warnings(body: JobSpecBody) -> list[str]:
         return [
             f"{field}: on Kubernetes standby nodes run in a fixed-size PyTorchJob only (kubernetes.target "
             "pytorchjob, nodes.min == nodes.max; elsewhere a lost node restarts the group); local runs start them"
+        ]
+    return []
+
+
+def _hang_detection_warnings(body: JobSpecBody) -> list[str]:
+    """`restarts.hangDetection: auto` derives step deadlines below `stepTimeoutSeconds` only (`training.deadlines`)."""
+    r = body.restarts
+    tuned = sorted(r.model_fields_set & {"hang_multiplier", "hang_floor_seconds", "hang_warmup_steps"})
+    if r.hang_detection == "fixed" and tuned:
+        names = ", ".join(f"spec.restarts.{to_camel(name)}" for name in tuned)
+        return [f"{names}: no effect with spec.restarts.hangDetection fixed (every step has stepTimeoutSeconds)"]
+    if r.hang_detection == "auto" and r.hang_floor_seconds >= r.step_timeout_seconds:
+        return [
+            f"spec.restarts.hangFloorSeconds: {r.hang_floor_seconds:g} is not below stepTimeoutSeconds "
+            f"({r.step_timeout_seconds:g}): every step deadline is the fixed timeout; lower it, or set "
+            "hangDetection: fixed"
         ]
     return []
 

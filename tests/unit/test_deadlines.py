@@ -333,3 +333,22 @@ def test_a_rank_in_a_collective_dumps_before_a_peer_with_a_shorter_deadline_exit
     assert not fixed.dump_due()  # one limit for every rank: the group dumps at 3/4 of it together
     clock.advance(1.2)
     assert fixed.dump_due()
+
+
+def test_the_spec_warns_when_a_hang_setting_has_no_effect() -> None:
+    from orchestrator.loader import load_spec
+    from tests.fixtures.common import REPO
+
+    def hang_warnings(*extra: str) -> list[str]:
+        spec = load_spec(REPO / "examples" / "digits-ddp.yaml", list(extra))
+        return [w for w in spec.warnings() if "hang" in w]
+
+    assert hang_warnings() == []
+    assert hang_warnings("spec.restarts.stepTimeoutSeconds=1") == [
+        "spec.restarts.hangFloorSeconds: 1 is not below stepTimeoutSeconds (1): every step deadline is the fixed "
+        "timeout; lower it, or set hangDetection: fixed"
+    ]
+    fixed = hang_warnings("spec.restarts.hangDetection=fixed", "spec.restarts.hangMultiplier=4")
+    assert fixed == ["spec.restarts.hangMultiplier: no effect with spec.restarts.hangDetection fixed (every step has "
+                     "stepTimeoutSeconds)"]  # fmt: skip
+    assert hang_warnings("spec.restarts.hangDetection=fixed") == []
