@@ -256,10 +256,34 @@ def _startup(results: Results) -> list[str]:
     ]
 
 
+def _sdc(results: Results) -> list[str]:
+    sd = results.get("sdc") or {}
+    if not sd or "error" in sd:
+        return []
+    ov, fp, det = sd["overhead"], sd["fingerprint_tinygpt"], sd["detection"]
+    return [
+        f"| sdc (digits, 2 ranks) | s/step off | every step | every {ov['default_every']} (default) |",
+        "|---|---|---|---|",
+        f"| median | {ov['step_s_off']['median']:.4f} | {ov['step_s_every_step']['median']:.4f} | "
+        f"{ov['step_s_default']['median']:.4f} |",
+        "",
+        f"One check (fingerprint + all-gather): {ov['check_s'] * 1000:.3f} ms, "
+        f"{100 * ov['check_ratio_of_a_step']:.2f}% of a step; at the default every {ov['default_every']} steps: "
+        f"{100 * ov['default_overhead_ratio']:.3f}% "
+        f"(target <= 1%; measured directly, side by side: {100 * ov['default_overhead_ratio_direct']:.2f}%). "
+        f"tinygpt replica fingerprint: {fp['fingerprint_s'] * 1000:.2f} ms, "
+        f"{100 * fp['fingerprint_ratio_of_a_step']:.2f}% of one of its steps "
+        f"({fp['fingerprint_ns_per_word']:.2f} ns/word). "
+        f"Flip to detection: {det['steps_to_detection']} steps, {det['seconds_to_detection']:.3f} s "
+        f"(flip at step {det['flip_step']}, check every {det['every']}).",
+        "",
+    ]
+
+
 def markdown(results: Results) -> str:
     """latest.md: one table per section that has results, then the sections that failed."""
     lines = [f"# torchrig benchmarks ({results['timestamp']}, {results['machine']['cpus']} CPUs)", ""]
-    for table in (_overhead, _checkpoint_stall, _checkpoint_io, _mttr, _exporter, _scaling, _preempt, _startup):
+    for table in (_overhead, _checkpoint_stall, _checkpoint_io, _mttr, _exporter, _scaling, _preempt, _startup, _sdc):
         lines += table(results)
     for name, err in (results.get("errors") or {}).items():
         lines.append(f"- section `{name}` failed: `{err.splitlines()[-1] if err else err}`")

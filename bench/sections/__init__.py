@@ -17,6 +17,7 @@ from bench.sections import (
     overhead,
     preempt,
     scaling,
+    sdc,
     startup,
 )
 from bench.sections.base import Results, Section
@@ -35,5 +36,6 @@ SECTIONS: dict[str, Section] = {
         gpu.SECTION,
         preempt.SECTION,
         startup.SECTION,
+        sdc.SECTION,
     )
 }

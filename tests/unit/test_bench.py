@@ -30,6 +30,7 @@ SECTION_NAMES = [
     "gpu",
     "preempt",
     "startup",
+    "sdc",
 ]
 
 
@@ -101,6 +102,30 @@ def fake_results() -> dict[str, Any]:
             "torchrun_naive_wall": {**spread, "median": 10.0},
             "wall_ratio_vs_torchrun": 1.5,
         },
+        "sdc": {
+            "overhead": {
+                "step_s_off": {**spread, "median": 0.02},
+                "step_s_every_step": {**spread, "median": 0.0202},
+                "step_s_default": {**spread, "median": 0.02001},
+                "check_s": 0.0002,
+                "check_ratio_of_a_step": 0.01,
+                "default_every": 20,
+                "default_overhead_ratio": 0.0005,
+                "default_overhead_ratio_direct": 0.0005,
+            },
+            "fingerprint_tinygpt": {
+                "fingerprint_s": 0.003,
+                "fingerprint_ratio_of_a_step": 0.02,
+                "fingerprint_ns_per_word": 1.5,
+            },
+            "detection": {
+                "every": 20,
+                "flip_step": 23,
+                "detected_step": 40,
+                "steps_to_detection": 17,
+                "seconds_to_detection": 0.5,
+            },
+        },
     }
 
 
@@ -170,6 +195,9 @@ def test_report_writes_json_markdown_and_plot(tmp_path: Path) -> None:
         "| torchrun + naive loop | 10.00 | | |",
         "torchrig over torchrun, wall: 1.50x.",
         "- section `gpu` failed: `RuntimeError: boom`",
+        "| median | 0.0200 | 0.0202 | 0.0200 |",
+        "One check (fingerprint + all-gather): 0.200 ms, 1.00% of a step; at the default every 20 steps: 0.050%",
+        "Flip to detection: 17 steps, 0.500 s (flip at step 23, check every 20).",
     ):
         assert row in md, row
     assert (tmp_path / "scaling.png").read_bytes().startswith(b"\x89PNG")

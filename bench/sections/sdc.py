@@ -1,0 +1,163 @@
+"""Silent data corruption checks (`training.sdc`): what replica agreement costs, and how soon a flip is found.
+
+- overhead: the digits job (2 ranks, DDP, gloo) with `sdc.every` at its default, with a check every step,
+  and with the checks off, run side by side (interleaved, so a noisy neighbour hits all three alike); the
+  wall time per step from the ranks' step records. One check's cost is the difference between every step
+  and off; the default's overhead is that cost spread over `sdc.every` steps (a 1% difference is below the
+  noise of one run on a shared machine, so the direct ratio is reported too but not judged);
+- fingerprint: one fingerprint of the tinygpt example's DDP replica (parameters + AdamW state) against one
+  of its training steps, in this process;
+- detection: a `bitflip` of a parameter on rank 1 at a step that is no multiple of `sdc.every`: the time
+  and the steps from the `fault` event to the `sdc` event.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import PY, run, stats, throughput_from_records
+from bench.sections.base import Section
+
+BATCH, WORLD = 32, 2
+TARGET = 0.01  # the default's overhead, as a share of a step
+
+
+def _seconds_per_step(steps: int, every: int | None, *, faults: str | None = None, out: Path | None = None) -> float:
+    """Wall seconds per step of the digits job under torchrun with `sdc.every` = `every` (None: off)."""
+    from bench.common import digits_spec_file
+    from training.contract import Env, RunFiles, read_jsonl
+
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        spec = digits_spec_file(
+            tmp,
+            [
+                f"spec.training.steps={steps}",
+                f"spec.checkpoint.every.steps={max(10, steps // 4)}",
+                "spec.checkpoint.saveFinal=false",
+                "spec.training.evalAtEnd=false",
+                "spec.metrics.logEvery=1",
+                "spec.metrics.enabled=false",
+                f"spec.sdc.every={'null' if every is None else every}",
+            ],
+        )
+        run_dir = RunFiles(tmp / "run")
+        env = {Env.RUN_DIR: str(run_dir.root)}
+        if faults is not None:
+            env[Env.FAULTS] = faults
+        run(
+            [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD), "--max-restarts",
+             "1", "--log-dir", str(tmp / "logs"), "-m", "training", "--spec", str(spec)],
+            extra_env=env,
+        )  # fmt: skip
+        if out is not None:
+            out.write_text(run_dir.events.read_text())
+        records = read_jsonl(run_dir.metrics)
+        return BATCH * WORLD / throughput_from_records(records, BATCH * WORLD, skip_steps=10)
+
+
+def _overhead(repeats: int, steps: int, every: int) -> dict[str, Any]:
+    off, each, default = [], [], []
+    for _ in range(repeats):
+        off.append(_seconds_per_step(steps, None))
+        each.append(_seconds_per_step(steps, 1))
+        default.append(_seconds_per_step(steps, every))
+    per_check = [e - o for e, o in zip(each, off, strict=True)]
+    check_s = statistics.median(per_check)
+    step_s = statistics.median(off)
+    return {
+        "step_s_off": stats(off),
+        "step_s_every_step": stats(each),
+        "step_s_default": stats(default),
+        "check_s": check_s,
+        "check_ratio_of_a_step": check_s / step_s,
+        "default_every": every,
+        "default_overhead_ratio": max(0.0, check_s) / (every * step_s),
+        "default_overhead_ratio_direct": statistics.median(d / o - 1 for d, o in zip(default, off, strict=True)),
+        "target": f"<= {TARGET}",
+        "steps": steps,
+        "repeats": repeats,
+    }
+
+
+def _fingerprint_vs_step(repeats: int) -> dict[str, Any]:
+    """tinygpt (its example's model and micro-batch), one process: a training step of one micro-batch (the
+    example accumulates two, so a real step is longer and the share smaller) against one fingerprint."""
+    import torch
+
+    from orchestrator.loader import load_spec
+    from training.optim import build_optimizer
+    from training.sdc import fingerprint
+    from training.task import load_task
+
+    spec = load_spec(Path(__file__).resolve().parents[2] / "examples" / "tinygpt-fsdp.yaml")
+    cfg = spec.spec.training
+    task = load_task(spec.spec.task.entrypoint, spec.spec.task.args)
+    torch.manual_seed(0)
+    model = task.build_model()
+    optimizer = build_optimizer(model, cfg.optimizer)
+    dataset = task.train_dataset()
+    batch = task.collate([dataset[i] for i in range(cfg.batch_size)])  # type: ignore[index]
+    device = torch.device("cpu")
+
+    def step() -> None:
+        task.loss(model, batch).backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # AdamW's state exists from here on
+    step_s, fp_s = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        step_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        fingerprint(model, optimizer, device)
+        fp_s.append(time.perf_counter() - t0)
+    words = sum(p.numel() for p in model.parameters()) * 3  # parameters + two AdamW moments (float32 words)
+    return {
+        "model_words": words,
+        "step_s": stats(step_s)["median"],
+        "fingerprint_s": stats(fp_s)["median"],
+        "fingerprint_ratio_of_a_step": stats(fp_s)["median"] / stats(step_s)["median"],
+        "fingerprint_ns_per_word": stats(fp_s)["median"] / words * 1e9,
+    }
+
+
+def _detection(steps: int, every: int, flip_step: int) -> dict[str, Any]:
+    from training.contract import EventKind, read_events
+
+    faults = json.dumps([{"kind": "bitflip", "rank": 1, "step": flip_step, "target": "param"}])
+    with tempfile.TemporaryDirectory() as d:
+        events_path = Path(d) / "events.jsonl"
+        _seconds_per_step(steps, every, faults=faults, out=events_path)
+        events = read_events(events_path)
+    flip = next(e for e in events if e.kind == EventKind.FAULT and e.get("kind") == "bitflip")
+    found = next(e for e in events if e.kind == EventKind.SDC and e.time >= flip.time)
+    return {
+        "every": every,
+        "flip_step": flip.step,
+        "detected_step": found.step,
+        "steps_to_detection": (found.step or 0) - (flip.step or 0),
+        "seconds_to_detection": round(found.time - flip.time, 4),
+        "suspects": found.get("suspects"),
+    }
+
+
+def bench_sdc(quick: bool) -> dict[str, Any]:
+    """Overhead of `sdc.every` at its default against the same job without it, and flip-to-detection."""
+    from training.config import DEFAULT_SDC_EVERY
+
+    return {
+        "overhead": _overhead(2 if quick else 4, 80 if quick else 200, DEFAULT_SDC_EVERY),
+        "fingerprint_tinygpt": _fingerprint_vs_step(2 if quick else 5),  # a CPU step of it takes seconds
+        "detection": _detection(60, DEFAULT_SDC_EVERY, DEFAULT_SDC_EVERY + 3),
+    }
+
+
+SECTION = Section("sdc", bench_sdc)
