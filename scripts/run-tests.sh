@@ -13,7 +13,7 @@ echo "== lint"
 echo "== unit tests (2 workers)"
 unit=0
 t0=$SECONDS
-"$venv/bin/pytest" -q -n 2 --durations=10 -m "not soak" tests/unit "$@" || unit=$?
+"$venv/bin/pytest" -q -n 2 --durations=25 -m "not soak" tests/unit "$@" || unit=$?
 t1=$SECONDS
 echo "== integration tests"
 rest=0

@@ -29,7 +29,7 @@ __all__ = ["JobOutcome", "pytorchjob_succeeded", "run_job", "trainjob_succeeded"
 
 @dataclass
 class JobOutcome:
-    status: str  # Succeeded | Failed | Timeout | Refused (by an admission webhook)
+    status: str  # Succeeded | Failed | Timeout | Refused (by an admission webhook) | Stopped (`stop_when`)
     reason: str
     wall_s: float
     events: list[str] = field(default_factory=list)
@@ -67,8 +67,12 @@ def run_job(
     backoff_limit: int | None = None,
     on_tick: Callable[[PodCluster, list[str]], None] | None = None,
     drain_s: float = 30.0,
+    stop_when: Callable[[PodCluster], str | None] | None = None,
 ) -> JobOutcome:
-    """Start every pod and supervise until the job succeeds, fails or times out (pods are left to `close`)."""
+    """Start every pod and supervise until the job succeeds, fails or times out (pods are left to `close`).
+
+    `stop_when(cluster)`, checked every poll, ends the job `Stopped` with the reason it returns (a
+    scenario that proves a deadlock stops once the wait cycle is observed, not at a fixed timeout)."""
     start = time.monotonic()
     events: list[str] = []
 
@@ -137,6 +141,9 @@ def run_job(
                 note(f"restart {name} (start #{cluster.pods[name].starts + 1})")
         if on_tick is not None and outcome is None:
             on_tick(cluster, events)
+        if stop_when is not None and outcome is None and (why := stop_when(cluster)) is not None:
+            outcome = ("Stopped", why)
+            break
         time.sleep(0.2)
     # Let the other pods end on their own (they finish the same collective), then stop them.
     deadline = time.monotonic() + drain_s

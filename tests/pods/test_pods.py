@@ -152,6 +152,34 @@ def _gate_readiness_on_the_rendezvous(objects: list[dict[str, Any]]) -> list[dic
     return objects
 
 
+# Failed startup probes of the rendezvous host that prove the deadlock: at the scenarios' probe pace
+# (`TIME_SCALE`) 5 probes take 25 s, the host's imports and its side of the rendezvous long done by then.
+CYCLE_PROBES = 5
+
+
+def _wait_cycle(host: str, waiter: str, marker: str) -> Callable[[PodCluster], str | None]:
+    """`stop_when` of the deadlock scenarios: the reason once every edge of the wait cycle is seen at once.
+
+    The host's container runs, its name does not resolve (its Services do not publish not-ready
+    addresses), its startup probe failed `CYCLE_PROBES` times in a row (not Ready, and it cannot be
+    before the rendezvous it hosts completes), and the waiter, still running, logged `marker` (it could
+    not resolve the host's name: `init-pytorch` loops on it, torchrun's c10d client retries it until its
+    join timeout). The rendezvous needs the waiter, the waiter needs the host's name, the name needs the
+    host Ready: nothing outside the cycle can break it, so waiting longer would prove no more."""
+
+    def seen(cluster: PodCluster) -> str | None:
+        state, other = cluster.pods[host], cluster.pods[waiter]
+        startup = state.probes.get("startup")
+        if state.proc is None or state.pod.publish_not_ready or cluster.resolvable(host) or startup is None:
+            return None
+        waiting = other.init_proc is not None or other.proc is not None
+        if startup.failures < CYCLE_PROBES or not waiting or marker not in other.logs():
+            return None
+        return f"deadlocked: {host} not Ready after {startup.failures} startup probes; {waiter} waits for its name"
+
+    return seen
+
+
 @pytest.mark.parametrize("shape", ["fixed size", "elastic, min 2"])
 def test_readiness_gated_on_the_rendezvous_deadlocks_a_multi_node_pytorchjob(
     pod_cluster: MakeCluster, shape: str
@@ -167,8 +195,11 @@ def test_readiness_gated_on_the_rendezvous_deadlocks_a_multi_node_pytorchjob(
     else:
         objects = _gate_readiness_on_the_rendezvous(render("pytorchjob", *ELASTIC_MIN_2))
         host, waiter = "digits-ddp-worker-0", "digits-ddp-worker-1"
-    cluster, outcome = _run_pytorchjob(pod_cluster, objects, timeout_s=90)
-    assert outcome.status != "Succeeded", _why(outcome, cluster)
+    marker = "waiting for master" if shape == "fixed size" else host
+    # Stopped once the wait cycle is seen, not after a fixed 90 s: nothing in the cycle can change by itself.
+    stop = _wait_cycle(host, waiter, marker)
+    cluster, outcome = _run_pytorchjob(pod_cluster, objects, timeout_s=90, drain_s=0, stop_when=stop)
+    assert outcome.status == "Stopped", _why(outcome, cluster)
     assert not [e for e in _events(cluster) if e.kind is EventKind.CHECKPOINT_COMMITTED], _why(outcome, cluster)
     assert not [e for e in outcome.events if f"{host}: startup probe succeeded" in e], _why(outcome, cluster)
     logs = cluster.pods[waiter].logs()
