@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import RESULTS
+from bench.sections import inplace_scale
 
 Results = dict[str, Any]
 
@@ -285,6 +286,7 @@ def markdown(results: Results) -> str:
     lines = [f"# torchrig benchmarks ({results['timestamp']}, {results['machine']['cpus']} CPUs)", ""]
     for table in (_overhead, _checkpoint_stall, _checkpoint_io, _mttr, _exporter, _scaling, _preempt, _startup, _sdc):
         lines += table(results)
+    lines += inplace_scale.markdown(results)
     for name, err in (results.get("errors") or {}).items():
         lines.append(f"- section `{name}` failed: `{err.splitlines()[-1] if err else err}`")
     return "\n".join(lines) + "\n"

@@ -25,6 +25,7 @@ SECTION_NAMES = [
     "restore",
     "checkpoint_commit",
     "mttr",
+    "inplace_scale",
     "exporter",
     "scaling",
     "gpu",
