@@ -25,6 +25,7 @@ Every fault writes a `fault` event before it fires.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -148,6 +149,10 @@ class FaultInjector:
         # spare is ready, so the drill measures recovery with a warm spare rather than its start-up.
         self.ready: Callable[[], bool] | None = None
         self.ready_wait_s = 60.0
+        # The phase that wait runs in (the step watchdog's fixed limit: a wait of the drill's, not a step, so
+        # no deadline derived from the steps before ends it; a spare that is a fresh interpreter, as under
+        # Ray, takes seconds to get ready).
+        self.ready_phase: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
         self._model: nn.Module | None = None  # `arm`: what a bitflip strikes
         self._optimizer: torch.optim.Optimizer | None = None
         self._step = 0  # the step in progress (`before_backward`), for a gradient flip
@@ -253,9 +258,10 @@ class FaultInjector:
     def _fire(self, fault: Fault, step: int) -> None:
         self._fired.add(fault)
         if fault.kind == "kill" and self.ready is not None:
-            deadline = time.monotonic() + self.ready_wait_s
-            while not self.ready() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            with self.ready_phase():
+                deadline = time.monotonic() + self.ready_wait_s
+                while not self.ready() and time.monotonic() < deadline:
+                    time.sleep(0.05)
         self.events.emit(FaultEvent(fault=fault.kind, step=step, pid=os.getpid()))
         print(f"torchrig: drill fault {fault.kind} at step {step} (rank {fault.rank})", file=sys.stderr, flush=True)
         if fault.kind in ("kill", "kill_during_checkpoint"):

@@ -148,6 +148,7 @@ def run_worker(
             created_group = True
             faults.ready = group.spare_ready  # a drill's kill waits for a warm spare (not its start-up)
             faults.ready_wait_s = min(inplace.timeout_s, spec.spec.restarts.step_timeout_seconds / 2)
+            faults.ready_phase = lambda: watchdog.fixed("drill: waiting for a warm spare")
         else:
             created_group = init_process_group(identity, device)
         # FSDP/HSDP in place: snapshots of the shards in host memory, swapped with the neighbours.

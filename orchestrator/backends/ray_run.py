@@ -6,10 +6,14 @@ result.json, summary.json, supervisor.json while it runs). When it is not rank 0
 driver on the head, rank 0 on a worker pod, each with its own emptyDir), rank 0's result and the events
 the summary needs come through Ray (`training.contract.WorkerReport`) and are written into it first.
 
-Recovery: Ray Train restarts the whole worker group up to `restarts.max` times; every new group
-restores the newest committed torchrig checkpoint (the checkpoint manager is the source of truth, Ray
-holds no copy). The controller's health-check poll is set to 0.2 s: with the 2 s default a killed
-worker was noticed late and the run resumed from an older checkpoint (ENVIRONMENT.md).
+Recovery: a job that recovers in place (`restarts.in_place`) does so under Ray as well: each Ray Train
+worker is its rank's host and a warm spare takes a dead trainer's place without Ray seeing it
+(`training.ray_train`). Everything else (a lost worker actor or node, a fallback from in place, every
+failure with `restarts.mode: restart`) is Ray Train's: it restarts the whole worker group up to
+`restarts.max` times, and every new group restores the newest committed torchrig checkpoint (the
+checkpoint manager is the source of truth, Ray holds no copy). The controller's health-check poll is set
+to 0.2 s: with the 2 s default a killed worker was noticed late and the run resumed from an older
+checkpoint (ENVIRONMENT.md).
 """
 
 from __future__ import annotations

@@ -106,9 +106,7 @@ def test_sigterm_to_a_hosted_ray_worker_reaches_its_trainer_and_loses_no_step(
     """A SIGTERM to a Ray Train worker (what a drain notice becomes, `_DrainToSignal`) is forwarded by its
     host to its trainer: both ranks stop at one agreed step after an emergency checkpoint, and Ray Train's
     group restart resumes exactly there."""
-    # Without the replica checks: an emergency checkpoint is not `certified` (training.sdc), and with them
-    # on the restore prefers the older certified one (a defect of its own, outside what this test checks).
-    run, run_dir = _launch_slowed(tmp_path, "spec.sdc.every=null")
+    run, run_dir = _launch_slowed(tmp_path)
     os.kill(_host_of_rank_1(run_dir, after_step=5), signal.SIGTERM)
     summary = run.wait().to_dict()
     assert_preempted_and_resumed_losing_no_step(run_dir, summary)
