@@ -64,7 +64,8 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if rank == 0 and step == start + 1 and attempt > 0:
+        # Restarts give mttr its first step after a kill; without a kill (startup) the run's first.
+        if rank == 0 and step == start + 1 and (attempt > 0 or args.kill_step == 0):
             _event(args.events, EventKind.FIRST_STEP, step=step, attempt=attempt)
         if rank == 0 and step % args.every == 0:
             path = os.path.join(args.ckpt_dir, f"step-{step:08d}.pt")

@@ -250,9 +250,19 @@ def _startup(results: Results) -> list[str]:
         "|---|---|---|---|",
         f"| torchrig run | {st['torchrig_wall']['median']:.2f} | {st['torchrig_first_step']['median']:.2f} | "
         f"{st['torchrig_teardown']['median']:.2f} |",
-        f"| torchrun + naive loop | {st['torchrun_naive_wall']['median']:.2f} | | |",
+        f"| torchrun + naive loop | {st['torchrun_naive_wall']['median']:.2f} | "
+        f"{st['torchrun_naive_first_step']['median']:.2f} | |"
+        if "torchrun_naive_first_step" in st
+        else f"| torchrun + naive loop | {st['torchrun_naive_wall']['median']:.2f} | | |",
         "",
-        f"torchrig over torchrun, wall: {st['wall_ratio_vs_torchrun']:.2f}x.",
+        f"torchrig over torchrun, wall: {st['wall_ratio_vs_torchrun']:.2f}x"
+        + (f", first step: {st['first_step_ratio_vs_torchrun']:.2f}x" if "first_step_ratio_vs_torchrun" in st else "")
+        + (
+            f"; `submit --backend local` back {st['submit_return_after_supervisor_start']['median']:.2f} s after its "
+            "supervisor started."
+            if "submit_return_after_supervisor_start" in st
+            else "."
+        ),
         "",
     ]
 

@@ -144,7 +144,10 @@ def export_rendezvous_round() -> None:
 
     @functools.wraps(original)
     def next_rendezvous(self: DynamicRendezvousHandler) -> Any:
-        info = original(self)
+        if os.environ.pop(Env.FIRST_ROUND_ALONE, None) == "1":
+            info = _without_last_call(self, original)
+        else:
+            info = original(self)
         try:
             token = info.store.compare_set(ROUND_KEY, "", uuid.uuid4().hex).decode()
         except Exception as exc:  # no token: the workers restart the group instead of recovering in place
@@ -157,6 +160,23 @@ def export_rendezvous_round() -> None:
 
     next_rendezvous._torchrig_round = True  # type: ignore[attr-defined]
     DynamicRendezvousHandler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
+
+
+def _without_last_call(handler: Any, original: Any) -> Any:
+    """`original(handler)` with a last call of 0 s: the round completes as soon as this agent joins it
+    (`Env.FIRST_ROUND_ALONE`). Torch keeps the timeout in a private field of the handler's settings; a
+    torch without it just waits the last call."""
+    from datetime import timedelta
+
+    timeout = handler._settings.timeout
+    kept = getattr(timeout, "_last_call", None)
+    if kept is None:
+        return original(handler)
+    timeout._last_call = timedelta(0)
+    try:
+        return original(handler)
+    finally:
+        timeout._last_call = kept
 
 
 def _publish_round(handler: Any, info: Any, token: str) -> None:

@@ -81,16 +81,22 @@ class LocalBackend(Backend):
         plan = self._plan(dryrun)
         with private_umask():  # it creates the run directory and the stores: the run's user's alone
             preflight_here(dryrun.spec, plan.run_dir)
-        run = LocalRun(spec=dryrun.spec, plan=plan)
+        return self.launch_preflighted(dryrun)
+
+    def launch_preflighted(self, dryrun: DryRun) -> LocalRun:
+        """Start the plan of a dry run whose preflight already ran (the detached supervisor of `submit`,
+        whose CLI ran it: the second run cost a torch import, seconds, before the run could start)."""
+        run = LocalRun(spec=dryrun.spec, plan=self._plan(dryrun))
         run.start()
         return run
 
     def _schedule(self, dryrun: DryRun) -> RunHandle:
-        """Start the plan under a detached supervisor process and return at once (`torchrig submit`)."""
+        """Start the plan under a detached supervisor process and return at once (`torchrig submit`): the
+        preflight runs here, once, so its one-line error and exit code reach the user."""
         plan = self._plan(dryrun)
         with private_umask():
             preflight_here(dryrun.spec, plan.run_dir)
-        return start_detached(dryrun, Path(plan.run_dir), plan.to_json())
+        return start_detached(dryrun, Path(plan.run_dir), plan.to_json(), preflighted=True)
 
     def request_from_json(self, data: Any) -> LocalPlan:
         """The plan a detached run stored (`supervise`)."""

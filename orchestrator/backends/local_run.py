@@ -96,7 +96,7 @@ class LocalRun:
             # file it writes (`_local_agent`).
             self._start_store()
             for node in range(self.plan.nodes):
-                self._start_agent(node)
+                self._start_agent(node, alone=self.plan.nodes == 1 and not self.plan.standby_nodes)
             for node in range(self.plan.nodes, self.plan.nodes + self.plan.standby_nodes):
                 self._start_agent(node, role=self._STANDBY)
             self._await_store_port()
@@ -177,11 +177,14 @@ class LocalRun:
 
     _STANDBY, _REPLACEMENT = "standby", "replacement"
 
-    def _start_agent(self, node: int, role: str | None = None) -> _Agent:
+    def _start_agent(self, node: int, role: str | None = None, *, alone: bool = False) -> _Agent:
         """Start agent `node`. `role`: a standby node (it stands by from the start), or a replacement in a
-        run with standby nodes (it stands by while the round runs, else joins; `training.inplace.standby`)."""
+        run with standby nodes (it stands by while the round runs, else joins; `training.inplace.standby`).
+        `alone`: the run's only node at launch, whose first round need not wait for another."""
         spec_file = self._node_spec_file(node)
         env = {**self.plan.env, Env.SPEC: str(spec_file), Env.LOG_LINE_PREFIX_TEMPLATE: LOG_LINE_PREFIX}
+        if alone:
+            env[Env.FIRST_ROUND_ALONE] = "1"
         if role is not None and self.plan.standby_nodes:
             env[Env.STANDBY_FROM] = str(self.plan.nodes)
             env[Env.REPLICA_INDEX] = str(node if role == self._STANDBY else 0)

@@ -23,7 +23,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Protocol, runtime_checkable
 
-from orchestrator.backends._local_procs import alive, find_marked, spawn, terminate_then_kill
+from orchestrator.backends._local_procs import alive, find_marked, process_start_ticks, spawn, terminate_then_kill
 from orchestrator.backends.base import (
     DryRun,
     KubernetesOptions,
@@ -40,9 +40,15 @@ from orchestrator.rundir import run_state
 from training.contract import RunFiles, Summary, read_json, write_json
 from training.contract.files import private_umask
 
-__all__ = ["DetachableBackend", "cancel_detached", "main", "options_from_json", "start_detached"]
+__all__ = [
+    "DetachableBackend",
+    "PreflightedBackend",
+    "cancel_detached",
+    "main",
+    "options_from_json",
+    "start_detached",
+]
 
-SUPERVISOR_START_TIMEOUT_S = 60.0
 CANCEL_GRACE_S = 40.0  # the supervisor's own grace period (10 s) plus the time to write its summary
 EXIT_CANCELLED = 130
 
@@ -58,6 +64,15 @@ class DetachableBackend(Protocol):
         ...
 
     def launch_dry_run(self, dryrun: DryRun) -> SupervisedRun: ...
+
+
+@runtime_checkable
+class PreflightedBackend(Protocol):
+    """A backend that can start a dry run whose preflight its `submit` ran already."""
+
+    def launch_preflighted(self, dryrun: DryRun) -> SupervisedRun:
+        """Start exactly what `dryrun` describes without running the preflight again."""
+        ...
 
 
 def options_from_json(data: dict[str, Any]) -> SubmitOptions:
@@ -76,16 +91,24 @@ def options_from_json(data: dict[str, Any]) -> SubmitOptions:
     )
 
 
-def start_detached(dryrun: DryRun, run_dir: Path, request: Any) -> RunHandle:
-    """Store the dry run in `run_dir` and start its supervisor process; return once it is recorded.
+def start_detached(dryrun: DryRun, run_dir: Path, request: Any, *, preflighted: bool = False) -> RunHandle:
+    """Store the dry run in `run_dir`, start its supervisor process, record it and return at once.
+
+    The supervisor is recorded here (`supervisor.json`: its pid and start time), so `status` right after
+    `submit` says running; the supervisor completes the record once the run's processes are up. What goes
+    wrong after this returns (the store or an agent cannot start) ends the run `failed` with the reason
+    in summary.json, as any later failure does.
 
     Args:
         dryrun: What to run (its spec and options).
         run_dir: The run directory.
         request: The dry run's request as JSON data (the backend's `request_from_json` reads it back).
+        preflighted: The caller ran the preflight (`preflight_here`) already: the supervisor does not run
+            it a second time (a torch import: seconds) when its backend can start without it
+            (`PreflightedBackend`).
 
     Raises:
-        BackendError: the supervisor exited before it recorded the run.
+        BackendError: the supervisor process could not be started.
     """
     files = RunFiles(run_dir)
     cmd = [sys.executable, "-m", "orchestrator.backends.supervise", str(run_dir)]
@@ -95,17 +118,22 @@ def start_detached(dryrun: DryRun, run_dir: Path, request: Any) -> RunHandle:
         files.job.write_text(dump_spec(dryrun.spec))
         write_json(
             files.launch,
-            {"backend": dryrun.backend, "options": dataclasses.asdict(dryrun.options), "request": request},
+            {
+                "backend": dryrun.backend,
+                "options": dataclasses.asdict(dryrun.options),
+                "request": request,
+                "preflighted": preflighted,
+            },
         )
-        proc = spawn(cmd, log=files.supervisor_log, env=dryrun.options.env)
-    # Wait until it has recorded itself, so `status` right after `submit` says running.
-    deadline = time.monotonic() + SUPERVISOR_START_TIMEOUT_S
-    while time.monotonic() < deadline and proc.poll() is None:
-        if (read_json(files.supervisor) or {}).get("pid") == proc.pid:
-            break
-        time.sleep(0.1)
-    if proc.poll() not in (None, 0) and not files.summary.exists():
-        raise BackendError(f"the background run exited with {proc.returncode}; see {files.supervisor_log}")
+        try:
+            proc = spawn(cmd, log=files.supervisor_log, env=dryrun.options.env)
+        except OSError as exc:
+            raise BackendError(f"the background run could not start: {exc}") from None
+        ticks = process_start_ticks(proc.pid)
+        # Not over a record the supervisor already wrote (it only does once its run is up: seconds).
+        if (read_json(files.supervisor) or {}).get("pid") != proc.pid:
+            record = {"pid": proc.pid, "start_ticks": ticks, "started_at": time.time(), "backend": dryrun.backend}
+            write_json(files.supervisor, {**record, "starting": True})
     return RunHandle(dryrun.backend, str(run_dir), info={"pid": proc.pid})
 
 
@@ -147,6 +175,18 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m orchestrator.backends.supervise RUN_DIR", file=sys.stderr)
         return EXIT_USAGE
     files = RunFiles(args[0])
+    # `submit` has returned already: a cancel may come while the run starts. It is remembered and carried
+    # out once the run is up (the run stops its processes and writes summary.json).
+    cancelled: list[int] = []
+    run: SupervisedRun | None = None
+
+    def _on_signal(signum: int, frame: FrameType | None) -> None:
+        cancelled.append(signum)
+        if run is not None:
+            run.request_cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _on_signal)
     try:
         launch = read_json(files.launch)
         if launch is None:
@@ -157,17 +197,21 @@ def main(argv: list[str] | None = None) -> int:
         spec = load_spec(files.job)
         options = options_from_json(dict(launch["options"]))
         request = backend.request_from_json(launch["request"])
-        run = backend.launch_dry_run(DryRun(backend=backend.name, spec=spec, options=options, request=request))
+        dryrun = DryRun(backend=backend.name, spec=spec, options=options, request=request)
+        if launch.get("preflighted") is True and isinstance(backend, PreflightedBackend):
+            run = backend.launch_preflighted(dryrun)
+        else:
+            run = backend.launch_dry_run(dryrun)
     except TorchrigError as exc:
         for line in exc.lines():
             print(f"error: {line}", file=sys.stderr)
+        # `submit` returned before this: the run's summary says why it never started (`status`).
+        if not files.summary.exists() and files.root.is_dir():
+            reason = f"the run could not start: {exc.lines()[0] if exc.lines() else exc}"[:2000]
+            Summary(status=RunState.FAILED.value, run_dir=str(files.root), reason=reason).write(files.summary)
         return exc.exit_code
-
-    def _on_signal(signum: int, frame: FrameType | None) -> None:
+    if cancelled:
         run.request_cancel()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _on_signal)
     try:
         summary = run.wait()
     except Exception as exc:  # the run was taken down; a run directory without a summary says "unknown"

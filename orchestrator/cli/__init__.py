@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 import click
@@ -92,4 +93,16 @@ def cli() -> None:
 
 def main(argv: list[str] | None = None) -> Any:
     """Console-script entry point."""
-    return cli.main(args=argv, prog_name="torchrig")
+    if argv is not None:
+        return cli.main(args=argv, prog_name="torchrig")
+    try:
+        return cli.main(prog_name="torchrig")
+    except SystemExit as exc:
+        # The process's own entry point with torch imported (a run's preflight loads the task): end without
+        # the interpreter's teardown, ~1 s of freeing torch's modules after `submit` or a run has ended
+        # (`training.fastexit`: threads joined, atexit handlers run, streams flushed).
+        if (exc.code is None or isinstance(exc.code, int)) and "torch" in sys.modules:
+            from training.fastexit import exit_now
+
+            exit_now(exc.code or 0)
+        raise

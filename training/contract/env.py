@@ -56,6 +56,10 @@ class Env:
     # one token for every agent of that round, so the hosts of all nodes share one in-place key space
     # (each agent's `TORCHELASTIC_RESTART_COUNT` differs: a membership change restarts without counting).
     INPLACE_ROUND = "TORCHRIG_INPLACE_ROUND"
+    # "1": this agent was launched as a run's only node (`torchrig run` of one node, no standby): its first
+    # c10d round has no other agent to wait for and closes at once, without the last call (1 s); later
+    # rounds (a group restart, a node added) keep it (`training.torchrun.export_rendezvous_round`).
+    FIRST_ROUND_ALONE = "TORCHRIG_FIRST_ROUND_ALONE"
     INPLACE_ROLE = "TORCHRIG_INPLACE_ROLE"  # "trainer" | "spare" (set by the per-rank host for its children)
     INPLACE_SPARE = "TORCHRIG_INPLACE_SPARE"  # a spare's index on its node (its keys in the store)
     # Spare nodes (`restarts.spareNodes`, `training.inplace.standby`): a PyTorchJob Worker pod whose
