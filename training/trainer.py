@@ -302,7 +302,7 @@ class Trainer:
         limit = self.spec.spec.restarts.in_place_timeout_seconds
         # The whole recovery (leaving the broken group, abandoning its checkpoint manager, forming the
         # next one) runs under the in-place limit, not the step timeout: this rank is not hung.
-        with self.watchdog.io(limit * 3):
+        with self.watchdog.recovery(limit):
             from training.inplace import survivor
 
             survivor.recover_trainer(self, group, failure, limit, control_group=control_group)

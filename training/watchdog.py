@@ -55,6 +55,7 @@ WATCHDOG_EXIT_CODE = int(ExitCode.HUNG)  # 201: retryable (>= 128) and no signal
 DUMP_AT = 0.75  # share of the timeout after which a silent rank dumps its stacks (once per silence)
 POLL_MAX_S = 0.25  # the thread checks at a twentieth of the current limit, within these bounds
 POLL_MIN_S = 0.01
+RECOVERY_FACTOR = 3  # an in-place recovery's limit, in restarts.inPlaceTimeoutSeconds
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ _WHAT = {
     FIRST_STEP: "no step completed",
     "startup": "start-up unfinished",
     "checkpoint_io": "checkpoint I/O unfinished",
+    "recovery": "in-place recovery unfinished",
 }
 AUTO_SETTING = "restarts.hangDetection: auto"
 
@@ -181,6 +183,15 @@ class StepWatchdog:
         step timeout (a drill's) must not end a rank that has not reached its first step."""
         limit = max(self.timeout_s, io_timeout_s)
         with self._phase(limit, "max(restarts.stepTimeoutSeconds, checkpoint.ioTimeoutSeconds)", "startup"):
+            yield
+
+    @contextlib.contextmanager
+    def recovery(self, in_place_timeout_s: float) -> Iterator[None]:
+        """An in-place recovery (leaving the broken group, closing its checkpoint manager, forming the next
+        generation): this rank is not hung. The limit is `RECOVERY_FACTOR` x `restarts.inPlaceTimeoutSeconds`,
+        the new group's two plus the leaving's one; the next step is a first step."""
+        limit = in_place_timeout_s * RECOVERY_FACTOR
+        with self._phase(limit, f"{RECOVERY_FACTOR} x restarts.inPlaceTimeoutSeconds", "recovery"):
             yield
 
     @contextlib.contextmanager

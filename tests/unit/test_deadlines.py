@@ -352,3 +352,23 @@ def test_the_spec_warns_when_a_hang_setting_has_no_effect() -> None:
     assert fixed == ["spec.restarts.hangMultiplier: no effect with spec.restarts.hangDetection fixed (every step has "
                      "stepTimeoutSeconds)"]  # fmt: skip
     assert hang_warnings("spec.restarts.hangDetection=fixed") == []
+
+
+def test_an_in_place_recovery_is_its_own_phase() -> None:
+    policy = _policy(cap_s=10.0)
+    clock = Clock()
+    sink = Gauges()
+    dog = _watchdog(policy, clock, sink)
+    step = _train(dog, clock, [0.01] * 31)
+    with dog.recovery(60.0):
+        assert dog.limit() == (180.0, "3 x restarts.inPlaceTimeoutSeconds", "recovery")
+        clock.advance(100.0)  # far past the step deadline and the cap: forming a group is no step
+        assert dog.overdue() is None
+        dog.beat(step)  # the survivor's beat once the new generation formed
+        clock.advance(181.0)
+        found = dog.overdue()
+        assert found is not None and "in-place recovery unfinished" in found.describe()
+    assert dog.limit()[2] == FIRST_STEP  # the step after it: new DDP buckets, a new data iterator
+    assert dog.deadlines.samples == 30
+    dog._publish()
+    assert sink.published[-1]["recovery"] == 180.0

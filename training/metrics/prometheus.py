@@ -283,7 +283,7 @@ class PrometheusSink(MetricsSink):
         self._deadline = gauge(
             names.STEP_DEADLINE,
             "The step watchdog's limit by phase: step and first_step (derived from the step times with "
-            "restarts.hangDetection auto), collective (in place), checkpoint_io, startup, evaluation.",
+            "restarts.hangDetection auto), collective (in place), checkpoint_io, recovery, startup, evaluation.",
             [names.LABEL_PHASE],
         )
         self._sdc = counter(
