@@ -369,7 +369,10 @@ class MetricsConfig(Model):
     )
 
 
-DEFAULT_SDC_EVERY = 20  # measured by `bench --sections sdc`: well under 1% of a step on the examples
+# `python -m bench --only sdc` on the 2-core machine under load (2026-11-28): one check cost 8.1 ms against a
+# 12.9 ms digits step (2 ranks, gloo; the all-gather waits for the other rank to be scheduled), so every 100
+# steps is 0.63% of a step; tinygpt's replica fingerprint is 5% of one of its steps, 0.05% at every 100.
+DEFAULT_SDC_EVERY = 100
 
 
 class SdcConfig(Model):
