@@ -210,7 +210,8 @@ class StepWatchdog:
         self._depth += 1
         self.deadlines.pause()
         self._limit = (timeout_s, setting, phase)
-        self._phases[phase] = timeout_s
+        if self._phases.get(phase) != timeout_s:  # replaced whole: the watchdog thread iterates it
+            self._phases = {**self._phases, phase: timeout_s}
         try:
             yield
         finally:
@@ -276,13 +277,13 @@ class StepWatchdog:
             log.exception("the stack dump failed")
 
     def _publish(self) -> None:
-        gauges = self.deadline_gauges()
-        if gauges != self._published:
-            self._published = gauges
-            try:
+        try:  # a metrics problem must never stop the watchdog
+            gauges = self.deadline_gauges()
+            if gauges != self._published:
+                self._published = gauges
                 self.events.on_deadlines(dict(gauges))
-            except Exception:  # a metrics problem must never stop the watchdog
-                log.debug("publishing the deadlines failed", exc_info=True)
+        except Exception:
+            log.debug("publishing the deadlines failed", exc_info=True)
 
     def _poll(self) -> float:
         if self.poll_s is not None:
