@@ -1,5 +1,5 @@
 """The Dockerfiles through the real hadolint (`make tools` installs it next to the venv's python). The
-pure checks of the same files are in tests/unit/test_images.py."""
+pure checks of the same files are in tests/integration/test_images.py."""
 
 from __future__ import annotations
 

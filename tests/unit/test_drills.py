@@ -378,7 +378,7 @@ def test_outside_faults_report_the_step_actually_reached(tmp_path: Path) -> None
 
 def test_hang_verdict_needs_every_rank_dumped_and_the_hung_rank_apart(tmp_path: Path) -> None:
     """The hang drill reads the forensics: a stack file from every rank, and they single out the hung rank."""
-    from tests.unit.test_stacks import HUNG, IN_ALLREDUCE
+    from tests.integration.test_stacks import HUNG, IN_ALLREDUCE
     from training.contract import RunFiles
 
     files = RunFiles(tmp_path)
