@@ -71,7 +71,11 @@ def _host_of_rank_1(run_dir: Path, after_step: int) -> int:
         live = read_jsonl(run_dir / "events.jsonl") if (run_dir / "events.jsonl").exists() else []
         started = [e for e in live if e.get("event") == "start" and e.get("rank") == 1]
         if started and any(e.get("event") == "checkpoint_committed" and e["step"] > after_step for e in live):
-            stat = Path(f"/proc/{started[0]['pid']}/stat").read_text()
+            trainer = int(started[0]["pid"])
+            # A hosted trainer is a `python -m training` child of the Ray Train worker (without a host the
+            # trainer is the worker itself, whose parent is Ray's: never signal that).
+            assert b"-m\x00training\x00" in Path(f"/proc/{trainer}/cmdline").read_bytes(), "no host"
+            stat = Path(f"/proc/{trainer}/stat").read_text()
             host = int(stat.rsplit(")", 1)[1].split()[1])  # the 4th field: the parent
             assert host not in (os.getpid(), 1)
             return host
