@@ -132,8 +132,8 @@ def ray_drain_notice() -> float | None:
 def create_run_ledger() -> Any:
     """A Ray actor that outlives the run's worker groups: their start count and rank 0's last report.
 
-    Created by the driver (so it lives as long as the run, on any node), passed to the workers in
-    `train_loop_config["run_ledger"]`. Rank 0 of each new group takes the next generation number and
+    Created by the driver, on the driver's node (so it lives as long as the run), passed to the workers
+    in `train_loop_config["run_ledger"]`. Rank 0 of each new group takes the next generation number and
     broadcasts it (Ray Train has no public restart count), so drill faults aimed at generation 0 fire
     once and a restarted group is generation 1; when its worker ends, rank 0 leaves its
     `WorkerReport` there (`put_report`) and the driver reads the last one (`get_report`). A group that
@@ -165,8 +165,13 @@ def create_run_ledger() -> Any:
         def get_report(self) -> dict[str, Any] | None:
             return self.report
 
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # On the driver's own node: an actor dies with its node, and one placed on a worker host took every
+    # later group down with that host (each restart failed on it; tests/integration/test_ray_multinode.py).
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     actor: Any = ray.remote(num_cpus=0)(RunLedger)
-    return actor.remote()
+    return actor.options(scheduling_strategy=here).remote()
 
 
 @dataclass(frozen=True)
