@@ -132,6 +132,7 @@ def test_a_host_that_is_done_decides_nothing() -> None:
         (FormObservation(1, 4, joined=4), Formed(announce=True)),
         (FormObservation(1, 4, joined=2, formed=True), Formed()),
         (FormObservation(1, 4, joined=2, owner="7", pid=7), Wait()),
+        (FormObservation(1, 4, owner="7", seat="7", pid=7), Wait()),  # its own seat: it joins
         (FormObservation(1, 4, joined=2, elapsed_s=119.0, limit_s=60.0), Wait()),
     ],
 )
@@ -143,6 +144,8 @@ def test_the_forming_policy(seen: FormObservation, expected: Decision) -> None:
     ("seen", "reason"),
     [
         (FormObservation(2, 4, 3, owner="8", pid=7), "generation 2: rank 3 is held by pid 8 now; this process stands"),
+        # Its owner's look said yes, but another process of the rank took the seat between the two requests.
+        (FormObservation(2, 4, 3, owner="7", seat="pid 8", pid=7), "rank 3 was joined by pid 8 first; this process"),
         (FormObservation(1, 4, joined=4, cancelled=True), "a shutdown signal arrived while forming"),
         (FormObservation(1, 4, nodes_lost="node(s) [1] stopped"), "node(s) [1] stopped; nobody can bring"),
         (FormObservation(1, 4, joined=3, elapsed_s=121.0, limit_s=60.0), "3 of 4 ranks joined within 120 s"),
@@ -196,6 +199,10 @@ SIGTERM = 15
         (SH, StandbyObservation(host_codes=(203, 2)), PassThrough(2)),  # a permanent failure wins over 203
         (SH, StandbyObservation(host_codes=(137, 202)), PassThrough(137)),
         (SH, StandbyObservation(host_codes=(None, None), stopping=2), StandDown(130)),
+        # A new round began (the group restarted without its node): its ranks end, however complete.
+        (SH, StandbyObservation(host_codes=(None, None), new_round=True), RoundOver()),
+        (SH, StandbyObservation(host_codes=(None, 0), new_round=True, member=True), Join()),
+        (SH, StandbyObservation(host_codes=(None, None), new_round=True, stopping=SIGTERM), StandDown(128 + SIGTERM)),
     ],
 )
 def test_the_standby_policy(state: StandbyState, seen: StandbyObservation, expected: Decision) -> None:

@@ -77,6 +77,7 @@ HOST_LOST_S = 0.3  # a beat that stood still this long: its node is lost (`HOST_
 BEHIND_LOST_S = 0.1  # ... this long while every rank of its node is behind (`BEHIND_LOST_S`, 1 s, scaled)
 STANDBY_GRACE_S = 0.3  # how much longer members wait for a lost node while a standby is ready
 WATCH_STALL_S = 0.1  # a watcher whose looks were this far apart starts its clocks over (`NodeWatch`)
+POOL_RETRY_S = 0.5  # a spare pool whose tick failed tries again this much later (`host.POOL_RETRY_S`, 5 s)
 EXIT_WAIT_S = 0.1  # a promoted spare's exit code not published this long after its death: a crash
 OP_TIMEOUT_S = TIMEOUT_S  # a request of a machine cut off from the store fails after this long
 COMMIT_EVERY = 5  # ticks between the checkpoint commits of a generation training at full size
@@ -145,22 +146,11 @@ class KnownDefect(Violation):
 
 
 KNOWN_DEFECTS = {
-    "stale-join": (
-        "a member looks at its rank's owner, then joins in a later request (`InPlaceGroup.form`); a standby "
-        "that takes its node in between (its beat stood still while the member's requests hung) gives the rank "
-        "to its own spare, which joins too: two members of one rank in one generation, and the join counter "
-        "counts the rank twice"
-    ),
-    "zombie-round": (
-        "standbys took every node of the round, one at a time, while the members were cut off; the members "
-        "fall back (their ranks have other owners) and torchrun restarts the group, but a standby that holds a "
-        "node (`_stand_by`, HOLDING) only waits for its hosts: its ranks, a complete generation, train on "
-        "and commit checkpoints beside the restarted round"
-    ),
-    "lost-leak": (
-        "a standby's host that took a node counts its rank lost (`run_host`: `lost_key` + 1) and, when its "
-        "spare never steps (the node was alive after all: cut off from the store only), exits without taking "
-        "it back: the count stays above 0, and every pool then starts a spare only when a host already waits"
+    "lost-killed": (
+        "a host killed (SIGKILL, its machine lost) while it counts its rank lost cannot give the count back; "
+        "the mark (`InPlace.rank_lost_key`) is taken back only when another host of that rank recovers it. A "
+        "standby that took a node only cut off from the store, then lost its own machine, leaves the count "
+        "above 0 while the node's own trainers train on: every pool then starts a spare only once a host waits"
     ),
 }
 
@@ -223,6 +213,11 @@ class Store:
     def write(self, key: str, value: str) -> None:
         self._op()
         self.orders[key] = (value, True)
+
+    def delete(self, key: str) -> bool:
+        """`delete_key`: whether the key was there."""
+        self._op()
+        return self.orders.pop(key, None) is not None
 
     def forge(self, key: str, value: str) -> None:
         self.orders[key] = (value, False)
@@ -293,7 +288,7 @@ class Host:
     busy_until: float = 0.0
     blocked_since: float | None = None
     pool: bool = False  # it keeps its node's spare pool (local rank 0)
-    pool_stopped: bool = False  # a store error in its main loop ended the pool (`run_host`)
+    pool_after: float = 0.0  # a store error in its pool's tick: the next one comes then (`POOL_RETRY_S`)
     next_index: int = 0  # the index its pool's next spare takes
     first_index: int = 0
     first_pid: int = 0  # the trainer it started with (its pool waits for its first step)
@@ -355,7 +350,8 @@ class Sim:
         self.stop_by: float | None = None
         self.log: list[str] = []
         self.standbys: list[StandbyNode] = []
-        self.lost_leaked = False  # a host that counted its rank lost ended without taking it back
+        self.new_round = False  # torchrun's agents met in a new rendezvous round (after `ending`)
+        self.giving_back: list[tuple[Host, float]] = []  # exited standby hosts still giving a count back
         nproc = world.nproc
         for rank in range(self.world):
             node = rank // nproc
@@ -426,7 +422,6 @@ class Sim:
             for host in self.hosts:
                 if host.alive and host.machine == machine:
                     host.alive = False
-                    self.lost_leaked = self.lost_leaked or host.counted
             for proc in self.procs.values():
                 if proc.machine == machine:  # PR_SET_PDEATHSIG: the machine's children die with its hosts
                     self._die(proc, KILLED)
@@ -487,9 +482,18 @@ class Sim:
             self.whole.clear()
             while faults and faults[0].tick <= self.tick_no:
                 self._apply(faults.pop(0))
+            if self.ending is not None and all(h.exit is not None for h in self.hosts if h.alive and h.standby is None):
+                # Every member's agent stopped its workers (by the last tick): they meet again in a new
+                # rendezvous round, whose record is what a standby holding a node looks at.
+                self.new_round = True
             for proc in list(self.procs.values()):
                 if proc.alive:
                     self._step_proc(proc)
+            for host, until in list(self.giving_back):
+                if host.alive and self.t <= until and self._answered(host) and not self._cut(host.machine):
+                    self._uncount_lost(host)
+                if host.counted is False or not host.alive or self.t > until:
+                    self.giving_back.remove((host, until))
             for index, host in enumerate(self.hosts):
                 if host.alive and host.exit is None:
                     self._step_host(index, host)
@@ -539,6 +543,12 @@ class Sim:
         code = host.exit
         assert code is not None
         proc = self.procs[host.pid]
+        if host.counted:  # `run_host`'s finally: its rank is no longer its to recover
+            self._uncount_lost(host)
+            if host.counted and host.standby is not None:
+                # A standby's host tries again until the in-place timeout (its end ends no round: the count
+                # would stay taken); a member's host ends the round, whose count is gone with it.
+                self.giving_back.append((host, self.t + TIMEOUT_S))
         for child in host.children:
             self._die(child, KILLED)
         if host.local == 0 and host.rank is not None:  # this node ended: no standby takes its place
@@ -547,7 +557,6 @@ class Sim:
         if host.standby is not None:
             # A standby's host is no agent's worker: its standby ends as `decide_standby` says, and the
             # members learn of its end from their collectives. The rank is its previous holder's again.
-            self.lost_leaked = self.lost_leaked or host.counted
             return
         if code != 0 and not host.stopping and not host.blind and self.store.signed(f"finished/{proc.pid}"):
             # (Blind, a host falls back: a group restart that finds the run complete, never a replacement.)
@@ -570,7 +579,7 @@ class Sim:
             self.ending = f"group restart ({code})"
 
     def _settled(self) -> bool:
-        if self.finishing is not None:
+        if self.finishing is not None or self.giving_back:
             return False
         newest = self.newest()
         holders = {self.holding(rank) for rank in range(self.world)}
@@ -585,8 +594,10 @@ class Sim:
             if proc.survivor is not None or proc.gen != newest or not proc.stepped:
                 return False
         if self.store.counters.get("lost", 0) != 0:
-            if self.lost_leaked:
-                raise KnownDefect("lost-leak", f"the lost count is {self.store.counters.get('lost')}")
+            marks = [self.store.read_free(f"rank{r}/lost") for r in range(self.world)]
+            dead = {f"host{i}" for i, h in enumerate(self.hosts) if not h.alive}
+            if any(mark in dead for mark in marks):
+                raise KnownDefect("lost-killed", f"the lost count is {self.store.counters.get('lost')}: {marks}")
             raise Violation(f"every rank trains again, but the lost count is {self.store.counters.get('lost')}")
         return True
 
@@ -783,6 +794,13 @@ class Sim:
         if proc.phase == 1:
             try:
                 self.store.write(f"rank{rank}/gen", str(gen))
+                seat_key = f"join/{gen}/rank{rank}"  # `InPlace.seat_key`: the first join of the rank wins
+                won = self.store.compare_set(seat_key, str(proc.pid)) or self.store.read_free(seat_key) == str(proc.pid)
+                seat = str(proc.pid) if won else f"pid {self.store.read_free(seat_key)}"
+                look = FormObservation(gen, self.world, rank, seat=seat, pid=proc.pid, limit_s=TIMEOUT_S)
+                if isinstance(decision := decide_form(look), FallBack):
+                    self._fail_form(proc, decision)
+                    return
                 joined = self.store.add(f"join/{gen}", 1)
                 self.members.setdefault(gen, {r: set() for r in range(self.world)})[rank].add(proc.pid)
                 proc.phase, proc.last_look = 2, self.t
@@ -867,7 +885,9 @@ class Sim:
         if host.state is HostState.TRAINING and not host.pool and not host.stopping and self.procs[host.pid].alive:
             return  # it sees nothing but a running trainer: `decide_host` says Wait
         talks = host.pool or host.state not in (HostState.TRAINING, HostState.STOPPING)
-        self._look(host, lambda: self._host_look(index, host), talks=talks or not self.procs[host.pid].alive)
+        # Once stopping, only the trainer's own exit code is awaited: no request (`run_host`'s `asks`).
+        dead = not self.procs[host.pid].alive and host.state is not HostState.STOPPING
+        self._look(host, lambda: self._host_look(index, host), talks=talks or dead)
 
     def _host_look(self, index: int, host: Host) -> None:
         if host.state is HostState.STANDING_BY:
@@ -876,11 +896,11 @@ class Sim:
         if host.pool:
             with contextlib.suppress(StoreDown):  # cut off from the store: peers will count this node lost
                 self.store.add(f"node{host.node}/beat", 1)
-            if not host.stopping and not host.pool_stopped:
+            if not host.stopping and self.t >= host.pool_after:
                 try:
                     self._pool(index, host)
-                except StoreDown:  # `run_host`: the store is gone (the run is ending): no more spares
-                    host.pool_stopped = host.state is not HostState.CLAIMING  # the claim loop goes on
+                except StoreDown:  # `run_host`: tried again later (the claim loop's own ticks go on)
+                    host.pool_after = self.t + (0.0 if host.state is HostState.CLAIMING else POOL_RETRY_S)
         proc = self.procs[host.pid]
         if host.state is HostState.CLAIMING:
             self._claim(index, host)
@@ -900,13 +920,14 @@ class Sim:
             else:
                 code = None
         watching = host.state is HostState.WATCHING_SPARE
+        asks = host.state is not HostState.STOPPING
         host.blind = False  # (`_marked`: a mark the store cannot be asked about is not set)
         try:
-            stepped = (watching or code is not None) and self.store.read(f"stepped/{proc.pid}") is not None
+            stepped = asks and (watching or code is not None) and self.store.read(f"stepped/{proc.pid}") is not None
         except StoreDown:
             stepped, host.blind = False, True
         try:
-            finished = code not in (None, 0) and self.store.read(f"finished/{proc.pid}") is not None
+            finished = asks and code not in (None, 0) and self.store.read(f"finished/{proc.pid}") is not None
         except StoreDown:
             finished, host.blind = False, True
         seen = HostObservation(exit_code=code, stepped=stepped, finished=finished, stopping=host.stopping)
@@ -914,24 +935,38 @@ class Sim:
         if isinstance(decision, ClaimSpare):
             if self.store.signed(f"finished/{proc.pid}"):
                 raise Violation(f"rank {host.rank}'s trainer finished its run; its host claims a spare to replace it")
-            if host.state is HostState.TRAINING:
-                with contextlib.suppress(StoreDown):
-                    self.store.add("lost", 1)
-                    host.counted = True
+            if not host.counted:
+                self._count_lost(index, host)
             host.dead_code, host.claim_start = code, self.t
             host.state = next_state(HOST_TRANSITIONS, host.state, decision)
             self._claim(index, host)
             return
         host.state = next_state(HOST_TRANSITIONS, host.state, decision)
-        if isinstance(decision, Recovered):
-            with contextlib.suppress(StoreDown):
-                self.store.add("lost", -1)
-                host.counted = False
+        if isinstance(decision, Recovered) and host.counted:
+            self._uncount_lost(host)
         elif isinstance(decision, (PassThrough, FallBack)):
             host.exit = decision.exit_code
             self._exited(index, host)
         else:
             assert isinstance(decision, (Wait, Stop)), decision
+
+    def _count_lost(self, index: int, host: Host) -> None:
+        """`host._count_lost`: the rank's mark (compare-and-set), and the count only by the host that set it;
+        a store error: not counted."""
+        key, mine = f"rank{host.rank}/lost", f"host{index}"
+        with contextlib.suppress(StoreDown):
+            if self.store.compare_set(key, mine):
+                self.store.add("lost", 1)
+                host.counted = True
+            else:
+                host.counted = self.store.read_free(key) is not None  # (the answer of the same request)
+
+    def _uncount_lost(self, host: Host) -> None:
+        """`host._uncount_lost`: the mark's delete; the count is given back by whoever deleted it."""
+        with contextlib.suppress(StoreDown):
+            if self.store.delete(f"rank{host.rank}/lost"):
+                self.store.add("lost", -1)
+            host.counted = False
 
     def _standing_by(self, index: int, host: Host) -> None:
         """`_await_promotion`: a standby's host waits for its orders (a forged one is ignored)."""
@@ -958,13 +993,7 @@ class Sim:
             host.next_index = host.first_index = next_spare
             host.first_pid, host.replaced = host.pid, self.holder[rank]
             self.holder[rank] = index
-            try:
-                self.store.add("lost", 1)  # its trainer was lost with its node; the spare replaces it
-                host.counted = True
-            except StoreDown:
-                # `run_host` does not catch this: the host ends with a traceback, exit 1.
-                host.exit = 1
-                self._exited(index, host)
+            self._count_lost(index, host)  # its trainer was lost with its node; the spare replaces it
 
     def _claim(self, index: int, host: Host) -> None:
         """`host._claim`: one look of the claim loop (whether to go on, then a claim), as `decide_host` says."""
@@ -1065,6 +1094,11 @@ class Sim:
                 standby.reached = self.t
             except StoreDown as exc:
                 failed, unreached = str(exc), self.t - standby.reached
+        new_round = False
+        if standby.state is StandbyState.HOLDING and stopping is None:
+            with contextlib.suppress(StoreDown):  # `Standby.new_round`: nothing seen when the store fails
+                self.store.read("round-record")  # (one request; the record itself is `self.new_round`)
+                new_round = self.new_round
         seen = StandbyObservation(
             stopping=stopping,
             host_codes=codes,
@@ -1075,6 +1109,7 @@ class Sim:
             ended=ended,
             store_failed=failed,
             unreached_s=unreached,
+            new_round=new_round,
         )
         decision = decide_standby(standby.state, seen)
         if isinstance(decision, Take):
@@ -1085,19 +1120,31 @@ class Sim:
                         self.store.add("standbys", -1)
                         break
             except StoreDown:
-                # `Standby.take` runs outside `_stand_by`'s try: a store error ends the standby's pod with a
-                # traceback (exit 1), its hosts stopped.
-                self._standby_ends(standby, 1)
+                pass  # `Standby.take_quietly`: a wait; the next look takes the node again
             return
         if isinstance(decision, Ready):
             try:
                 self.store.add("standbys", 1)
             except StoreDown:
                 return  # counted ready at a later look
+        holding = standby.state is StandbyState.HOLDING
         standby.state = next_state(STANDBY_TRANSITIONS, standby.state, decision)
         if isinstance(decision, (RoundOver, StandDown, PassThrough)):
             code = decision.exit_code if isinstance(decision, (StandDown, PassThrough)) else None
+            if holding and code is None:
+                self._kill_hosts(standby)
             self._standby_ends(standby, code)
+
+    def _kill_hosts(self, standby: StandbyNode) -> None:
+        """`_stand_by`'s end of a round in which it held a node: SIGKILL to its hosts (their trainers' state
+        is no round's); their children die with them."""
+        for index in standby.hosts:
+            host = self.hosts[index]
+            if host.alive and host.exit is None:
+                host.alive = False
+                for child in host.children:
+                    self._die(child, KILLED)
+                self._die(self.procs[host.pid], KILLED)
 
     def _standby_ends(self, standby: StandbyNode, code: int | None) -> None:
         """Its round is over (`code` None: it stands by for the next one, which this model does not run) or
@@ -1115,8 +1162,10 @@ class Sim:
 
     def _take(self, standby: StandbyNode, node: int) -> bool:
         """`Standby.take`: node `node`'s ranks, with one compare-and-set against every other standby."""
-        beat = standby.seen[node][0]
-        if not self.store.compare_set(f"node{node}/taker/{beat}", f"standby{standby.slot}"):
+        beat, mine = standby.seen[node][0], f"standby{standby.slot}"
+        key = f"node{node}/taker/{beat}"
+        # (The real compare-and-set answers with the value it found: a retry after a store error wins again.)
+        if not self.store.compare_set(key, mine) and self.store.read_free(key) != mine:
             return False
         spawned = max(0, self.store.add(f"node{node}/spawned", 0))
         for spare in range(spawned):  # its spares died with it
@@ -1146,20 +1195,16 @@ class Sim:
                 if gen < newest:
                     raise Violation(f"generation {gen} committed a checkpoint after generation {newest} formed")
                 if all(self.hosts[p.parent].standby is not None for p in procs):
-                    raise KnownDefect(
-                        "zombie-round", f"generation {gen}, all standbys' ranks, commits after the group restarted"
-                    )
+                    if not self.new_round:
+                        continue  # the old round's last commit: the restart restores only in the new round
+                    raise Violation(f"generation {gen}, all standbys' ranks, commits after a new round began")
                 raise Violation(f"generation {gen} committed a checkpoint after the group restarted")
 
     def _check(self) -> None:
         for gen, ranks in self.members.items():
             for rank, pids in ranks.items():
                 if len(pids) > 1:
-                    detail = f"rank {rank} has members {sorted(pids)} in generation {gen}"
-                    owner = self.store.read_free(f"rank{rank}/owner")
-                    if owner is not None and owner in {str(p) for p in pids}:
-                        raise KnownDefect("stale-join", f"{detail} (its owner is {owner})")
-                    raise Violation(detail)
+                    raise Violation(f"rank {rank} has members {sorted(pids)} in generation {gen}")
             if gen in self.formed and not all(ranks.values()):
                 missing = [r for r, p in ranks.items() if not p]
                 raise Violation(f"generation {gen} formed without ranks {missing}")
@@ -1335,34 +1380,56 @@ def test_a_failing_schedule_prints_as_a_list_that_replays_it(monkeypatch: pytest
         eval(replay)  # the printed schedule is the test's own
 
 
-_KNOWN = pytest.mark.xfail(raises=Violation, strict=True, reason="a known defect (KNOWN_DEFECTS) of the real code")
-
-
-@_KNOWN
 def test_a_spare_caught_mid_join_by_a_store_cut_is_not_joined_beside_the_standby_that_took_its_node() -> None:
-    """Known defect "stale-join": rank 0's spare looked at its owner (itself) and its join hung while its
-    node was cut off from the store (10 ticks, the store only); the node's beat stood still with its rank
-    behind, so the standby took the node, gave rank 0 to its own spare, which joined; then the hung join
-    completed: two members of rank 0 in generation 1. A per-rank join (a compare-and-set of
-    `join/<g>/<rank>` that the owner wins) would refuse the second."""
-    simulate(World(2, 1, 1, 5, standbys=2), [Fault(1, "kill_trainer", 614), Fault(8, "partition", 992)], strict=True)
+    """Once the known defect "stale-join": rank 0's spare looked at its owner (itself) and its join hung while
+    its node was cut off from the store (10 ticks, the store only); the node's beat stood still with its rank
+    behind, so the standby took the node and gave rank 0 to its own spare, which joined; then the hung join
+    completed: two members of rank 0 in generation 1. Now each rank has one seat per generation
+    (`InPlace.seat_key`, a compare-and-set): the late member finds it taken and falls back."""
+    faults = [Fault(1, "kill_trainer", 614), Fault(8, "partition", 992)]
+    assert simulate(World(2, 1, 1, 5, standbys=2), faults, strict=True) == "group restart (203)"
 
 
-@_KNOWN
 def test_standbys_that_took_every_node_stop_when_the_group_restarts() -> None:
-    """Known defect "zombie-round": node 0 cut off from the store (store only, 13 ticks) just after node 1
-    was lost; one standby takes node 1, the other node 0 (its rank behind, its beat still). Node 0's own
-    trainer comes back to a rank another process owns and falls back, and torchrun restarts the group: the
-    two standbys' ranks, a complete generation, train on beside the new round."""
-    simulate(World(2, 1, 0, 1, standbys=2), [Fault(1, "kill_node", 353), Fault(2, "partition", 212)], strict=True)
+    """Once the known defect "zombie-round": node 0 cut off from the store (store only, 13 ticks) just after
+    node 1 was lost; one standby takes node 1, the other node 0 (its rank behind, its beat still). Node 0's
+    own trainer comes back to a rank another process owns and falls back, and torchrun restarts the group:
+    the two standbys' ranks, a complete generation, trained on beside the new round. Now a standby that holds
+    a node sees the new round's record (`StandbyObservation.new_round`) and ends its hosts."""
+    faults = [Fault(1, "kill_node", 353), Fault(2, "partition", 212)]
+    assert simulate(World(2, 1, 0, 1, standbys=2), faults, strict=True) == "group restart (203)"
 
 
-@_KNOWN
 def test_a_standby_host_that_ends_without_its_rank_training_takes_it_back_from_the_lost_count() -> None:
-    """Known defect "lost-leak": a standby takes lost node 1 and is cut off from the store (store only, 10
-    ticks); the second standby takes node 1 again and its rank trains, but the first one's host counted the
-    rank lost and ends without taking it back: the lost count stays 1 while every rank trains."""
-    simulate(World(2, 1, 0, 1, standbys=2), [Fault(1, "kill_node", 673), Fault(8, "partition", 458)], strict=True)
+    """Once the known defect "lost-leak": a standby takes lost node 1 and is cut off from the store (store
+    only, 10 ticks); the second standby takes node 1 again and its rank trains, but the first one's host had
+    counted the rank lost and ended without taking it back. Now the count is taken once per rank (its mark,
+    `InPlace.rank_lost_key`) and given back by whichever host ends or recovers it."""
+    faults = [Fault(1, "kill_node", 673), Fault(8, "partition", 458)]
+    assert simulate(World(2, 1, 0, 1, standbys=2), faults, strict=True) == "resumed in generation 1"
+
+
+def test_a_rank_counted_lost_by_its_killed_host_and_by_the_standby_that_took_its_node_is_counted_once() -> None:
+    """Rank 2's host counted its rank lost while it claimed a spare, then its node was lost with it (no host
+    left to give the count back); the standby's host that took the node counted the rank again: the count
+    stayed 1 after the rank trained again (found while fixing "lost-leak")."""
+    faults = [
+        Fault(2, "store_stall", 771),
+        Fault(6, "kill_trainer", 389),
+        Fault(13, "forge", 0),
+        Fault(15, "kill_node", 970),
+        Fault(35, "store_stall", 986),
+    ]
+    assert simulate(World(3, 1, 0, 5, standbys=1), faults, strict=True) == "resumed in generation 1"
+
+
+@pytest.mark.xfail(raises=Violation, strict=True, reason="a known defect (KNOWN_DEFECTS) of the real code")
+def test_a_standby_host_killed_while_it_counts_a_rank_lost_leaves_no_count_behind() -> None:
+    """Known defect "lost-killed": standby 1 takes node 0, only cut off from the store (store only), and counts
+    rank 0 lost; then standby 1's own machine is lost. Its host cannot give the count back, node 0's own
+    trainer trains on, and no other host of rank 0 recovers it: the count stays 1."""
+    faults = [Fault(8, "kill_spare", 452), Fault(13, "partition", 325), Fault(26, "kill_node", 889)]
+    simulate(World(3, 1, 0, 5, standbys=2), faults, strict=True)
 
 
 def test_seeded_schedules_hold_every_invariant() -> None:

@@ -238,6 +238,13 @@ class InPlace:
         return "lost"
 
     @staticmethod
+    def rank_lost_key(rank: int) -> str:
+        """Set (compare-and-set, signed with the pid of the host that set it) while `rank` is counted in
+        `lost_key`: the count is taken once per rank, however many hosts found it lost (a host killed with
+        its node while it claimed, then the standby's host that took the node), and given back once."""
+        return f"rank{rank}/lost"
+
+    @staticmethod
     def beat_key(node: int) -> str:
         """A counter node `node`'s local-rank-0 host adds to every `BEAT_S` for as long as it lives: the
         members forming a new generation learn of a lost node within `HOST_LOST_S` instead of waiting
@@ -319,6 +326,12 @@ class InPlace:
     @staticmethod
     def join_key(generation: int) -> str:
         return f"join/{generation}"
+
+    @staticmethod
+    def seat_key(generation: int, rank: int) -> str:
+        """Rank `rank`'s seat in generation `generation`: the joining process's pid, set by compare-and-set
+        before it counts its join (`join_key`), so that only one process joins each rank of a generation."""
+        return f"join/{generation}/rank{rank}"
 
     @staticmethod
     def formed_key(generation: int) -> str:

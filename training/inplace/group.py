@@ -210,6 +210,16 @@ class InPlaceGroup:
         if isinstance(decision := decide_form(look), FallBack):
             raise RecoveryFailed(decision.reason)
         self.inplace.write(self.store, self.inplace.rank_gen_key(rank), str(generation))
+        if generation > 0:
+            # The owner's look above and this join are two requests: a standby that took this node in
+            # between gave the rank to its own spare. One seat per rank: the first join wins, the other
+            # stands down before it is counted.
+            seat_key = self.inplace.seat_key(generation, rank)
+            mine = self.inplace.sign(seat_key, str(os.getpid()))
+            held = self.store.compare_set(seat_key, "", mine)
+            seat = str(os.getpid()) if held.decode(errors="replace") == mine else self._seat(seat_key, held)
+            if isinstance(decision := decide_form(replace(look, seat=seat)), FallBack):
+                raise RecoveryFailed(decision.reason)
         key = self.inplace.join_key(generation)
         joined = int(self.store.add(key, 1))
         if generation > 0 and isinstance(decide_form(replace(look, joined=joined)), Formed):
@@ -285,6 +295,11 @@ class InPlaceGroup:
                 backend=self.backend, store=pg_store, rank=rank, world_size=world, timeout=timedelta(seconds=limit)
             )
         self.generation = generation
+
+    def _seat(self, key: str, held: bytes) -> str:
+        """Who holds a seat this process did not win: a pid, or what a value this job did not sign is."""
+        holder = self.inplace.open(key, held)
+        return f"pid {holder}" if holder is not None else "a process whose seat is not signed by this job"
 
     def mark_stepped(self) -> None:
         """This process completed a step (its host may replace it in place from now on)."""

@@ -71,6 +71,7 @@ POLL_S = 0.02
 PROMOTION_WAIT_S = 24 * 86400.0  # a standby may stand by for the whole job
 SPARE_TERM_GRACE_S = 10.0  # an unclaimed spare still alive this long after its SIGTERM is killed
 STUCK_SPARE_S = 60.0  # an unclaimed spare not ready this long after its start (or the in-place timeout) is killed
+POOL_RETRY_S = 5.0  # a spare pool whose tick failed (the store) tries again this much later
 EXIT_CODE_WAIT_S = 2.0  # how long a host waits for a dead spare's exit code to be published
 _FORWARD = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2, signal.SIGUSR1)
 _STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -311,7 +312,12 @@ class SparePool:
             try:
                 self.tick(spawn=False)
             except Exception:
-                break
+                # The store failed: the claimed spares are still other ranks' trainers (this host's exit
+                # would kill them), so they are still waited for; their codes go unpublished (their hosts
+                # count an unpublished code as a crash).
+                for pid, (_, proc) in list(self.procs.items()):
+                    if proc.poll() is not None:
+                        del self.procs[pid]
             time.sleep(POLL_S)
         for _, proc in self.procs.values():
             with contextlib.suppress(Exception):
@@ -444,6 +450,33 @@ class _Beat:
                 self.warned = True
 
 
+def _count_lost(store: Any, inplace: InPlace, rank: int) -> bool:
+    """Count `rank` among the ranks that lost their trainer (`InPlace.lost_key`), unless another host
+    already did (`InPlace.rank_lost_key`); whether it is counted now (this host then gives it back)."""
+    key = inplace.rank_lost_key(rank)
+    mine = inplace.sign(key, str(os.getpid()))
+    try:
+        held = store.compare_set(key, "", mine).decode(errors="replace")
+        if held == mine:
+            store.add(inplace.lost_key, 1)
+        # A mark this job did not sign counts nothing: giving it back would take another rank's count.
+        return held == mine or inplace.open(key, held.encode()) is not None
+    except Exception as exc:  # a store error shows at the host's next request
+        log.warning("in-place: rank %d could not be counted lost: %s", rank, exc)
+        return False
+
+
+def _uncount_lost(store: Any, inplace: InPlace, rank: int) -> bool:
+    """Take `rank` out of the lost count (once, whichever host counted it); whether it is out of it now."""
+    try:
+        if store.delete_key(inplace.rank_lost_key(rank)):
+            store.add(inplace.lost_key, -1)
+    except Exception as exc:
+        log.warning("in-place: rank %d could not be taken out of the lost count: %s", rank, exc)
+        return False
+    return True
+
+
 def _stepped(store: Any, inplace: InPlace, pid: int) -> bool:
     return _marked(store, inplace, inplace.stepped_key(pid))
 
@@ -523,6 +556,7 @@ def run_host(
         on_main_thread(_install_forwarding)
     state = HostState.STANDING_BY if standby else HostState.TRAINING
     first_index = 0
+    counted = False  # this host counted its rank lost (`lost_key`) and has not taken it back
     if standby:
         promoted = _await_promotion(inplace, store, local_rank, current, lambda: stopping)
         if promoted is None:  # the spare died, or a shutdown signal came first
@@ -532,7 +566,9 @@ def run_host(
         state = next_state(HOST_TRANSITIONS, state, Promote(0))
         inplace, first_index = promoted
         rank = int(os.environ[Env.RANK])
-        store.add(inplace.lost_key, 1)  # this rank's trainer was lost with its node; the spare replaces it
+        # This rank's trainer was lost with its node; the spare replaces it. A store error here is the
+        # spare's to meet (it joins through the store): the count is then simply not taken.
+        counted = _count_lost(store, inplace, rank)
     elif local_rank == 0:
         inplace.write(store, inplace.restart_count_key(inplace.node_rank), os.environ.get(Env.RESTART_COUNT, "0"))
     pool = SparePool(inplace, store, command, argv, current.pid, first_index=first_index) if local_rank == 0 else None
@@ -548,29 +584,29 @@ def run_host(
                 next_tick = time.monotonic() + BEAT_S
                 try:
                     pool.tick()
-                except Exception as exc:  # the store is gone (the run is ending): no more spares
-                    log.warning("in-place: the spare pool stopped: %s", exc)
-                    pool = None
+                except Exception as exc:  # the store failed: tried again later (a store gone ends the run)
+                    log.warning("in-place: the spare pool's tick failed: %s", exc)
+                    next_tick = time.monotonic() + POOL_RETRY_S
             code = current.poll()
             # A replacement that has not stepped yet is asked at every look (it ends the rank's `lost`
-            # count); otherwise only a dead trainer's step matters.
+            # count); otherwise only a dead trainer's step matters, and nothing once stopping (only the
+            # trainer's own code is awaited then: a store cut off must not hold torchrun's SIGTERM up).
             watching = state is HostState.WATCHING_SPARE
-            stepped = (watching or code is not None) and _stepped(store, inplace, current.pid)
-            finished = code not in (None, 0) and _marked(store, inplace, inplace.finished_key(current.pid))
+            asks = state is not HostState.STOPPING
+            stepped = asks and (watching or code is not None) and _stepped(store, inplace, current.pid)
+            finished = asks and code not in (None, 0) and _marked(store, inplace, inplace.finished_key(current.pid))
             seen = HostObservation(exit_code=code, stepped=stepped, finished=finished, stopping=stopping)
             decision = decide_host(state, seen)
             if isinstance(decision, ClaimSpare):
-                if state is HostState.TRAINING:  # a replacement not yet stepped is counted lost already
-                    with contextlib.suppress(Exception):  # a store error shows while claiming
-                        store.add(inplace.lost_key, 1)
+                if not counted:  # a replacement not yet stepped is counted lost already
+                    counted = _count_lost(store, inplace, rank)  # a store error shows while claiming
                 state = next_state(HOST_TRANSITIONS, state, decision)
                 decision = _claim(inplace, store, rank, pool, beat, code=code, stopping=lambda: stopping)
             state = next_state(HOST_TRANSITIONS, state, decision)
             if isinstance(decision, Wait | Stop):
                 current.sleep(POLL_S)
             elif isinstance(decision, Recovered):
-                with contextlib.suppress(Exception):
-                    store.add(inplace.lost_key, -1)
+                counted = counted and not _uncount_lost(store, inplace, rank)
             elif isinstance(decision, Promote):
                 current.close()
                 current = _Promoted(decision.pid, store, inplace)
@@ -578,6 +614,11 @@ def run_host(
                 return _carry_out_exit(decision, rank)
     finally:
         current.close()
+        if counted:
+            # Its rank is no longer this host's to recover: a standby's host whose spare never stepped (the
+            # node was only cut off, and its own trainer trains on) gives the count back, else every spare
+            # pool would go on starting spares only once a host already waits.
+            _uncount_lost(store, inplace, rank)
         if local_rank == 0:  # this node ended, it was not lost: no standby takes its place
             with contextlib.suppress(Exception):
                 inplace.write(store, inplace.ended_key(inplace.node_rank), "1")

@@ -357,6 +357,10 @@ class FormObservation:
         formed: The formed key is set (the member whose join completed the count said so).
             `joined` reaching `world` without it: this member says so (the last one died after joining).
         owner: The pid that holds this rank (`InPlace.owner_key`), None when unset.
+        seat: The pid that took this rank's seat in the generation (`InPlace.seat_key`, one compare-and-set
+            per rank: the first join wins), None when not asked at this look. The owner's look and the
+            join are two requests: a standby may give the rank to its own spare in between (the member's
+            requests hung while its node was cut off), and only one of the two may join.
         pid: This process's pid.
         cancelled: A shutdown signal arrived while forming.
         nodes_lost: What a watcher found (`InPlace.nodes_lost_key`): a node whose beat stopped.
@@ -371,6 +375,7 @@ class FormObservation:
     joined: int | None = None
     formed: bool = False
     owner: str | None = None
+    seat: str | None = None
     pid: int = 0
     cancelled: bool = False
     nodes_lost: str | None = None
@@ -412,6 +417,8 @@ class StandbyObservation:
         nodes: The round's node count.
         lost: Nodes whose beat stopped (`group.NodeWatch`) and that did not end (`InPlace.ended_key`).
         ended: Nodes whose beat stopped after they ended.
+        new_round: HOLDING: the job's agents recorded a newer round than the one this standby joined (the
+            group restarted without its nodes: its ranks, however complete, are no part of the job now).
         store_failed: A store request of this look failed (why).
     """
 
@@ -428,6 +435,7 @@ class StandbyObservation:
     nodes: int = 0
     lost: tuple[int, ...] = ()
     ended: tuple[int, ...] = ()
+    new_round: bool = False
     store_failed: str | None = None
 
 
@@ -485,6 +493,9 @@ def decide_form(seen: FormObservation) -> Decision:
         # This rank was given to another process meanwhile (a standby took this node while it was cut
         # off): joining beside it would put two processes in one rank.
         return FallBack(f"generation {gen}: rank {seen.rank} is held by pid {seen.owner} now; this process stands down")
+    if seen.seat is not None and seen.seat != str(seen.pid):
+        # Another process of this rank joined first (the owner's look and the join are two requests).
+        return FallBack(f"generation {gen}: rank {seen.rank} was joined by {seen.seat} first; this process stands down")
     if seen.formed:
         return Formed()
     if seen.cancelled:
@@ -543,6 +554,10 @@ def decide_standby(state: StandbyState, seen: StandbyObservation) -> Decision:
             )
         return Wait()
     if state is StandbyState.HOLDING:
+        if seen.new_round:
+            # Standbys that took every node, one at a time, hold a complete generation the restarted round
+            # knows nothing of: left running, it would train and commit checkpoints beside that round.
+            return round_over("a new round of the job began without this standby's node; its ranks end")
         # Its hosts are the lost node's: it ends as that node's agent would.
         if any(code is None for code in seen.host_codes):
             return Wait()

@@ -79,6 +79,7 @@ JOIN = -1  # `run_standby`'s answer when this pod should join the rendezvous (ru
 POLL_S = 0.05
 STORE_TIMEOUT_S = 30.0  # the first connection (a pod may start before the master's store)
 RECONNECT_TIMEOUT_S = 5.0  # a connection to a store reached before
+ROUND_LOOK_S = 1.0  # how often a standby that holds a node asks whether a new round began
 STORE_GONE_S = 10.0  # the store unreachable this long: the job ended (or its master was lost)
 TERMINAL_STATE_SYNC_ID = "torchelastic/agent/terminal_state"  # torch.distributed.elastic.agent.server.api
 MAX_NODES = 1 << 16  # a round record naming more nodes is no record of ours
@@ -347,6 +348,24 @@ class Standby:
         )
         return True
 
+    def take_quietly(self, node: int, beat: bytes) -> bool:
+        """`take`, False when the store fails midway (logged): the next look takes the node again, and the
+        compare-and-set this standby already won answers it with its own value (a failure escaping here
+        ended the standby's pod with exit 1, which Kubeflow takes as permanent)."""
+        try:
+            return self.take(node, beat)
+        except Exception as exc:
+            log.warning("standby: taking node %d failed: %s", node, exc)
+            return False
+
+    def new_round(self) -> bool:
+        """Whether the job's agents recorded a round other than this standby's (the group restarted)."""
+        try:
+            found = recorded_round(self.raw, self.launch.run_id, self.launch.secret)
+        except Exception:  # the store failed: nothing seen (a store gone ends the hosts' trainers anyway)
+            return False
+        return found is not None and (found.token, found.round) != (self.found.token, self.found.round)
+
     def stop_hosts(self, sig: int = signal.SIGTERM, *, grace_s: float | None = 10.0) -> None:
         """Signal the hosts and wait for them (`grace_s`, then SIGKILL; None: as long as they take, as a
         preemption's emergency checkpoint may)."""
@@ -480,7 +499,7 @@ def _stand_by(
         store, inplace, found.nodes, lost_after_s=HOST_LOST_S, behind=lambda: nodes_behind(store, inplace, world, nproc)
     )
     state = StandbyState.WARMING
-    last_reached = time.monotonic()
+    last_reached = next_round_look = time.monotonic()
     try:
         while True:
             look = StandbyObservation(
@@ -495,6 +514,10 @@ def _stand_by(
                 if look.store_failed is None:
                     last_reached = time.monotonic()
                 look = replace(look, unreached_s=time.monotonic() - last_reached)
+            elif look.stopping is None and time.monotonic() >= next_round_look:
+                # Once a second: two store requests, and the standby's hosts go on training meanwhile.
+                next_round_look = time.monotonic() + ROUND_LOOK_S
+                look = replace(look, new_round=standby.new_round())
             decision = decide_standby(state, look)
             if isinstance(decision, Wait):
                 time.sleep(POLL_S)
@@ -510,8 +533,9 @@ def _stand_by(
                     flush=True,
                 )
             elif isinstance(decision, Take):
-                # One compare-and-set per node against every other standby; losing each one is a wait.
-                if any(standby.take(node, watch.seen[node][0]) for node in decision.nodes):
+                # One compare-and-set per node against every other standby; losing each one is a wait, and
+                # so is a store that fails midway: the next look takes the node again (`Standby.take`).
+                if any(standby.take_quietly(node, watch.seen[node][0]) for node in decision.nodes):
                     clear_standby()  # a node now: its exporter answers the liveness probe
                     store.add(inplace.standbys_key(), -1)
                 else:
@@ -533,6 +557,11 @@ def _stand_by(
             standby.stop_hosts()
         elif stopping:
             standby.stop_hosts(stopping[0], grace_s=None)
+        else:
+            # The round is over for the node it holds (its hosts ended, or a new round began without it): a
+            # trainer still running belongs to no round; its state is not the restart's (that one restored
+            # from the durable checkpoint), so it gets no chance to save one beside it.
+            standby.stop_hosts(signal.SIGKILL)
 
 
 def _watch(standby: Standby, watch: NodeWatch, state: StandbyState, look: StandbyObservation) -> StandbyObservation:
