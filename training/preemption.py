@@ -182,6 +182,10 @@ class PreemptionHandler:
         self._notice: Callable[[], float | None] | None = None
         self._notice_every = 1
         self.stop_step: int | None = None
+        # Called with the stop step before the emergency save, on every rank at the same boundary (the
+        # trainer's `sdc` check, so the emergency checkpoint is certified like the others: restore prefers
+        # certified ones, and an uncertified emergency save would be passed over for an older one).
+        self.before_save: Callable[[int], None] | None = None
 
     @classmethod
     def from_spec(
@@ -366,6 +370,8 @@ class PreemptionHandler:
         start = time.perf_counter()
         committed, stores_ok = False, []
         if checkpoints is not None:
+            if self.before_save is not None:
+                self.before_save(step)  # collective; a disagreement raises (the group restarts, certified)
             if self.watchdog is not None:
                 with self.watchdog.io(self.io_timeout_s):
                     outcome = self._save(step, checkpoints, state)

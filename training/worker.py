@@ -225,6 +225,9 @@ def run_worker(
             watchdog=watchdog,
         )
         trainer.preemption = preemption
+        if preemption is not None and trainer.sdc is not None and checkpoints is not None:
+            sdc = trainer.sdc  # the emergency checkpoint certified like every other save (restore prefers those)
+            preemption.before_save = lambda stop: sdc.certify(stop, checkpoints)
         watching = trainer  # with derived deadlines a rank in a collective dumps its stacks early
         watchdog.in_collective = lambda: watching.par.comm.pending > 0
         if group is not None:

@@ -97,6 +97,35 @@ def test_a_signal_stops_at_the_next_boundary_with_a_synchronous_save() -> None:
     assert event.since_signal_s <= event.grace_s and exit.codes == []
 
 
+def test_the_emergency_save_is_certified_first_and_a_disagreement_saves_nothing() -> None:
+    """`before_save` (the trainer's sdc check: restore prefers certified checkpoints, so an uncertified
+    emergency save would be passed over for an older one) runs at the stop step, before the save; when it
+    raises (the replicas disagree) nothing is saved."""
+    handler, _, _ = _handler()
+    saver, order = _Saver(), []
+    handler.before_save = lambda step: order.append(("certify", step, list(saver.calls)))
+    handler.request()
+    with pytest.raises(PreemptedExit):
+        handler.at_step_boundary(9, saver, {})
+    handler.uninstall()
+    assert order == [("certify", 9, [])] and saver.calls == [(9, True)]
+
+    class Disagreement(Exception):
+        pass
+
+    def disagree(step: int) -> None:
+        raise Disagreement(step)
+
+    handler, _, _ = _handler()
+    saver = _Saver()
+    handler.before_save = disagree
+    handler.request()
+    with pytest.raises(Disagreement):
+        handler.at_step_boundary(9, saver, {})
+    handler.uninstall()
+    assert saver.calls == []
+
+
 def test_a_step_already_saved_at_the_boundary_waits_for_that_save() -> None:
     handler, events, _ = _handler()
     saver = _Saver(already=True)
