@@ -378,15 +378,16 @@ DEFAULT_SDC_EVERY = 100
 class SdcConfig(Model):
     """Silent data corruption: data-parallel replicas compared bit for bit (`training.sdc`)."""
 
-    every: int | None = Field(
+    every: int = Field(
         default=DEFAULT_SDC_EVERY,
-        ge=1,
+        ge=0,
         description=(
             "Steps between replica-agreement checks: each rank hashes its parameters and optimizer state "
             "(a 64-bit fingerprint of the raw bits) and the group compares them; a checkpoint is also "
             "checked before it is saved, and its manifest records `certified`. On a disagreement an `sdc` "
             "event names the suspect ranks, and the group restarts from the newest certified checkpoint. "
-            "DDP only (FSDP and HSDP shard the state: off there). Null: off."
+            "DDP, and HSDP along its replica dimension; FSDP holds no two copies of one shard: off there. "
+            "0: off (a number, not null: the resolved job file drops nulls and would read the default back)."
         ),
     )
 

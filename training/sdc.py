@@ -379,12 +379,12 @@ def create_sdc_monitor(
     identity: WorkerIdentity,
     sink: MetricsSink,
     *,
-    every: int | None,
+    every: int,
     state: Callable[[], int],
     device: torch.device,
     shards: int | None,
 ) -> SdcMonitor | None:
-    """The monitor of a data-parallel job (None: `sdc.every` null, one rank, no group, or no replicas).
+    """The monitor of a data-parallel job (None: `sdc.every` 0, one rank, no group, or no replicas).
 
     Args:
         state: This rank's fingerprint now (`fingerprint` of the current model and optimizer).
@@ -394,7 +394,7 @@ def create_sdc_monitor(
     """
     import torch.distributed as tdist
 
-    if every is None or identity.world_size <= 1 or not tdist.is_initialized():
+    if every <= 0 or identity.world_size <= 1 or not tdist.is_initialized():
         return None
     groups = replica_groups(identity.world_size, shards) if shards else []
     if not any(len(g) > 1 for g in groups):

@@ -43,7 +43,7 @@ def _seconds_per_step(steps: int, every: int | None, *, faults: str | None = Non
                 "spec.training.evalAtEnd=false",
                 "spec.metrics.logEvery=1",
                 "spec.metrics.enabled=false",
-                f"spec.sdc.every={'null' if every is None else every}",
+                f"spec.sdc.every={0 if every is None else every}",
             ],
         )
         run_dir = RunFiles(tmp / "run")

@@ -87,7 +87,7 @@ class DrillContext:
     options: DrillOptions = field(default_factory=DrillOptions)
     # `checkpoint.inMemory.every`: FSDP/HSDP in place returns to a snapshot at most this many steps back.
     in_memory_every: int | None = None
-    sdc_every: int | None = None  # spec.sdc.every (the sdc drill turns a null one on at its default)
+    sdc_every: int | None = None  # spec.sdc.every (the sdc drill turns an off one, 0, on at its default)
     sdc_replicas: int = 0  # ranks that hold each replica's bits: the world (DDP), the nodes (HSDP)
     rng: random.Random = field(default_factory=random.Random, compare=False, repr=False)
 

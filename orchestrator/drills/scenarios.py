@@ -432,8 +432,8 @@ class SilentCorruption(Scenario):
 
     def patch(self, spec: JobSpec, ctx: DrillContext) -> JobSpec:
         # The detecting ranks exit 206 and the group restarts (in place has no survivor to keep: every
-        # replica may carry the corruption). `sdc.every` null (off) is turned on at its default.
-        if spec.spec.sdc.every is None:
+        # replica may carry the corruption). `sdc.every` 0 (off) is turned on at its default.
+        if spec.spec.sdc.every <= 0:
             from training.config import DEFAULT_SDC_EVERY
 
             spec = patch_section(spec, "sdc", every=DEFAULT_SDC_EVERY)

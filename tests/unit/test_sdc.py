@@ -257,9 +257,11 @@ def test_two_replicas_that_differ_are_undecided_not_guessed() -> None:
 
 def test_sdc_every_defaults_and_bounds() -> None:
     assert SdcConfig().every == DEFAULT_SDC_EVERY
-    assert SdcConfig.model_validate({"every": None}).every is None
+    assert SdcConfig.model_validate({"every": 0}).every == 0  # off
     with pytest.raises(ValueError, match="every"):
-        SdcConfig.model_validate({"every": 0})
+        SdcConfig.model_validate({"every": None})  # a null would not survive the resolved job file
+    with pytest.raises(ValueError, match="every"):
+        SdcConfig.model_validate({"every": -1})
 
 
 # -- the bitflip fault -----------------------------------------------------------------------------------
