@@ -49,6 +49,7 @@ def test_exit_code_convention() -> None:
         ExitCode.RECOVERY_FAILED,
         ExitCode.STORE_LOST,
         ExitCode.STORE_UNAVAILABLE,
+        ExitCode.SDC_DETECTED,  # the group restarts from the newest certified checkpoint
     }
     assert {c for c in ExitCode if c.retryable} == retryable
     assert all(not is_retryable(code) for code in (*PERMANENT, 1))
