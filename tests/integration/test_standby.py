@@ -122,6 +122,53 @@ def test_a_standby_takes_a_lost_node_once_and_hands_each_spare_its_rank(store: A
     assert second.take(1, b"40"), "lost again later (its beat stopped elsewhere): another standby takes it"
 
 
+class _Refusing:
+    """A store that refuses its next `refusals` writes (`set`), then answers as `inner`."""
+
+    def __init__(self, inner: Any, refusals: int) -> None:
+        self.inner, self.refusals = inner, refusals
+
+    def set(self, key: str, value: Any) -> None:
+        if self.refusals > 0:
+            self.refusals -= 1
+            raise RuntimeError("refused")
+        self.inner.set(key, value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_take_the_store_fails_midway_is_a_wait_and_the_next_look_completes_it(store: Any) -> None:
+    """The store failed after this standby won the node's compare-and-set: once an exception out of
+    `_stand_by` (the pod exited 1, permanent under Kubeflow's convention); now a failed look, and the next take
+    wins the same compare-and-set again and finishes, while another standby still cannot take the node."""
+    found = Round(token="tok", round=3, nodes=2)
+    launch = Launch(f"127.0.0.1:{store.port}", "job", 1, 0, ["python", "-m", "training"], secret=b"k" * 32)
+    first, second = (Standby(launch, store, found, slot, {}) for slot in (0, 1))
+    first.inplace.write(first.store, first.inplace.spare_key(0, "ready"), "501")
+    first.store = _Refusing(first.store, refusals=1)
+    assert not first.take_quietly(1, b"17"), "a take the store failed is no take"
+    assert first.taken is None
+    assert not second.take_quietly(1, b"17"), "the node is still this standby's to take"
+    assert first.take_quietly(1, b"17"), "the next look takes it"
+    assert first.taken == 1
+    assert first.inplace.read(first.store, first.inplace.owner_key(1)) == "501"
+
+
+def test_a_standby_holding_a_node_sees_a_new_round(store: Any) -> None:
+    found = Round(token="tok", round=3, nodes=2)
+    launch = Launch(f"127.0.0.1:{store.port}", "job", 1, 0, ["python", "-m", "training"], secret=b"k" * 32)
+    standby = Standby(launch, store, found, 0, {})
+    key = InPlace.round_record_key("job")
+    assert not standby.new_round(), "no record: nothing seen"
+    store.set(key, Signer(b"k" * 32).sign(key, found.to_json()))
+    assert not standby.new_round(), "its own round"
+    store.set(key, Round(token="tok2", round=4, nodes=2).to_json())
+    assert not standby.new_round(), "a record this job did not sign is none"
+    store.set(key, Signer(b"k" * 32).sign(key, Round(token="tok2", round=4, nodes=2).to_json()))
+    assert standby.new_round(), "the group restarted: a new round"
+
+
 def test_a_local_run_ends_when_only_standbys_that_took_no_node_are_left(tmp_path: Any) -> None:
     """A standby that took no node keeps nothing running: a run whose members all ended is over (its
     standby is stopped with it); one that took a node runs that node's ranks and keeps the run going."""
