@@ -344,12 +344,8 @@ def test_a_drained_worker_host_checkpoints_at_once_and_loses_no_step(
     cloud's notice). Every rank stops at one agreed step with an emergency checkpoint; the host is then
     terminated and a replacement joins; Ray Train's group restart resumes from that checkpoint.
 
-    Known defect (`training`, not Ray's): with `sdc` on, the default, the emergency checkpoint is not
-    certified (no replica check at the stop step) and the restore prefers the older certified one, so
-    the steps since it are trained again (seen: stopped at 16, restored 15); and `sdc.every: null` cannot
-    turn it off for a submitted job, because the resolved spec (`dump_spec`) drops an explicit null and the
-    worker reads the default back. Until that is fixed this scenario ends in xfail after every other check.
-    """
+    With `sdc` on (the default) the emergency checkpoint must be certified like any other save: when it
+    was not, the restore preferred the older certified one (seen here: stopped at 16, restored 15)."""
     job = _job(tmp_path, two_hosts.shared)
     run, run_dir = _submit(two_hosts, job, **_slow(0.6))
     _wait_for(run_dir, "a checkpoint", lambda ev: any(e.get("event") == "checkpoint_committed" for e in ev))
@@ -372,9 +368,7 @@ def test_a_drained_worker_host_checkpoints_at_once_and_loses_no_step(
     assert summary["status"] == "succeeded" and summary["steps"] == STEPS, f"{summary}\n{logs[-6000:]}"
     assert summary["params_sha256"] == reference["params_sha256"], "bit-identical after the drain"
     restored = {e["step"] for e in _events(run_dir) if e.get("event") == "restore"}
-    assert restored and max(restored) <= stop_step
-    if restored != {stop_step}:
-        pytest.xfail(f"stopped at step {stop_step}, restored {sorted(restored)}: the uncertified emergency checkpoint")
+    assert restored == {stop_step}, f"stopped at step {stop_step}, restored {sorted(restored)}: lost steps"
 
 
 def test_a_cluster_started_without_the_venv_is_refused_at_submit(tmp_path: Path) -> None:
