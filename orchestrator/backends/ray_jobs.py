@@ -117,7 +117,7 @@ _STATES = {
 
 
 # The probe (`probe_cluster`): one JSON line after this marker in its log, read back bounded.
-PROBE_MARKER = "TORCHRIG_PROBE "
+PROBE_MARKER = "torchrig-probe: "  # a log line marker, not an environment variable
 PROBE_METADATA_KEY = "torchrig.io/probe"
 PROBE_TIMEOUT_S = 180.0  # the runtime env's setup (upload, pip) counts too
 _PROBE_LOG_CHARS = 64 * 1024

@@ -82,5 +82,8 @@ def test_embedded_ray_dry_run_names_its_run_dir(tmp_path: Path) -> None:
     assert local["run_dir"] == str((tmp_path / "r").resolve())
     assert local["env"][Env.RUN_DIR] == local["run_dir"] and local["node_ip_address"] == "127.0.0.1"
     assert "jobs_api" not in request and not (tmp_path / "r").exists()
-    remote = RayBackend().dry_run(spec, SubmitOptions(ray=RayOptions(address="http://127.0.0.1:8265"))).request
+    # A cluster's entrypoint runs in Ray's working-dir cache: a relative store needs a directory every node
+    # mounts (`spec.ray.sharedDir`), even for a cluster on this machine.
+    shared = load_spec(EXAMPLE, [f"spec.ray.sharedDir={tmp_path / 'shared'}"])
+    remote = RayBackend().dry_run(shared, SubmitOptions(ray=RayOptions(address="http://127.0.0.1:8265"))).request
     assert remote["jobs_api"]["address"] == "http://127.0.0.1:8265" and "local" not in remote
