@@ -16,9 +16,11 @@ fingerprints (8 bytes per rank, one collective on the default group) and `decide
 On a disagreement rank 0 writes an `sdc` event (step, suspects, their hosts, every fingerprint, and the
 hosts to quarantine: suspects already named by an earlier `sdc` event of the run, `sdc_quarantine`) and
 every rank raises `SilentDataCorruption`: the worker exits retryably (`TRAINING_FAILED`), the group
-restarts, and the restore takes the newest certified checkpoint (`CheckpointManager.prefer_certified`):
-no checkpoint of a step whose replicas disagreed is ever committed, because every save is preceded by a
-check. The result is then bit-identical to an uninterrupted run (the resume is deterministic).
+restarts, and the restore takes the newest checkpoint, a certified one: no checkpoint of a step whose
+replicas disagreed is ever committed, because every save is preceded by a check
+(`CheckpointManager.prefer_certified` passes over a manifest that says `certified: false`; one saved where
+no check runs says nothing and keeps its place). The result is then bit-identical to an uninterrupted
+run (the resume is deterministic).
 
 HSDP compares along its replica dimension: the ranks that hold the same shard (`replica_groups`) must
 agree, each group decided on its own. Not covered: FSDP shards (no two ranks hold the same bits, so

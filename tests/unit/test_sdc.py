@@ -354,10 +354,12 @@ def test_a_manifest_without_certified_reads_as_unknown_and_a_bad_value_is_refuse
         parse_manifest(json.dumps(raw), step=4)
 
 
-def test_restore_prefers_the_newest_certified_checkpoint() -> None:
+def test_restore_passes_over_an_uncertified_checkpoint_but_not_an_unchecked_one() -> None:
+    """`certified: false` goes last; absent (no replica check where it was saved: one rank, FSDP, sdc off)
+    is no evidence of a corruption and keeps its place, newest first."""
     candidates = [Candidate(s, manifest(s, c), [0]) for s, c in ((10, True), (20, True), (30, None), (40, False))]
     assert [c.step for c in order_candidates(candidates)] == [40, 30, 20, 10]
-    assert [c.step for c in order_candidates(candidates, prefer_certified=True)] == [20, 10, 40, 30]
+    assert [c.step for c in order_candidates(candidates, prefer_certified=True)] == [30, 20, 10, 40]
 
 
 # -- the metric -----------------------------------------------------------------------------------------

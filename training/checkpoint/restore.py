@@ -91,12 +91,16 @@ class Candidate:
 
 
 def order_candidates(candidates: list[Candidate], *, prefer_certified: bool = False) -> list[Candidate]:
-    """The restore order: newest first; with `prefer_certified`, every certified checkpoint (newest first)
-    before the rest (a checkpoint written without `sdc` is not certified, but still a fallback)."""
+    """The restore order: newest first; with `prefer_certified` (`sdc` on), a checkpoint whose manifest says
+    `certified: false` after every other. One that says nothing (`certified` absent: saved where no replica
+    check runs, e.g. at one rank, under FSDP or with `sdc` off) keeps its place: it is no evidence of a
+    corruption, and passing over it would retrain its steps (a job that ran at one rank for a while, then
+    at two, restored the older two-rank checkpoint). With `sdc` on every save is checked first and a
+    disagreement commits nothing, so the newest checkpoint after an `sdc` event is a certified one."""
 
     def key(c: Candidate) -> tuple[bool, int, int, float]:
-        certified = prefer_certified and c.manifest.certified is True
-        return (certified, c.step, c.manifest.generation, c.manifest.time)
+        trusted = not (prefer_certified and c.manifest.certified is False)
+        return (trusted, c.step, c.manifest.generation, c.manifest.time)
 
     return sorted(candidates, key=key, reverse=True)
 
