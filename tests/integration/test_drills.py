@@ -29,6 +29,20 @@ SMALL = [
 ]
 
 
+# Each run of a drill (the faulted run, its resubmit after a preemption, the uninterrupted reference) is
+# cancelled by the drill itself after `timeout_s`, and the drill then gives its verdict. A test's own timeout
+# comes after every run its drill may make and a margin (cancelling, judging, writing the report), so that a
+# slow machine gets the drill's verdict, not pytest's traceback in the middle of it.
+RUN_TIMEOUT_S = 300
+NODE_RUN_TIMEOUT_S = 400  # two emulated nodes: a second agent's start-up and rendezvous, a paced job
+VERDICT_MARGIN_S = 60
+
+
+def drill_timeout(runs: int, run_timeout_s: float = RUN_TIMEOUT_S) -> pytest.MarkDecorator:
+    """pytest's timeout for a test whose drill makes `runs` runs of at most `run_timeout_s` each."""
+    return pytest.mark.timeout(runs * run_timeout_s + VERDICT_MARGIN_S)
+
+
 # One metrics port for the whole module (a busy port only moves the exporter to the next one): the
 # uninterrupted reference is keyed by the job, so every drill of the same job and backend shares one
 # (`shared_reference`, as campaigns do) instead of each running its own (~10 s apiece).
@@ -40,7 +54,9 @@ def _spec(*extra: str) -> Any:
 
 
 def _drill(scenario: str, tmp_path: Path, *extra: str, **options: Any) -> DrillReport:
-    opts = DrillOptions(drill_dir=str(tmp_path / scenario), timeout_s=300, **{"shared_reference": True, **options})
+    opts = DrillOptions(
+        drill_dir=str(tmp_path / scenario), timeout_s=RUN_TIMEOUT_S, **{"shared_reference": True, **options}
+    )
     report = run_drill(scenario, _spec(*extra), opts)
     assert report.passed, _failure(report)
     return report
@@ -53,6 +69,7 @@ def _failure(report: DrillReport) -> str:
 
 
 @pytest.mark.slow
+@drill_timeout(runs=2)  # the faulted run and the reference
 def test_kill_worker_recovers_bit_exactly(tmp_path: Path) -> None:
     report = _drill("kill-worker", tmp_path, seed=1, at_step=13, rank=1)
     assert report.fault_step == 13 and report.fault_rank == 1
@@ -66,6 +83,7 @@ def test_kill_worker_recovers_bit_exactly(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@drill_timeout(runs=2)
 def test_crash_during_checkpoint_never_restores_a_partial_save(tmp_path: Path) -> None:
     # The restart path (in place nothing is restored: the survivors' state is newer than any save): the
     # scenario's own patch sets `restarts.mode: restart`, so the job as given, and its reference, is the
@@ -78,6 +96,7 @@ def test_crash_during_checkpoint_never_restores_a_partial_save(tmp_path: Path) -
 
 
 @pytest.mark.slow
+@drill_timeout(runs=2)
 @pytest.mark.parametrize("corruption", ["flip", "delete-manifest"])
 def test_corrupt_checkpoint_falls_back(tmp_path: Path, corruption: str) -> None:
     report = _drill("corrupt-checkpoint", tmp_path, seed=3, at_step=12, rank=1, corruption=CorruptionKind(corruption))
@@ -86,12 +105,14 @@ def test_corrupt_checkpoint_falls_back(tmp_path: Path, corruption: str) -> None:
 
 
 @pytest.mark.slow
+@drill_timeout(runs=2)
 def test_lose_store_keeps_training(tmp_path: Path) -> None:
     report = _drill("lose-store", tmp_path, seed=4, at_step=8)
     assert report.status == "succeeded"
     assert any(c.name == "store failure visible" and c.passed for c in report.checks)
 
 
+@drill_timeout(runs=2)
 def test_lose_store_at_restart_waits_for_the_store_and_resumes(tmp_path: Path) -> None:
     """The only store is gone when the group restarts: the restore lists it again, gives up (exit 205)
     instead of training from step 0, the group restarts again, and once the store is back the job
@@ -104,6 +125,7 @@ def test_lose_store_at_restart_waits_for_the_store_and_resumes(tmp_path: Path) -
 
 
 @pytest.mark.slow
+@drill_timeout(runs=2)
 def test_hang_is_detected_by_the_watchdog(tmp_path: Path) -> None:
     report = _drill("hang", tmp_path, seed=5, at_step=11, rank=1, hang_timeout_s=6.0)
     # In place: only the hung rank's watchdog fired (rank 0 waited in the all-reduce), a spare replaced it.
@@ -114,6 +136,7 @@ def test_hang_is_detected_by_the_watchdog(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@drill_timeout(runs=2)
 def test_straggler_is_named(tmp_path: Path) -> None:
     report = _drill("straggler", tmp_path, seed=6, rank=1, slow_s=0.05)
     named = [c for c in report.checks if c.name == "online detector named the slow rank"]
@@ -122,18 +145,22 @@ def test_straggler_is_named(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@drill_timeout(runs=1, run_timeout_s=NODE_RUN_TIMEOUT_S)  # no reference
 def test_kill_node_shrinks_and_grows_back(tmp_path: Path) -> None:
     report = run_drill(
         "kill-node",
         _paced_two_node_spec(400),
         # No reference: the world size changes on purpose, so no parameters are compared with one.
-        DrillOptions(seed=7, nodes=2, at_step=30, reference=False, drill_dir=str(tmp_path / "kn"), timeout_s=400),
+        DrillOptions(
+            seed=7, nodes=2, at_step=30, reference=False, drill_dir=str(tmp_path / "kn"), timeout_s=NODE_RUN_TIMEOUT_S
+        ),
     )
     assert report.passed, _failure(report)
     assert report.final_params_match_reference is None  # the world size changed on purpose
     assert report.world_sizes[:2] == [2, 1] and report.world_sizes[-1] == 2
 
 
+@drill_timeout(runs=2, run_timeout_s=NODE_RUN_TIMEOUT_S)
 def test_kill_node_with_a_standby_node_keeps_the_world_size_and_loses_no_step(tmp_path: Path) -> None:
     """`restarts.spareNodes: 1` on 2 nodes x 2 ranks: the drill kills node 1 (its agent, ranks and spare)
     once the standby is warm; the standby takes ranks 2 and 3 in place (`training.inplace.standby`), the
@@ -145,7 +172,9 @@ def test_kill_node_with_a_standby_node_keeps_the_world_size_and_loses_no_step(tm
         [*SMALL[:-2], "spec.training.steps=500", "spec.nodes.min=2", "spec.nodes.max=2", "spec.restarts.spareNodes=1"],
     )
     spec.spec.metrics.port = _PORT
-    report = run_drill("kill-node", spec, DrillOptions(seed=3, nodes=2, drill_dir=str(tmp_path / "kn"), timeout_s=400))
+    report = run_drill(
+        "kill-node", spec, DrillOptions(seed=3, nodes=2, drill_dir=str(tmp_path / "kn"), timeout_s=NODE_RUN_TIMEOUT_S)
+    )
     assert report.passed, _failure(report)
     assert report.recovery_path == "inplace" and report.lost_steps == 0
     assert report.world_sizes == [4]
@@ -156,6 +185,7 @@ def test_kill_node_with_a_standby_node_keeps_the_world_size_and_loses_no_step(tm
 
 
 @pytest.mark.slow
+@drill_timeout(runs=3)  # the preempted run, its resubmit and the reference
 def test_preempt_stops_with_an_emergency_checkpoint_and_resumes_losing_no_step(tmp_path: Path) -> None:
     """SIGTERM to every process mid-run: one agreed stop step, its checkpoint committed within the grace,
     the job stops as `preempted` (no in-place restart), and started again it ends bit-identical."""
@@ -165,6 +195,7 @@ def test_preempt_stops_with_an_emergency_checkpoint_and_resumes_losing_no_step(t
 
 
 @pytest.mark.slow
+@drill_timeout(runs=2)  # the preempted run and its resubmit; no reference
 def test_preempt_with_too_short_a_grace_resumes_from_the_previous_checkpoint(tmp_path: Path) -> None:
     """The deadline strikes before the emergency checkpoint commits: nothing of it is restored. (No
     reference run: bit-exact resumes from a periodic checkpoint are kill-worker's subject.)"""
@@ -193,11 +224,14 @@ def _paced_two_node_spec(steps: int) -> Any:
 @pytest.mark.slow
 @pytest.mark.root
 @pytest.mark.skipif(netns_supported() is not None, reason=f"partition drill: {netns_supported()}")
+@drill_timeout(runs=1, run_timeout_s=NODE_RUN_TIMEOUT_S)  # no reference
 def test_partition_restarts_at_the_remaining_world_size(tmp_path: Path) -> None:
     report = run_drill(
         "partition",
         _paced_two_node_spec(400),
-        DrillOptions(seed=9, nodes=2, at_step=60, reference=False, drill_dir=str(tmp_path / "p"), timeout_s=400),
+        DrillOptions(
+            seed=9, nodes=2, at_step=60, reference=False, drill_dir=str(tmp_path / "p"), timeout_s=NODE_RUN_TIMEOUT_S
+        ),
     )
     assert report.passed, _failure(report)
     assert report.world_sizes[:2] == [2, 1], "the cut-off node's rank left the world"
@@ -212,6 +246,7 @@ def _netns_list() -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.ray
+@drill_timeout(runs=2)
 def test_kill_worker_on_ray(ray_local_2cpu: object, tmp_path: Path) -> None:
     # On the module's one embedded Ray: the faulted run and its reference do not each start their own.
     report = _drill("kill-worker", tmp_path, backend="ray", seed=8, at_step=12, rank=1)
@@ -220,6 +255,7 @@ def test_kill_worker_on_ray(ray_local_2cpu: object, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.soak  # 20 recoveries in one job, ~2.5 min: `make soak`, not `make test`
+@drill_timeout(runs=2)
 def test_kill_worker_twenty_seeded_kills_in_a_row_end_bit_exact(tmp_path: Path) -> None:
     """20 kills in one job, kill g in restart generation g, its rank and step drawn from seed g: every
     recovery builds on the previous one, and the result must still match the reference bit for bit."""
@@ -250,3 +286,16 @@ def test_drill_cli_rejects_bad_input_without_traceback(tmp_path: Path) -> None:
         )
         assert proc.returncode == 2, proc.stderr
         assert expected in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_every_drill_test_outlasts_its_drills_own_timeout() -> None:
+    """A drill test without `drill_timeout` would get the suite's 300 s, no more than one run's `timeout_s`."""
+    drill_tests = {
+        name: func
+        for name, func in globals().items()
+        if name.startswith("test_") and {"_drill", "run_drill"} & set(func.__code__.co_names)
+    }
+    assert len(drill_tests) >= 10
+    for name, func in drill_tests.items():
+        limits = [m.args[0] for m in getattr(func, "pytestmark", []) if m.name == "timeout"]
+        assert limits and limits[0] >= RUN_TIMEOUT_S + VERDICT_MARGIN_S, f"{name}: timeout {limits or 'the default'}"
