@@ -20,25 +20,28 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from orchestrator.backends._local_procs import process_start_ticks
+from orchestrator.backends._local_procs import kill_pids, process_start_ticks
 from orchestrator.backends._local_view import LiveProgress, QuietView, RunView
 from orchestrator.backends.base import RunState, SubmitOptions
 from orchestrator.backends.ray_embedded import RAY_AUTH_MODE, embedded_ray
 from orchestrator.errors import BackendError, FinalCheckpointLost, RestartsExhausted, UnsupportedFeature
 from orchestrator.spec import JobSpec, parse_quantity
-from training.contract import Env, RunFiles, Summary, WorkerReport, write_json
+from training.contract import Env, EventKind, RunFiles, Summary, WorkerReport, read_events, write_json
 
 __all__ = [
     "RAY_ENV_DEFAULTS",
     "RayLocalRun",
     "apply_ray_env",
     "local_num_cpus",
+    "process_tree",
+    "ray_hosts",
     "run_ray_train",
     "worker_env",
 ]
@@ -389,8 +392,89 @@ class RayLocalRun:
                 address=None,
             )
 
+    def host_pids(self, node: int | None = None) -> list[int]:
+        """The live Ray Train worker processes of emulated node `node` (None: of every node) in the newest
+        worker group (`ray_hosts`)."""
+        return ray_hosts(self._run_dir, self.spec.spec.procs_per_node, node)
+
     def kill_node(self, node: int) -> list[int]:
-        raise UnsupportedFeature("kill-node: the Ray backend runs one emulated node; use --backend local")
+        """Lose emulated node `node` like a machine dying: SIGKILL its Ray Train workers with their process
+        trees (trainers, warm spares). Ray Train's `FailureConfig` restarts the worker group from the newest
+        committed checkpoint; on this one machine the node's CPUs come back at once, so an elastic job
+        restarts at the size they allow (its full size, here). Returns the pids killed.
+
+        Raises:
+            BackendError: No live worker of that node.
+        """
+        hosts = self.host_pids(node)
+        if not hosts:
+            raise BackendError(f"node {node}: no live Ray Train worker of its ranks in {self._run_dir}")
+        pids = sorted({pid for host in hosts for pid in process_tree(host)})
+        kill_pids(pids, signal.SIGKILL)
+        return pids
 
     def add_node(self) -> int:
-        raise UnsupportedFeature("kill-node: the Ray backend runs one emulated node; use --backend local")
+        raise UnsupportedFeature(
+            "add a node: the embedded Ray is one machine whose CPUs a lost node never took away; on a Ray "
+            "cluster Ray Train's elastic resize takes in a node that joins (ScalingConfig(num_workers=(min, max)))"
+        )
+
+
+def ray_hosts(run_dir: str | os.PathLike[str], procs_per_node: int, node: int | None = None) -> list[int]:
+    """The live Ray Train worker processes of a run's newest worker group on this machine, of emulated node
+    `node` (the ranks `r` with `r // procs_per_node == node`; None: every rank).
+
+    Each worker is its rank's host (`training.ray_train`): the parent of the trainer a `start` event of the
+    run directory names, or that trainer itself when it trains in the worker (`restarts.mode: restart`).
+    Only a process that Ray titled as one of its workers (`ray::`) is returned: a stale or forged pid in
+    the run directory never names another process of the machine.
+    """
+    newest: dict[int, tuple[float, int]] = {}
+    for event in read_events(RunFiles(run_dir).events):
+        pid = event.get("pid")
+        if event.kind is not EventKind.START or event.rank is None or not isinstance(pid, int):
+            continue
+        if node is not None and event.rank // max(procs_per_node, 1) != node:
+            continue
+        if event.rank not in newest or event.time >= newest[event.rank][0]:
+            newest[event.rank] = (event.time, pid)
+    hosts = {_ray_worker_of(pid) for _, pid in newest.values()}
+    return sorted(pid for pid in hosts if pid is not None)
+
+
+def _ray_worker_of(trainer: int) -> int | None:
+    """The Ray worker process that hosts `trainer` (its parent when it is a `python -m training` child),
+    or None when that is no Ray worker (gone, or the pid is not one of this run's)."""
+    host = trainer
+    if b"-m\x00training\x00" in _cmdline(trainer):
+        host = _parent(trainer) or 0
+    return host if host > 1 and host != os.getpid() and _cmdline(host).startswith(b"ray::") else None
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rfind(")") + 2 :].split()[1])  # the 4th field; the name may hold ')'
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and every live descendant of it (from /proc), parents before children."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (parent := _parent(int(entry))) is not None:
+            children.setdefault(parent, []).append(int(entry))
+    tree, queue = [], [root]
+    while queue:
+        pid = queue.pop(0)
+        tree.append(pid)
+        queue.extend(children.get(pid, []))
+    return tree

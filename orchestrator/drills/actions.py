@@ -211,21 +211,30 @@ class ActionRunner:
 
     def _preempt(self, node: int | None, grace_s: float) -> None:
         """SIGTERM every process of `node` (None: all nodes), SIGKILL what is left after `grace_s`."""
-        from orchestrator.backends._local_procs import alive, kill_pids
+        from orchestrator.backends._local_procs import alive, kill_pids, process_start_ticks
         from orchestrator.backends.local_run import LocalRun
+        from orchestrator.backends.ray_run import RayLocalRun, process_tree
 
         run = self.run
-        if not isinstance(run, LocalRun):
-            raise UnsupportedFeature("preempt: signalling every process of a node needs the local backend")
-        nodes = [node] if node is not None else sorted(run.agent_pids())
-        pids = [pid for n in nodes for pid in run.node_pids(n)]
-        for pid in pids:
+        if isinstance(run, LocalRun):
+            nodes = [node] if node is not None else sorted(run.agent_pids())
+            pids = [pid for n in nodes for pid in run.node_pids(n)]
+            signalled = pids
+        elif isinstance(run, RayLocalRun):
+            # The SIGTERM goes to each Ray Train worker, as Ray's drain notice becomes one there
+            # (`training.ray_train`); its host forwards it to its trainer. The deadline takes the whole tree.
+            signalled = run.host_pids(node)
+            pids = [pid for host in signalled for pid in process_tree(host)]
+        else:
+            raise UnsupportedFeature("preempt: signalling every process of a node needs the local or the Ray backend")
+        started = {pid: process_start_ticks(pid) for pid in pids}  # pids get reused: SIGKILL only these
+        for pid in signalled:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(alive(p) for p in pids):
+        while time.monotonic() < deadline and any(alive(p, started[p]) for p in pids):
             time.sleep(0.1)
-        kill_pids([p for p in pids if alive(p)], signal.SIGKILL)
+        kill_pids([p for p in pids if alive(p, started[p])], signal.SIGKILL)
 
     def _lose_store(self, store: _Store) -> None:
         if not _remote(store, self.lose_store_hook, "lose-store", "stop it"):

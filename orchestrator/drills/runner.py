@@ -66,7 +66,7 @@ def _pick_fault(spec: JobSpec, options: DrillOptions, rng: random.Random, latest
 
 def _drill_nodes(scenario: Scenario, spec: JobSpec, options: DrillOptions) -> int:
     nodes = options.nodes or scenario.needs_nodes
-    if (reason := scenario.nodes_unmet(spec, nodes)) is not None:
+    if (reason := scenario.nodes_unmet(spec, nodes, options.backend)) is not None:
         raise UnsupportedFeature(f"spec.nodes: {scenario.name} {reason}")
     if nodes > spec.spec.nodes.max:
         raise SpecError(f"--nodes: at most spec.nodes.max ({spec.spec.nodes.max})")
@@ -126,7 +126,15 @@ def run_drill(scenario_name: str, spec: JobSpec, options: DrillOptions) -> Drill
             store_back_hook=options.store_back_hook,
         )
         summary = supervise(run, runner, plan.actions, options.timeout_s)
-        if scenario.resumes_after_preemption and not outcome.errors:
+        if scenario.resumes_after_preemption and options.backend == "ray" and summary.status == RunState.SUCCEEDED:
+            # Nothing to resubmit: each preempted rank ended its Ray Train worker after the emergency
+            # checkpoint, and Ray Train's `FailureConfig` restarted the worker group, which restored it.
+            report.check(
+                "Ray Train's group restart resumed the preempted run",
+                summary.restarts >= 1,
+                f"status {summary.status}, {summary.restarts} worker group restart(s)",
+            )
+        elif scenario.resumes_after_preemption and not outcome.errors:
             # The job stopped on its own after the preemption (nothing restarts it in place): start it
             # again in the same run directory, as a scheduler would resubmit it.
             report.check(
@@ -200,9 +208,9 @@ def _compare_with_reference(
     report.reference_run_dir = ref_dir
     report.reference_final_loss = ref_summary.final_loss
     report.reference_params_sha256 = ref_summary.params_sha256
-    if scenario.compares(spec) and report.params_sha256 and report.reference_params_sha256:
+    if scenario.compares(spec, options.backend) and report.params_sha256 and report.reference_params_sha256:
         report.final_params_match_reference = report.params_sha256 == report.reference_params_sha256
-    elif not scenario.compares(spec):
+    elif not scenario.compares(spec, options.backend):
         report.final_params_match_reference = None
 
 

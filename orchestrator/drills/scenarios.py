@@ -114,8 +114,8 @@ class Scenario:
             return netns_supported()
         return None
 
-    def nodes_unmet(self, spec: JobSpec, nodes: int) -> str | None:
-        """Why `spec` cannot lose one of `nodes` nodes when this drill needs to, or None."""
+    def nodes_unmet(self, spec: JobSpec, nodes: int, backend: str = "local") -> str | None:
+        """Why `spec` cannot lose one of `nodes` nodes on `backend` when this drill needs to, or None."""
         if self.needs_nodes > 1 and (not spec.spec.nodes.elastic or spec.spec.nodes.min > nodes - 1):
             return (
                 f"needs an elastic job that can lose a node (spec.nodes.min <= {nodes - 1} < spec.nodes.max); "
@@ -151,8 +151,8 @@ class Scenario:
         )
 
     # -- verdict -------------------------------------------------------------------------------------
-    def compares(self, spec: JobSpec) -> bool:
-        """Whether the final parameters of `spec`'s drill must equal the reference's (`compares_params`)."""
+    def compares(self, spec: JobSpec, backend: str = "local") -> bool:
+        """Whether the final parameters of `spec`'s drill on `backend` must equal the reference's."""
         return self.compares_params
 
     def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> Verdict:
@@ -668,12 +668,19 @@ class KillNode(Scenario):
     )
     needs_nodes = 2
     compares_params = False  # the world size changes on purpose (not with a standby node: `compares`)
+    # On `--backend ray` (one embedded Ray: a machine whose CPUs a lost node never takes away) the lost
+    # node's Ray Train workers are killed with their trainers and spares, and Ray Train's group restart
+    # brings the job back at its size from the newest checkpoint (`RayLocalRun.kill_node`).
+    kills_on_ray: ClassVar[bool] = True
 
-    def compares(self, spec: JobSpec) -> bool:
-        return _standby(spec)
+    def _on_ray(self, backend: str) -> bool:
+        return self.kills_on_ray and backend == "ray"
 
-    def nodes_unmet(self, spec: JobSpec, nodes: int) -> str | None:
-        if _standby(spec):  # the standby keeps the size: any job of `nodes` nodes can lose one
+    def compares(self, spec: JobSpec, backend: str = "local") -> bool:
+        return _standby(spec) or self._on_ray(backend)
+
+    def nodes_unmet(self, spec: JobSpec, nodes: int, backend: str = "local") -> str | None:
+        if _standby(spec) or self._on_ray(backend):  # the size is kept: any job of `nodes` nodes can lose one
             n = spec.spec.nodes
             ok = n.min <= nodes <= n.max
             return None if ok else f"needs spec.nodes to allow {nodes} nodes; got {n.min}..{n.max}"
@@ -689,6 +696,8 @@ class KillNode(Scenario):
 
     def actions(self, spec: JobSpec, ctx: DrillContext) -> list[Action]:
         victim = ctx.rng.randrange(1, ctx.nodes) if ctx.nodes > 1 else 0
+        if self._on_ray(ctx.options.backend):
+            return [AwaitStep(ctx.fault_step), NodeKill(victim), AwaitProgress(2)]
         if _standby(spec):  # the kill lands once a standby is warm: it measures the standby, not its start
             return [AwaitStep(ctx.fault_step), AwaitStandby(), NodeKill(victim), AwaitProgress(2)]
         return [
@@ -702,6 +711,15 @@ class KillNode(Scenario):
     def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> Verdict:
         verdict = super().judge(report, history, ctx)
         sizes = report.world_sizes
+        if self._on_ray(ctx.options.backend):
+            verdict.check(
+                "Ray Train's group restart took the lost node's ranks back",
+                report.recovery_path == "ray-restart",
+                f"path {report.recovery_path}, world sizes {sizes}",
+            )
+            if report.reference_params_sha256 is not None and sizes == [ctx.world_size]:
+                _params_check(verdict, report)  # an elastic job restarted smaller is compared by no one
+            return verdict
         if report.recovery_path == "inplace":  # a standby node took the lost node's ranks
             verdict.check("kept the full world size", sizes == [ctx.world_size], f"world sizes {sizes}")
             if report.reference_params_sha256 is not None:
@@ -743,6 +761,7 @@ def _finished_before_regrowth(events: list[dict[str, Any]]) -> str | None:
 
 class Partition(KillNode):
     name = "partition"
+    kills_on_ray = False  # its nodes are network namespaces of the local backend
     summary = "Cut the network link of one of two emulated nodes (network namespaces joined by a veth pair)."
     proves = (
         "a partitioned node is detected (step watchdog, rendezvous keep-alive); the rest restarts from the last "

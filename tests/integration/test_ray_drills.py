@@ -1,0 +1,113 @@
+"""The drills Ray still answers itself, on `--backend ray` (one embedded Ray, 2 CPUs, CPU/gloo): `kill-node`
+(the node's Ray Train workers SIGKILLed with their trainers and warm spares: nothing is left to recover in
+place, so Ray Train's `FailureConfig` restarts the worker group from the newest committed checkpoint) and
+`preempt` (a SIGTERM to every Ray Train worker, what Ray's drain notice becomes there: the emergency
+checkpoint at one agreed step, then Ray Train's group restart resumes exactly there). Both end
+bit-identical to one shared uninterrupted reference (`shared_reference`: the same job, backend and size).
+How the drills find a run's Ray Train workers (`ray_hosts`, `process_tree`) is checked on stand-in processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.backends.ray_run import process_tree, ray_hosts
+from orchestrator.drills import DrillOptions, DrillReport, run_drill
+from orchestrator.loader import load_spec
+from tests.fixtures.common import REPO, free_port
+from tests.integration.test_drills import SMALL
+
+_PORT = free_port()
+
+
+def _drill(scenario: str, tmp_path: Path, **options: Any) -> DrillReport:
+    spec = load_spec(REPO / "examples" / "digits-ddp.yaml", [*SMALL, f"spec.metrics.port={_PORT}"])
+    opts = DrillOptions(
+        drill_dir=str(tmp_path / scenario), timeout_s=400, backend="ray", shared_reference=True, nodes=1, **options
+    )
+    report = run_drill(scenario, spec, opts)
+    failed = [(c.name, c.detail) for c in report.checks if not c.passed]
+    assert report.passed, f"failed checks: {failed}\n" + json.dumps(report.to_dict(), default=str)[-3000:]
+    print(f"{scenario} on Ray: {report.recovery_path}, MTTR {report.mttr_seconds} s, {report.lost_steps} lost steps")
+    return report
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_kill_node_on_ray_is_ray_trains_group_restart_from_the_newest_checkpoint(
+    ray_local_2cpu: object, tmp_path: Path
+) -> None:
+    report = _drill("kill-node", tmp_path, seed=3, at_step=12)
+    assert report.recovery_path == "ray-restart" and report.fault_node == 0
+    assert report.world_sizes == [2]
+    killed = [e for e in report.events if e.get("event") == "fault_injected" and e.get("kind") == "kill-node"]
+    assert killed, "the node was killed from outside"
+    fault, resumed, lost = report.fault_step, report.resumed_from_step, report.lost_steps
+    assert fault is not None and resumed is not None and lost is not None and resumed % 5 == 0
+    # The steps since that checkpoint: Ray's restart path loses them (kill-worker in place loses none).
+    assert lost >= fault - resumed >= 0
+    assert report.final_params_match_reference is True
+    summary = json.loads((Path(report.run_dir) / "summary.json").read_text())
+    assert summary["restarts"] >= 1, "Ray Train restarted the worker group"
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_preempt_on_ray_checkpoints_at_once_and_loses_no_step(ray_local_2cpu: object, tmp_path: Path) -> None:
+    report = _drill("preempt", tmp_path, seed=4, at_step=12)
+    assert report.recovery_path == "ray-restart"
+    assert report.lost_steps == 0 and report.resumed_from_step is not None and report.resumed_from_step >= 12
+    assert report.final_params_match_reference is True
+    checks = {c.name for c in report.checks}
+    assert "Ray Train's group restart resumed the preempted run" in checks
+
+
+@pytest.fixture
+def fake_ray_worker() -> Iterator[tuple[int, int]]:
+    """A process titled like a Ray worker (`ray::RayTrainWorker`) with a `... -m training` child and a
+    grandchild: (worker pid, trainer pid). Ended by its id."""
+    inner = "sh -c 'sleep 60 & wait' -m training & wait"
+    worker = subprocess.Popen(["bash", "-c", f'exec -a ray::RayTrainWorker bash -c "{inner}"'])
+    try:
+        deadline = time.monotonic() + 10
+        trainer = None
+        while trainer is None and time.monotonic() < deadline:
+            kids = [p for p in process_tree(worker.pid) if p != worker.pid]
+            trainer = next((p for p in kids if b"-m\x00training\x00" in Path(f"/proc/{p}/cmdline").read_bytes()), None)
+            time.sleep(0.05)
+        assert trainer is not None, "the fake trainer did not start"
+        yield worker.pid, trainer
+    finally:
+        for pid in reversed(process_tree(worker.pid)):
+            os.kill(pid, signal.SIGKILL)
+        worker.wait(5)
+
+
+def _starts(run_dir: Path, pids: dict[int, int]) -> None:
+    lines = [{"event": "start", "time": time.time(), "rank": rank, "pid": pid} for rank, pid in pids.items()]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_ray_hosts_are_the_trainers_ray_workers_and_nothing_else(
+    tmp_path: Path, fake_ray_worker: tuple[int, int]
+) -> None:
+    worker, trainer = fake_ray_worker
+    # Rank 0 trains in a hosted child; rank 1 names a process that is no Ray worker (this test's own).
+    _starts(tmp_path, {0: trainer, 1: os.getpid()})
+    assert ray_hosts(tmp_path, 1) == [worker]
+    assert ray_hosts(tmp_path, 1, node=0) == [worker]
+    assert ray_hosts(tmp_path, 1, node=1) == []
+    assert ray_hosts(tmp_path, 2, node=0) == [worker]  # both ranks on node 0; only one is a Ray worker
+    # The worker's whole tree goes with it: its trainer and what the trainer started.
+    tree = process_tree(worker)
+    assert tree[0] == worker and trainer in tree and len(tree) >= 3
