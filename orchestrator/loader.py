@@ -372,9 +372,13 @@ def load_spec(
 
 
 def dump_spec(spec: JobSpec) -> str:
-    """The resolved spec as YAML (what workers receive)."""
+    """The resolved spec as YAML: what the workers receive, and what torchrig reads back (run directories,
+    drills, the Ray staging area). Loading it gives `spec` again: a null is written wherever it differs from
+    its field's default (`gradClip: null`: no clipping), so no re-read turns it into the default
+    (`training.config_base.Model.to_yaml_dict`)."""
     return yaml.safe_dump(spec.to_yaml_dict(), sort_keys=False)
 
 
 def spec_json(spec: JobSpec) -> str:
+    """The resolved spec as canonical JSON (sorted keys), with the nulls `dump_spec` keeps."""
     return json.dumps(spec.to_yaml_dict(), sort_keys=True)

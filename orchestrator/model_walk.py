@@ -66,27 +66,44 @@ def _dump_default(info: FieldInfo) -> Any:
     return value
 
 
-def model_shape(model: type[BaseModel] = JobSpec) -> dict[str, Any]:
+def model_shape(model: type[BaseModel] = JobSpec, *, merged: bool = True) -> dict[str, Any]:
     """What the chart's templates must know to resolve values like pydantic does.
 
+    Args:
+        model: the model of this level.
+        merged: values.yaml sets this level's keys, so Helm merges the user's values over them (false for
+            list items and for sub-models values.yaml leaves out, whose user map is taken as it is).
+
     Returns:
-        `{"defaults": {key: default}, "models": {key: shape}, "lists": {key: shape}, "quantities": [key]}`:
-        the non-null defaults of optional, non-nullable fields (a missing key gets them: list items and
-        keys Helm's merge cannot default, such as `checkpoint.every`), the sub-model and list-of-model
+        `{"defaults": {key: default}, "nulls": [key], "models": {key: shape}, "lists": {key: shape},
+        "quantities": [key]}`: the non-null defaults of optional fields (a missing key gets them: list
+        items and keys Helm's merge cannot default, such as `checkpoint.every`), the fields whose null is not
+        their default (`gradClip`) where Helm merges (a user's null deletes the key values.yaml sets, so a
+        missing key is that null; elsewhere a missing key is the default), the sub-model and list-of-model
         fields, and the quantity fields (numbers in values become strings, as the model's validator does).
-        Nullable fields get no default here: Helm deletes a key set to null, and that must stay null.
     """
-    shape: dict[str, Any] = {"defaults": {}, "models": {}, "lists": {}, "quantities": []}
+    shape: dict[str, Any] = {"defaults": {}, "nulls": [], "models": {}, "lists": {}, "quantities": []}
     for name, info in model.model_fields.items():
         key = info.alias or name
         nested, is_list = nested_model(info.annotation)
         if nested is not None:
-            shape["lists" if is_list else "models"][key] = model_shape(nested)
-        if not info.is_required() and not _nullable(info):
-            shape["defaults"][key] = _dump_default(info)
+            sub_merged = merged and not is_list and _helm_merges(info, nested)
+            shape["lists" if is_list else "models"][key] = model_shape(nested, merged=sub_merged)
+        if not info.is_required():
+            default = _dump_default(info)
+            if not _nullable(info) or (default is not None and not merged):
+                shape["defaults"][key] = default
+            elif default is not None:
+                shape["nulls"].append(key)
         if is_quantity(info):
             shape["quantities"].append(key)
     return shape
+
+
+def _helm_merges(info: FieldInfo, nested: type[BaseModel]) -> bool:
+    """values.yaml sets the keys of this sub-model (`orchestrator.chart.values_yaml`): it is required (the
+    default job has it) or its default is what its own fields default to."""
+    return info.is_required() or mergeable(nested, _dump_default(info))
 
 
 def mergeable(model: type[BaseModel], default: Any) -> bool:

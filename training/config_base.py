@@ -51,5 +51,31 @@ class Model(BaseModel):
         return value
 
     def to_yaml_dict(self) -> dict[str, Any]:
-        """The model as the YAML a user would write: camelCase keys, no unset optional noise."""
-        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+        """The model as the YAML a user would write: camelCase keys, and a null only where it means something.
+
+        A null is left out where the field defaults to null anyway, and written where the default is not
+        (`gradClip: null`, no clipping, against a default of 1.0): the resolved job file is read back by the
+        workers and by torchrig itself, and a dropped null would come back as the default.
+        """
+        return _drop_default_nulls(self, self.model_dump(mode="json", by_alias=True))
+
+
+def _drop_default_nulls(model: BaseModel, data: dict[str, Any]) -> dict[str, Any]:
+    """`data` (`model` dumped by alias) without the nulls of fields whose default is null, recursively."""
+    for name, info in type(model).model_fields.items():
+        key = info.alias or name
+        value = getattr(model, name)
+        if value is None:
+            if not info.is_required() and info.get_default(call_default_factory=True) is None:
+                del data[key]
+        elif isinstance(value, BaseModel):
+            _drop_default_nulls(value, data[key])
+        elif isinstance(value, (list, tuple)):
+            for item, dumped in zip(value, data[key], strict=True):
+                if isinstance(item, BaseModel):
+                    _drop_default_nulls(item, dumped)
+        elif isinstance(value, dict):
+            for item_key, item in value.items():
+                if isinstance(item, BaseModel):
+                    _drop_default_nulls(item, data[key][item_key])
+    return data

@@ -7,9 +7,13 @@ template can only return text.
 
 {{- /*
 torchrig.resolve: the values of one model level resolved like pydantic would (dump_spec): null keys
-dropped (exclude_none), sub-models and list items resolved recursively, missing non-null defaults filled
-in (list items and `checkpoint.every`, which Helm's map merge cannot default), numeric quantities made
-strings. Args: dict "value" <map> "shape" <shape from _model.tpl>. Returns JSON.
+dropped, sub-models and list items resolved recursively, missing non-null defaults filled in (list items
+and `checkpoint.every`, which Helm's map merge cannot default), numeric quantities made strings, and a
+null written for each missing key of the shape's `nulls`: a field whose null is not its default
+(`gradClip: null`, no clipping). values.yaml sets those keys, and Helm deletes a key the user's values set
+to null, so there its absence is the user's null; dump_spec writes it, and so must the job file here, or
+the workers would read the default back. Args: dict "value" <map> "shape" <shape from _model.tpl>.
+Returns JSON.
 */ -}}
 {{- define "torchrig.resolve" -}}
 {{- $shape := .shape -}}
@@ -43,6 +47,11 @@ strings. Args: dict "value" <map> "shape" <shape from _model.tpl>. Returns JSON.
 {{- range $k, $d := $shape.defaults -}}
   {{- if not (hasKey $out $k) -}}
     {{- $_ := set $out $k $d -}}
+  {{- end -}}
+{{- end -}}
+{{- range $k := $shape.nulls -}}
+  {{- if not (hasKey $out $k) -}}
+    {{- $_ := set $out $k nil -}}
   {{- end -}}
 {{- end -}}
 {{- toJson $out -}}
@@ -161,7 +170,7 @@ torchrig.metricsPorts: local rank r serves on metrics.port + r, port `metrics` (
   {{- $_ := set $limits $res.gpuResource ($res.gpus | int) -}}
 {{- end -}}
 {{- /* Ephemeral storage is requested only: the kubelet evicts a pod over its limit. */ -}}
-{{- if hasKey $res "ephemeralStorage" -}}
+{{- if not (kindIs "invalid" $res.ephemeralStorage) -}}
   {{- $_ := set $requests "ephemeral-storage" $res.ephemeralStorage -}}
 {{- end -}}
 {{- toJson (dict "requests" $requests "limits" $limits) -}}

@@ -82,7 +82,7 @@ emptyDir at a pod-local absolute path no other mount holds. Arg: the job. Return
   (dict "name" "torchrig-cache" "mountPath" "/home/torchrig/.cache") -}}
 {{- $writable := list $run "/tmp" "/home/torchrig/.cache" -}}
 {{- $shm := list -}}
-{{- if hasKey $s.resources "sharedMemory" -}}
+{{- if not (kindIs "invalid" $s.resources.sharedMemory) -}}
   {{- $shm = list "/dev/shm" -}}
   {{- $volumes = append $volumes (dict "name" "dshm" "emptyDir" (dict "medium" "Memory" "sizeLimit" $s.resources.sharedMemory)) -}}
   {{- $mounts = append $mounts (dict "name" "dshm" "mountPath" "/dev/shm") -}}
