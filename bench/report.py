@@ -262,6 +262,14 @@ def _startup(results: Results) -> list[str]:
             "supervisor started."
             if "submit_return_after_supervisor_start" in st
             else "."
+        )
+        + (
+            f" Alternated pairs: first step {st['first_step_ratio_pairs']['min']:.2f}-"
+            f"{st['first_step_ratio_pairs']['max']:.2f}x, wall {st['wall_ratio_pairs']['min']:.2f}-"
+            f"{st['wall_ratio_pairs']['max']:.2f}x; load average {st['load_average_1m']['min']:.1f}-"
+            f"{st['load_average_1m']['max']:.1f} on {results.get('machine', {}).get('cpus')} CPUs."
+            if "load_average_1m" in st
+            else ""
         ),
         "",
     ]
@@ -286,7 +294,34 @@ def _sdc(results: Results) -> list[str]:
         f"{100 * fp['fingerprint_ratio_of_a_step']:.2f}% of one of its steps "
         f"({fp['fingerprint_ns_per_word']:.2f} ns/word). "
         f"Flip to detection: {det['steps_to_detection']} steps, {det['seconds_to_detection']:.3f} s "
-        f"(flip at step {det['flip_step']}, check every {det['every']}).",
+        f"(flip at step {det['flip_step']}, check every {det['every']}; {det.get('detail', '')}).",
+        "",
+        *_sdc_recompute(sd),
+    ]
+
+
+def _sdc_recompute(sd: dict[str, Any]) -> list[str]:
+    rc, fp, det = sd.get("recompute"), sd.get("fingerprint_tinygpt") or {}, sd.get("recompute_detection")
+    if not rc or not det:
+        return []
+    default = rc["default_every"]
+    at_default = (
+        f"at the default every {default} steps: {100 * rc['default_overhead_ratio']:.2f}% "
+        f"(measured directly, side by side: {100 * rc['default_overhead_ratio_direct']:.2f}%)"
+        if default
+        else "off by default"
+    )
+    return [
+        "| sdc recompute (digits, 2 ranks) | s/step off | every step |",
+        "|---|---|---|",
+        f"| median | {rc['step_s_off']['median']:.4f} | {rc['step_s_every_step']['median']:.4f} |",
+        "",
+        f"One recompute check (a neighbour's forward and backward, two fingerprints, an all-gather): "
+        f"{rc['check_s'] * 1000:.3f} ms, {100 * rc['check_ratio_of_a_step']:.1f}% of a step; {at_default} "
+        f"(target <= 5%). tinygpt's recomputation: "
+        f"{100 * fp.get('recompute_ratio_of_a_step', float('nan')):.0f}% of one of its steps. "
+        f"A local-gradient flip before the all-reduce (invisible to the replica check) to detection: "
+        f"{det['steps_to_detection']} steps, {det['seconds_to_detection']:.3f} s ({det.get('detail', '')}).",
         "",
     ]
 

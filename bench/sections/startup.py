@@ -6,8 +6,10 @@ agent, in-place hosts with their forked trainers, metrics, verified checkpoints)
 `torchrun --standalone` and the naive loop of `bench/naive_torchrun.py` (no kill). Repeats alternate
 the two. Reported: wall from the command to its exit, each one's time to the first completed step,
 torchrig's time from the last rank's `finished` event to the exit (the teardown), the ratios of the
-walls and of the first steps, and how long `torchrig submit --backend local` of the same job takes to
-return once its detached supervisor has started (issue 36: within 1 s).
+walls and of the first steps (of the medians, and of each alternated pair), the load average while it
+ran (this 2-core machine is shared: only ratios of alternated runs compare), and how long `torchrig
+submit --backend local` of the same job takes to return once its detached supervisor has started
+(issue 36: within 1 s).
 """
 
 from __future__ import annotations
@@ -78,13 +80,17 @@ def bench_startup(repeats: int) -> dict[str, Any]:
     ours: list[dict[str, float]] = []
     peer: list[dict[str, float]] = []
     submit: list[float] = []
+    load: list[float] = []
     for _ in range(repeats):
+        load.append(os.getloadavg()[0])
         with tempfile.TemporaryDirectory() as d:
             ours.append(_torchrig(Path(d)))
         with tempfile.TemporaryDirectory() as d:
             peer.append(_torchrun(Path(d)))
         with tempfile.TemporaryDirectory() as d:
             submit.append(_submit(Path(d)))
+    load.append(os.getloadavg()[0])
+    pairs = list(zip(ours, peer, strict=True))
     out: dict[str, Any] = {
         "steps": STEPS,
         "torchrig_wall": stats([r["wall_s"] for r in ours]),
@@ -93,6 +99,9 @@ def bench_startup(repeats: int) -> dict[str, Any]:
         "torchrun_naive_wall": stats([r["wall_s"] for r in peer]),
         "torchrun_naive_first_step": stats([r["first_step_s"] for r in peer]),
         "submit_return_after_supervisor_start": stats(submit),
+        "load_average_1m": stats(load),
+        "first_step_ratio_pairs": stats([a["first_step_s"] / b["first_step_s"] for a, b in pairs]),
+        "wall_ratio_pairs": stats([a["wall_s"] / b["wall_s"] for a, b in pairs]),
     }
     out["wall_ratio_vs_torchrun"] = statistics.median(r["wall_s"] for r in ours) / statistics.median(
         r["wall_s"] for r in peer
@@ -103,4 +112,4 @@ def bench_startup(repeats: int) -> dict[str, Any]:
     return out
 
 
-SECTION = Section("startup", lambda quick: bench_startup(1 if quick else 3))
+SECTION = Section("startup", lambda quick: bench_startup(1 if quick else 4))

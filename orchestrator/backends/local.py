@@ -2,7 +2,7 @@
 
 One *agent* per emulated node runs `python -m torch.distributed.run` (elastic's own agent, restart and
 rendezvous logic: nothing home-made) in its own session. All agents join one c10d rendezvous whose
-TCPStore runs in a small process of its own (`_local_store`), with `is_host=false` and fast failure
+TCPStore is served by the supervisor (`_local_store`), with `is_host=false` and fast failure
 detection, so any agent may die without taking the job down, and a replacement joins the running
 rendezvous (`LocalRun.kill_node`, `LocalRun.add_node`: what the drills use).
 
@@ -77,11 +77,15 @@ class LocalBackend(Backend):
         return dryrun.request
 
     def _launch(self, dryrun: DryRun) -> LocalRun:
-        """Start the plan of a dry run, supervised from this process (call `wait` on the run)."""
+        """Start the plan of a dry run, supervised from this process (call `wait` on the run).
+
+        The preflight runs once the agents are started (`LocalRun.start`): its `import torch` and theirs
+        overlap instead of following each other, and its error still stops everything before a worker
+        starts or a file of the run is written (the agents wait for the store, opened after it)."""
         plan = self._plan(dryrun)
-        with private_umask():  # it creates the run directory and the stores: the run's user's alone
-            preflight_here(dryrun.spec, plan.run_dir)
-        return self.launch_preflighted(dryrun)
+        run = LocalRun(spec=dryrun.spec, plan=plan)
+        run.start(preflight=lambda: preflight_here(dryrun.spec, plan.run_dir))  # under the run's private umask
+        return run
 
     def launch_preflighted(self, dryrun: DryRun) -> LocalRun:
         """Start the plan of a dry run whose preflight already ran (the detached supervisor of `submit`,

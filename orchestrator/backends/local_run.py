@@ -1,8 +1,9 @@
 """`LocalRun`: a local run in flight, supervised from this process (a `SupervisedRun`).
 
-It starts the c10d rendezvous store (`_local_store`, a process of its own) and one torchrun agent per
-emulated node, records itself in `supervisor.json` (how `torchrig status` knows it is alive), watches
-the agents until the run ends, and writes `summary.json`. `kill_node` and `add_node` are what the
+It starts one torchrun agent per emulated node and the c10d rendezvous store (`_local_store`: in this
+process, or a process of its own for a node 0 in another network namespace), records itself in
+`supervisor.json` (how `torchrig status` knows it is alive), watches the agents until the run ends,
+and writes `summary.json`. `kill_node` and `add_node` are what the
 drills use to take a node away and bring a replacement.
 """
 
@@ -15,11 +16,14 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from orchestrator.backends._local_agent import PORT_PLACEHOLDER, read_port
 from orchestrator.backends._local_procs import find_marked, kill_pids, process_start_ticks, spawn, terminate_then_kill
+from orchestrator.backends._local_store import open_store, write_port
 from orchestrator.backends._local_view import LiveProgress, QuietView, RunView
 from orchestrator.backends.base import RunState
 from orchestrator.backends.local_plan import LOG_LINE_PREFIX, LocalPlan, pick_port_block
@@ -66,7 +70,8 @@ class LocalRun:
     standby_endpoints: list[str] = field(default_factory=list)
     summary: Summary | None = None
     _agents: list[_Agent] = field(default_factory=list)
-    _store: subprocess.Popen[bytes] | None = None
+    _store: subprocess.Popen[bytes] | None = None  # the store's process (a node 0 in another network namespace)
+    _store_server: Any = None  # else the store itself, served from this process (`_local_store.open_store`)
     _store_port: int = 0
     _metrics_ports: dict[int, int] = field(default_factory=dict)
     _started: float = 0.0
@@ -85,20 +90,31 @@ class LocalRun:
         return RunFiles(self.run_dir)
 
     # -- start ------------------------------------------------------------------------------------
-    def start(self) -> None:
-        """Prepare the run directory, start the rendezvous store and one agent per node."""
+    def start(self, preflight: Callable[[], None] | None = None) -> None:
+        """Start one agent per node, prepare the run directory and start the rendezvous store.
+
+        Args:
+            preflight: Called after the agents are started and before anything of the run is written
+                (the run directory's files, the store). The agents spend their first seconds importing
+                torchrun, then wait for the store's port file (`_local_agent`), so a preflight that
+                imports torch runs beside their imports instead of before them, and one that raises
+                stops them before any worker starts: the exception propagates, nothing ran.
+        """
         self._started = time.monotonic()
         self._started_at = time.time()
         self._private.enter_context(private_umask())  # the run's files are its user's alone, until `finish`
         try:
-            self._prepare_run_dir()
-            # The agents import torchrun while the store imports torch; they read its port from the
-            # file it writes (`_local_agent`).
-            self._start_store()
+            self.files.logs.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                self.files.store_port.unlink()  # a resumed run's old port: the agents wait for the new one
             for node in range(self.plan.nodes):
                 self._start_agent(node, alone=self.plan.nodes == 1 and not self.plan.standby_nodes)
             for node in range(self.plan.nodes, self.plan.nodes + self.plan.standby_nodes):
                 self._start_agent(node, role=self._STANDBY)
+            if preflight is not None:
+                preflight()
+            self._prepare_run_dir()
+            self._start_store()
             self._await_store_port()
         except BaseException:
             self._kill_everything()
@@ -108,7 +124,6 @@ class LocalRun:
 
     def _prepare_run_dir(self) -> None:
         files = self.files
-        files.logs.mkdir(parents=True, exist_ok=True)
         if self.plan.resume and files.summary.exists():
             # Never delete what a previous attempt wrote: its summary is kept under another name.
             stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(files.summary.stat().st_mtime))
@@ -129,8 +144,12 @@ class LocalRun:
 
     def _start_store(self) -> None:
         port_file = self.files.store_port
-        with contextlib.suppress(FileNotFoundError):
-            port_file.unlink()
+        if not self.plan.placement(0).prefix:
+            # In this process: the supervisor outlives every agent, and a store process of its own
+            # imported torch beside the agents on the 2-core start-up path (docs/performance.md).
+            self._store_server = open_store(self.plan.store_host)
+            write_port(str(port_file), int(self._store_server.port))
+            return
         cmd = [*self.plan.placement(0).prefix, sys.executable, "-m", "orchestrator.backends._local_store"]
         secret = {k: v for k, v in self.plan.env.items() if k == Env.JOB_SECRET_FILE}
         self._store = self._spawn(
@@ -139,11 +158,10 @@ class LocalRun:
 
     def _await_store_port(self) -> None:
         """Wait for the store to write its port (kept in the file for the agents still reading it)."""
-        assert self._store is not None
         port_file = self.files.store_port
         deadline = time.monotonic() + STORE_START_TIMEOUT_S
         while (port := read_port(str(port_file), timeout_s=0)) is None:
-            if self._store.poll() is not None:
+            if self._store is not None and self._store.poll() is not None:
                 raise BackendError(
                     f"the rendezvous store exited with {self._store.returncode}; see {self.files.store_log}"
                 )
@@ -211,7 +229,7 @@ class LocalRun:
                 "run_token": self.token,
                 "rdzv_id": self.plan.rdzv_id,
                 "resumed": self.plan.resume,
-                "store": {"pid": self._store.pid if self._store else None, "port": self._store_port},
+                "store": {"pid": self._store.pid if self._store else os.getpid(), "port": self._store_port},
                 "agents": [{"node": a.node, "pid": a.proc.pid, "killed": a.killed} for a in self._agents],
                 "metrics_endpoints": self.endpoints,
                 "standby_metrics_endpoints": self.standby_endpoints,
@@ -491,6 +509,7 @@ class LocalRun:
                 kill_pids([a.proc.pid], signal.SIGKILL)
         # Workers outlive their agents (own sessions): find them by the run's marker.
         terminate_then_kill([], 0.0, token=self.token)
+        self._store_server = None  # the in-process store closes its port (the agents are gone by now)
         if self._store is not None and self._store.poll() is None:
             self._store.terminate()
             try:
