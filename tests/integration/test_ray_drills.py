@@ -1,10 +1,13 @@
-"""The drills Ray still answers itself, on `--backend ray` (one embedded Ray, 2 CPUs, CPU/gloo): `kill-node`
-(the node's Ray Train workers SIGKILLed with their trainers and warm spares: nothing is left to recover in
-place, so Ray Train's `FailureConfig` restarts the worker group from the newest committed checkpoint) and
-`preempt` (a SIGTERM to every Ray Train worker, what Ray's drain notice becomes there: the emergency
-checkpoint at one agreed step, then Ray Train's group restart resumes exactly there). Both end
-bit-identical to one shared uninterrupted reference (`shared_reference`: the same job, backend and size).
-How the drills find a run's Ray Train workers (`ray_hosts`, `process_tree`) is checked on stand-in processes."""
+"""The drills on `--backend ray` (one embedded Ray, 2 CPUs, CPU/gloo) that the other Ray tests leave out:
+`kill-node` (the node's Ray Train workers SIGKILLed with their trainers and warm spares: nothing is left
+to recover in place, so Ray Train's `FailureConfig` restarts the worker group from the newest committed
+checkpoint), `preempt` (a SIGTERM to every Ray Train worker, what Ray's drain notice becomes there: the
+emergency checkpoint at one agreed step, then Ray Train's group restart resumes exactly there) and `hang`
+(in place: the watchdog ends the hung trainer and a warm spare takes its rank; kill-worker in place is
+`test_ray_inplace.py`'s). All end bit-identical to one shared uninterrupted reference
+(`shared_reference`: the same job, backend and size). How the drills find a run's Ray Train workers
+(`ray_hosts`, `process_tree`) is checked on stand-in processes, and elastic resize on the two-host
+cluster of `test_ray_multinode.py`: a host lost for good, the job goes on at the smaller size."""
 
 from __future__ import annotations
 
@@ -21,11 +24,24 @@ import pytest
 
 from orchestrator.backends.ray_run import process_tree, ray_hosts
 from orchestrator.drills import DrillOptions, DrillReport, run_drill
+from orchestrator.drills.netns import netns_supported
 from orchestrator.loader import load_spec
 from tests.fixtures.common import REPO, free_port
+from tests.integration import test_ray_multinode
 from tests.integration.test_drills import SMALL
+from tests.integration.test_ray_multinode import STEPS as MULTINODE_STEPS
+from tests.integration.test_ray_multinode import (
+    TwoHosts,
+    _events,
+    _job,
+    _slow,
+    _submit,
+    _summary,
+    _wait_for,
+)
 
 _PORT = free_port()
+two_hosts = test_ray_multinode.two_hosts  # the fixture: a two-host cluster of this module's own
 
 
 def _drill(scenario: str, tmp_path: Path, **options: Any) -> DrillReport:
@@ -58,6 +74,19 @@ def test_kill_node_on_ray_is_ray_trains_group_restart_from_the_newest_checkpoint
     assert report.final_params_match_reference is True
     summary = json.loads((Path(report.run_dir) / "summary.json").read_text())
     assert summary["restarts"] >= 1, "Ray Train restarted the worker group"
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_hang_on_ray_is_taken_back_in_place(ray_local_2cpu: object, tmp_path: Path) -> None:
+    """A hung trainer under Ray Train: its step watchdog ends it and the host gives its rank to a warm spare
+    (Ray never sees it); back within the watchdog's deadline and a few seconds, no step lost."""
+    report = _drill("hang", tmp_path, seed=5, at_step=11, rank=1)
+    assert report.recovery_path == "inplace" and report.lost_steps == 0
+    assert report.restored_from == [] and report.final_params_match_reference is True
+    summary = json.loads((Path(report.run_dir) / "summary.json").read_text())
+    assert summary["restarts"] == 0, "Ray Train restarted the worker group"
 
 
 @pytest.mark.ray
@@ -111,3 +140,49 @@ def test_ray_hosts_are_the_trainers_ray_workers_and_nothing_else(
     # The worker's whole tree goes with it: its trainer and what the trainer started.
     tree = process_tree(worker)
     assert tree[0] == worker and trainer in tree and len(tree) >= 3
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(netns_supported() is not None, reason=str(netns_supported()))
+def test_an_elastic_job_that_loses_a_host_goes_on_smaller_from_the_newest_checkpoint(
+    two_hosts: TwoHosts, tmp_path: Path
+) -> None:
+    """Elastic resize on a real two-host Ray cluster (`tests/integration/test_ray_multinode.py`'s): a job of
+    1..2 nodes runs as ScalingConfig(num_workers=(1, 2)); the worker host is lost for good (its raylet
+    SIGKILLed, no replacement), and Ray Train restarts the group at the one worker the head can hold, from
+    the newest checkpoint committed before the loss. The data pipeline is by global index: the final
+    checkpoint's cursor counts every sample once (the steps before at 2 ranks, the rest at 1)."""
+    run, run_dir = _submit(two_hosts, _job(tmp_path, two_hosts.shared, "spec.nodes.min=1"), **_slow())
+    _wait_for(
+        run_dir,
+        "a checkpoint past step 5",
+        lambda ev: any(e.get("event") == "checkpoint_committed" and e["step"] >= 5 for e in ev),
+    )
+    lost_at = time.time()
+    two_hosts.stop_worker()  # the spot VM is gone: its raylet and its workers, and nothing takes its place
+    summary = _summary(two_hosts, run, run_dir)
+    logs = two_hosts.torchrig("logs", run).stdout if summary["status"] != "succeeded" else ""
+    assert summary["status"] == "succeeded" and summary["steps"] == MULTINODE_STEPS, f"{summary}\n{logs[-6000:]}"
+    assert summary["world_sizes"] == [2, 1] and summary["restarts"] >= 1, summary
+    history = _events(run_dir)
+    committed = [e["step"] for e in history if e.get("event") == "checkpoint_committed" and e["time"] < lost_at]
+    restore = next(e for e in history if e.get("event") == "restore" and e["time"] > lost_at and e["rank"] == 0)
+    assert restore["step"] == max(committed), restore
+    first = next(e for e in history if e.get("event") == "first_step" and e["time"] > restore["time"])
+    print(f"elastic on Ray: lost a host, back at world size 1 {first['time'] - lost_at:.1f} s later")
+    stop = int(restore["step"])
+    newest = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+    cursor = _trainer_state(newest, tmp_path)["cursor"]
+    assert cursor == stop * 32 * 2 + (MULTINODE_STEPS - stop) * 32, "every sample counted once across the resize"
+
+
+def _trainer_state(step_dir: Path, tmp: Path) -> dict[str, Any]:
+    """The `trainer` entry of a checkpoint, read with DCP's own converter."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp / "final.pt"
+    dcp_to_torch_save(sorted(step_dir.glob("gen-*"))[-1], out)
+    return dict(torch.load(out, weights_only=True)["trainer"])
