@@ -47,7 +47,7 @@ from training.contract import DrillEventKind, EventKind, Summary
 if TYPE_CHECKING:
     from orchestrator.drills.netns import NetnsPair
 
-__all__ = ["ActionRunner", "emulated_network", "placements", "supervise", "wait_for"]
+__all__ = ["ActionRunner", "StandbyWait", "emulated_network", "placements", "supervise", "wait_for"]
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float, run: SupervisedRun, poll_s: float = 0.1) -> bool:
@@ -60,6 +60,15 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, run: SupervisedRun
             return bool(predicate())
         time.sleep(poll_s)
     return False
+
+
+@dataclass(frozen=True)
+class StandbyWait:
+    """How the wait for a warm standby node before a node fault (`AwaitStandby`) ended."""
+
+    ready: bool
+    waited_s: float
+    detail: str  # one line for the report's check
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,7 @@ class ActionRunner:
         self.stores = [
             _Store(s.display_name, s.resolved_uri(run.run_dir), dict(s.options)) for s in spec.spec.checkpoint.stores
         ]
+        self.standby_wait: StandbyWait | None = None  # how `AwaitStandby` ended, once it ran
 
     def run_all(self, actions: Sequence[Action]) -> None:
         for action in actions:
@@ -204,10 +214,36 @@ class ActionRunner:
                 self.outcome.record(DrillEventKind.NODE_ADDED)
                 self.run.add_node()
             case AwaitStandby():
-                ready = getattr(self.run, "standby_ready", None)
-                if ready is not None:
-                    self._wait(ready)
+                return self._await_standby()
         return True
+
+    def _await_standby(self) -> bool:
+        """Wait (at most `timeout_s`) until a standby node of the run has its spares warm, and say how it ended
+        (`standby_wait`). Only then may the node fault strike: a fault before it measures the standby's start-up,
+        or, if the job ends first (a loaded machine warms the standby slowly), nothing at all."""
+        ready = getattr(self.run, "standby_ready", None)
+        if ready is None:
+            raise UnsupportedFeature("kill-node with a standby node: this backend cannot tell when a standby is ready")
+        start = time.monotonic()
+        warm = self._wait(ready)
+        waited_s = time.monotonic() - start
+        state = self.run.poll()
+        if warm:
+            detail = f"a standby node was ready {waited_s:.1f} s after the fault step"
+        elif state is RunState.SUCCEEDED:
+            step = self._latest_step()
+            detail = f"the job finished (step {step} of {self.total_steps}) {waited_s:.0f} s into the wait"
+            self.outcome.too_late = self.outcome.too_late or (
+                f"the job finished before a standby node was ready (step {step} of {self.total_steps}, after "
+                f"{waited_s:.0f} s of waiting): no node was killed; run it with more steps "
+                "(--set spec.training.steps=...) or on a less loaded machine"
+            )
+        elif state.terminal:
+            detail = f"the run ended ({state}) after {waited_s:.0f} s with no standby node ready; no node was killed"
+        else:
+            detail = f"no standby node was ready within {waited_s:.0f} s (the drill's timeout); no node was killed"
+        self.standby_wait = StandbyWait(ready=warm, waited_s=waited_s, detail=detail)
+        return warm
 
     def _preempt(self, node: int | None, grace_s: float) -> None:
         """SIGTERM every process of `node` (None: all nodes), SIGKILL what is left after `grace_s`."""

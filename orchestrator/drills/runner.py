@@ -152,6 +152,8 @@ def run_drill(scenario_name: str, spec: JobSpec, options: DrillOptions) -> Drill
     for exc in outcome.errors:
         report.notes.append(f"drill action failed: {exc!r}")
         report.check("drill actions ran", False, repr(exc))
+    if (standby := runner.standby_wait) is not None:
+        report.check("a standby node was ready before the node fault", standby.ready, standby.detail)
 
     history = RunHistory.load(run.run_dir)
     _fill_from_run(report, summary, history, outcome)
