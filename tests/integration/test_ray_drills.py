@@ -39,6 +39,7 @@ from tests.integration.test_ray_multinode import (
     _summary,
     _wait_for,
 )
+from tests.integration.test_worker import final_checkpoint
 
 _PORT = free_port()
 two_hosts = test_ray_multinode.two_hosts  # the fixture: a two-host cluster of this module's own
@@ -173,16 +174,5 @@ def test_an_elastic_job_that_loses_a_host_goes_on_smaller_from_the_newest_checkp
     first = next(e for e in history if e.get("event") == "first_step" and e["time"] > restore["time"])
     print(f"elastic on Ray: lost a host, back at world size 1 {first['time'] - lost_at:.1f} s later")
     stop = int(restore["step"])
-    newest = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
-    cursor = _trainer_state(newest, tmp_path)["cursor"]
+    cursor = final_checkpoint(run_dir, tmp_path)["trainer"]["cursor"]
     assert cursor == stop * 32 * 2 + (MULTINODE_STEPS - stop) * 32, "every sample counted once across the resize"
-
-
-def _trainer_state(step_dir: Path, tmp: Path) -> dict[str, Any]:
-    """The `trainer` entry of a checkpoint, read with DCP's own converter."""
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = tmp / "final.pt"
-    dcp_to_torch_save(sorted(step_dir.glob("gen-*"))[-1], out)
-    return dict(torch.load(out, weights_only=True)["trainer"])
