@@ -294,10 +294,14 @@ def _sdc(results: Results) -> list[str]:
         f"{100 * fp['fingerprint_ratio_of_a_step']:.2f}% of one of its steps "
         f"({fp['fingerprint_ns_per_word']:.2f} ns/word). "
         f"Flip to detection: {det['steps_to_detection']} steps, {det['seconds_to_detection']:.3f} s "
-        f"(flip at step {det['flip_step']}, check every {det['every']}; {det.get('detail', '')}).",
+        f"(flip at step {det['flip_step']}, check every {det['every']}{_detail(det)}).",
         "",
         *_sdc_recompute(sd),
     ]
+
+
+def _detail(detection: dict[str, Any]) -> str:
+    return f"; {detection['detail']}" if detection.get("detail") else ""
 
 
 def _sdc_recompute(sd: dict[str, Any]) -> list[str]:
@@ -321,7 +325,7 @@ def _sdc_recompute(sd: dict[str, Any]) -> list[str]:
         f"(target <= 5%). tinygpt's recomputation: "
         f"{100 * fp.get('recompute_ratio_of_a_step', float('nan')):.0f}% of one of its steps. "
         f"A local-gradient flip before the all-reduce (invisible to the replica check) to detection: "
-        f"{det['steps_to_detection']} steps, {det['seconds_to_detection']:.3f} s ({det.get('detail', '')}).",
+        f"{det['steps_to_detection']} steps, {det['seconds_to_detection']:.3f} s{_detail(det)}.",
         "",
     ]
 

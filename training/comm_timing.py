@@ -43,6 +43,9 @@ class CommTimer:
         # A gradient collective failed (a peer is gone): this rank is about to recover, not hung. Set
         # before the error reaches the training loop, so its watchdog cannot fire in between.
         self.failed = False
+        # Called with each DDP bucket before its all-reduce, while it holds this rank's own local gradients
+        # (`training.sdc_recompute` fingerprints them on its check steps; None: nothing to see).
+        self.before_reduce: Callable[[GradBucket], None] | None = None
 
     def gradient_issued(self, start: float) -> None:
         """A gradient collective was issued at `start` (`time.perf_counter()`)."""
@@ -94,6 +97,8 @@ def timed_allreduce_hook(timer: CommTimer) -> Callable[[Any, GradBucket], torch.
         start = time.perf_counter()
         timer.gradient_issued(start)
         timer.pending += 1
+        if timer.before_reduce is not None:
+            timer.before_reduce(bucket)
         fut = default_hooks.allreduce_hook(process_group, bucket)
 
         def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:

@@ -373,6 +373,10 @@ class MetricsConfig(Model):
 # 12.9 ms digits step (2 ranks, gloo; the all-gather waits for the other rank to be scheduled), so every 100
 # steps is 0.63% of a step; tinygpt's replica fingerprint is 5% of one of its steps, 0.05% at every 100.
 DEFAULT_SDC_EVERY = 100
+# A recompute check (`training.sdc_recompute`) costs about one more forward and backward of a rank's batch:
+# measured (bench section `sdc`) at about a step's share on digits and tinygpt, so every 100 steps is about 1%
+# of a step, under the 5% that keeps it on by default (docs/operations.md).
+DEFAULT_SDC_RECOMPUTE_EVERY = 100
 
 
 class SdcConfig(Model):
@@ -388,6 +392,19 @@ class SdcConfig(Model):
             "event names the suspect ranks, and the group restarts from the newest certified checkpoint. "
             "DDP, and HSDP along its replica dimension; FSDP holds no two copies of one shard: off there. "
             "0: off (a number, not null: the resolved job file drops nulls and would read the default back)."
+        ),
+    )
+    recompute_every: int = Field(
+        default=DEFAULT_SDC_RECOMPUTE_EVERY,
+        ge=0,
+        description=(
+            "Steps between redundant compute spot checks, which find a rank whose local gradient is wrong "
+            "before the all-reduce averages it into every replica (the replica check cannot see that): each "
+            "rank also computes its right neighbour's gradient from the same samples and seed, and the group "
+            "compares their fingerprints; the suspect is named in an `sdc` event (evidence `recompute`) and "
+            "the group restarts from the newest certified checkpoint. A check costs about one more forward "
+            "and backward of a rank's batch. DDP only. Not seen by either check: corruption inside the "
+            "all-reduce itself. 0: off."
         ),
     )
 

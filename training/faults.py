@@ -17,8 +17,10 @@ leaves out the faults of the steps its predecessor had passed):
 - `bitflip`: silent data corruption: one bit (`bit`, default 20: a float32 mantissa bit, so the value
   stays finite and the loss keeps falling) of element `element` of parameter number `tensor` (in
   `model.parameters()` order) is flipped on this rank, in `target`: `param` (the parameter, after step
-  `step`), `moment` (its optimizer state `exp_avg`, after step `step`) or `grad` (its gradient in step
-  `step`, after the gradient all-reduce and before the optimizer step). `training.sdc` must find it.
+  `step`), `moment` (its optimizer state `exp_avg`, after step `step`), `grad` (its gradient in step
+  `step`, after the gradient all-reduce and before the optimizer step) or `local_grad` (this rank's own
+  gradient in step `step`, BEFORE the all-reduce: the average carries it into every replica alike, so
+  only the recompute spot checks, `sdc.recomputeEvery`, can see it). `training.sdc` must find it.
 
 Every fault writes a `fault` event before it fires.
 """
@@ -43,13 +45,25 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["BITFLIP_TARGETS", "FAULT_EXIT_CODE", "Fault", "FaultInjector", "flip_bit", "parse_faults"]
+__all__ = [
+    "BITFLIP_LOCAL_GRAD",
+    "BITFLIP_TARGETS",
+    "FAULT_EXIT_CODE",
+    "Fault",
+    "FaultInjector",
+    "flip_bit",
+    "parse_faults",
+]
 
 FaultKind = Literal["kill", "hang", "slow", "slow_backward", "exit", "kill_during_checkpoint", "bitflip"]
 _KINDS = ("kill", "hang", "slow", "slow_backward", "exit", "kill_during_checkpoint", "bitflip")
 _TIMED = ("slow", "slow_backward")  # kinds that need seconds > 0
-BitflipTarget = Literal["param", "moment", "grad"]
+BitflipTarget = Literal["param", "moment", "grad", "local_grad"]
+# What the replica check (`sdc.every`) finds; `local_grad` is averaged into every replica alike before it
+# could, and needs the recompute spot checks (`sdc.recomputeEvery`).
 BITFLIP_TARGETS: tuple[BitflipTarget, ...] = ("param", "moment", "grad")
+BITFLIP_LOCAL_GRAD: BitflipTarget = "local_grad"
+_ALL_TARGETS = (*BITFLIP_TARGETS, BITFLIP_LOCAL_GRAD)
 BITFLIP_MOMENT = "exp_avg"  # the optimizer state a `moment` flip hits (Adam/AdamW's first moment)
 _BITFLIP_KEYS = {"target", "tensor", "element", "bit"}
 FAULT_EXIT_CODE = 1
@@ -99,8 +113,8 @@ def parse_faults(text: str | None) -> list[Fault]:
         if unknown:
             raise ValueError(f"{Env.FAULTS}[{i}]: unknown keys {sorted(unknown)}")
         target = item.get("target", "param")
-        if target not in BITFLIP_TARGETS:
-            raise ValueError(f"{Env.FAULTS}[{i}].target: {target!r} is not one of {', '.join(BITFLIP_TARGETS)}")
+        if target not in _ALL_TARGETS:
+            raise ValueError(f"{Env.FAULTS}[{i}].target: {target!r} is not one of {', '.join(_ALL_TARGETS)}")
         try:
             fault = Fault(
                 kind=cast(FaultKind, kind),
@@ -176,20 +190,35 @@ class FaultInjector:
         self._model, self._optimizer = model, optimizer
         if any(f.kind == "bitflip" and f.target == "grad" for f in self.faults):
             optimizer.register_step_pre_hook(lambda *_: self._flip_grads())
+        params = list(model.parameters())
+        for fault in self.faults:
+            if fault.kind == "bitflip" and fault.target == BITFLIP_LOCAL_GRAD:
+                # A hook on the leaf runs before its gradient is accumulated, so before DDP's reducer copies
+                # it into a bucket for the all-reduce (and in the first backward of the step only).
+                params[min(fault.tensor, len(params) - 1)].register_hook(  # type: ignore[no-untyped-call]
+                    lambda grad, fault=fault: self._flip_local_grad(fault, grad)
+                )
+
+    def _flip_local_grad(self, fault: Fault, grad: torch.Tensor) -> torch.Tensor | None:
+        if fault.step != self._step or fault in self._fired:
+            return None
+        flipped = grad.detach().clone()
+        self._bitflip(fault, self._step, flipped)
+        return flipped
 
     def _flip_grads(self) -> None:
         for fault in self.faults:
             if fault.kind == "bitflip" and fault.target == "grad" and fault.step == self._step:
                 self._bitflip(fault, self._step)
 
-    def _bitflip(self, fault: Fault, step: int) -> None:
+    def _bitflip(self, fault: Fault, step: int, local_grad: torch.Tensor | None = None) -> None:
         if fault in self._fired or self._model is None or self._optimizer is None:
             return
         self._fired.add(fault)
         params = list(self._model.parameters())
         param = params[min(fault.tensor, len(params) - 1)]
         moment = self._optimizer.state.get(param, {}).get(BITFLIP_MOMENT)
-        tensor = {"param": param, "grad": param.grad, "moment": moment}[fault.target]
+        tensor = {"param": param, "grad": param.grad, "moment": moment, BITFLIP_LOCAL_GRAD: local_grad}[fault.target]
         if tensor is None:
             raise RuntimeError(f"{Env.FAULTS}: bitflip: parameter {fault.tensor} has no {fault.target} at step {step}")
         flip_bit(tensor, fault.element, fault.bit)
@@ -246,7 +275,7 @@ class FaultInjector:
         for fault in self.faults:
             if fault.step == step and fault.kind in ("kill", "exit", "hang"):
                 self._fire(fault, step)
-            elif fault.step == step and fault.kind == "bitflip" and fault.target != "grad":
+            elif fault.step == step and fault.kind == "bitflip" and fault.target in ("param", "moment"):
                 self._bitflip(fault, step)
 
     def after_save_staged(self, step: int) -> None:

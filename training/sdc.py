@@ -9,9 +9,16 @@ fingerprints (8 bytes per rank, one collective on the default group) and `decide
 
 - all equal: the replicas agree, and a checkpoint of this step is `certified` (its manifest says so);
 - a strict majority agrees: the ranks outside it are the suspects;
-- no strict majority (two ranks that differ, or a tie): the suspects are every rank outside the
-  largest group and the event says `undecided`. Deterministic replay of the step, which would decide
-  between two ranks, is not built: the event says so rather than guess.
+- no strict majority (two ranks that differ, or a tie): deterministic replay decides (`decide_replay`).
+  Where some replica group has two members, every agreed check keeps a copy of the state it agreed on
+  (`training.sdc_replay.ReplayPoint`: parameters, optimizer state, the loop's position; one more copy of
+  the state in memory). On a disagreement without a majority the group checks that those copies still
+  agree, loads them and re-runs the steps since (the same batches, seeds and collectives: the run is
+  bit-exact), and fingerprints again. A replica whose replay does not reproduce its own fingerprint
+  computed (or held) something it cannot compute again: it is the suspect, `decided`. Where the replays
+  themselves differ (a device that computes the same wrong number every time cannot be told from its one
+  peer), or no copy was kept yet (the first `sdc.every` steps), the suspects are every rank outside the
+  largest group and the event says `undecided` rather than guess.
 
 On a disagreement rank 0 writes an `sdc` event (step, suspects, their hosts, every fingerprint, and the
 hosts to quarantine: suspects already named by an earlier `sdc` event of the run, `sdc_quarantine`) and
@@ -25,7 +32,9 @@ run (the resume is deterministic).
 HSDP compares along its replica dimension: the ranks that hold the same shard (`replica_groups`) must
 agree, each group decided on its own. Not covered: FSDP shards (no two ranks hold the same bits, so
 there is nothing to compare: detection is off with a log line); corruption before the gradient
-all-reduce (it is averaged into every replica alike) and inside a collective.
+all-reduce (it is averaged into every replica alike: `training.sdc_recompute`'s spot checks,
+`sdc.recomputeEvery`, find that under DDP) and inside a collective (every replica receives the same
+wrong sum: neither check sees it).
 
 The fingerprint is a position-dependent integer hash over the raw bits, not a float sum: each tensor's
 bytes are read as int32 words (bytes when the size is not a multiple of 4), word i is multiplied by the
@@ -41,8 +50,8 @@ import logging
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, NoReturn, Protocol
 
 import torch
 from torch import nn
@@ -56,13 +65,16 @@ __all__ = [
     "Decision",
     "SdcMonitor",
     "SilentDataCorruption",
+    "combine_hashes",
     "create_sdc_monitor",
     "decide",
     "decide_groups",
+    "decide_replay",
     "fingerprint",
     "fingerprint_tensors",
     "replica_groups",
     "replica_shards",
+    "report_disagreement",
     "state_tensors",
 ]
 
@@ -150,11 +162,17 @@ def fingerprint_tensors(tensors: Iterable[torch.Tensor], device: torch.device | 
         tensors: The tensors, in an order every replica shares.
         device: Where the per-tensor hashes are combined (default: the first tensor's device).
     """
+    hashes = [_tensor_hash(tensor) for tensor in tensors]
+    return combine_hashes(hashes, device if device is not None or not hashes else hashes[0].device)
+
+
+def combine_hashes(hashes: Sequence[torch.Tensor | None], device: torch.device | None) -> int:
+    """The fingerprint of tensors whose `_tensor_hash`es are `hashes`, in order (None: a tensor of zeros,
+    whose hash is 0); one transfer to the host at the end."""
     acc: torch.Tensor | None = None
-    for t, tensor in enumerate(tensors):
-        h = _tensor_hash(tensor)
-        if device is None:
-            device = h.device
+    for t, h in enumerate(hashes):
+        if h is None:
+            continue
         term = h.to(device) * _signed(tensor_constant(t))
         acc = term if acc is None else acc + term
     if acc is None:
@@ -195,13 +213,19 @@ class Decision:
     Attributes:
         agreed: Every rank holds the same fingerprint.
         suspects: The ranks that disagree (empty when `agreed`).
-        decided: A strict majority agreed, so the suspects are known; False: no majority (two ranks, a
-            tie), and `suspects` are every rank outside the largest group of equal fingerprints.
+        decided: The suspects are known (a strict majority, a replay, or the recompute's witnesses); False:
+            no majority (two ranks, a tie) and nothing else told them apart, and `suspects` are every rank
+            outside the largest group of equal fingerprints.
+        how: What named them: "majority", "replay" (`decide_replay`) or "recompute"
+            (`training.sdc_recompute.decide_recompute`).
+        note: Why an undecided verdict stayed undecided (for the event's detail).
     """
 
     agreed: bool
     suspects: tuple[int, ...]
     decided: bool
+    how: str = "majority"
+    note: str = ""
 
     def describe(self) -> str:
         """One line for the log and the event."""
@@ -209,8 +233,8 @@ class Decision:
             return "replicas agree"
         ranks = ",".join(str(r) for r in self.suspects)
         if self.decided:
-            return f"majority: rank(s) {ranks} disagree"
-        return f"undecided between ranks {ranks}: no majority (replay not built)"
+            return f"{self.how}: rank(s) {ranks} disagree"
+        return f"undecided between ranks {ranks}: {self.note or 'no majority'}"
 
 
 def decide(fingerprints: Sequence[int]) -> Decision:
@@ -245,6 +269,41 @@ def decide_groups(fingerprints: Sequence[int], groups: Sequence[Sequence[int]]) 
     return Decision(agreed=False, suspects=tuple(sorted(suspects)), decided=decided)
 
 
+def decide_replay(
+    original: Sequence[int], replayed: Sequence[int], groups: Sequence[Sequence[int]] | None = None
+) -> Decision:
+    """Name the suspects from a deterministic replay (index = rank; `groups` as in `decide_groups`).
+
+    Every rank re-ran the same steps from the same agreed state, so a healthy rank reproduces its own
+    fingerprint bit for bit. Within a group whose replays agree, the ranks whose original fingerprint
+    differs from that replay are the suspects (decided). Within a group whose replays differ, the replay
+    proves nothing on its own: the majority of the replays decides if there is one; without one (two ranks
+    that computed two different results twice) the group stays undecided, and the suspects are the ranks
+    outside its largest group of replays together with any rank that did not reproduce itself. A group in
+    which no rank reproduced itself proves nothing either (the kept state was not what these ranks trained
+    from, e.g. from before a rollback at another world size): undecided, the whole group suspect.
+    """
+    groups = groups if groups is not None else [list(range(len(original)))]
+    suspects: set[int] = set()
+    decided = True
+    for group in groups:
+        inconsistent = {r for r in group if replayed[r] != original[r]}
+        again = [replayed[r] for r in group]
+        if len(set(again)) == 1:
+            suspects |= inconsistent
+            if len(inconsistent) == len(group) > 1:
+                decided = False
+            continue
+        within = decide(again)
+        named = {group[i] for i in within.suspects}
+        suspects |= named if within.decided else named | inconsistent
+        decided = decided and within.decided
+    if not suspects:
+        return Decision(agreed=True, suspects=(), decided=True)
+    note = "" if decided else "the replay reproduced no rank, or the replays differ too (deterministic wrong numbers)"
+    return Decision(False, tuple(sorted(suspects)), decided, how="replay", note=note)
+
+
 def replica_groups(world_size: int, shards: int) -> list[list[int]]:
     """The replica groups of a job whose state is split into `shards` parts, shard index = rank % shards
     (HSDP's mesh is nodes x local ranks: rank = node * shards + local rank); DDP is `shards` 1."""
@@ -252,7 +311,83 @@ def replica_groups(world_size: int, shards: int) -> list[list[int]]:
 
 
 class SilentDataCorruption(RuntimeError):
-    """The replicas disagreed: the group restarts from the newest certified checkpoint."""
+    """The replicas disagreed: the group restarts from the newest certified checkpoint, or, in place, the
+    suspects leave and the others roll back (`training.inplace.protocol.decide_sdc`).
+
+    Attributes:
+        suspects: The ranks the fingerprints suspect.
+        decided: A majority named them (False: no majority, every disagreeing replica is a suspect).
+    """
+
+    def __init__(self, message: str, *, suspects: Sequence[int] = (), decided: bool = False) -> None:
+        super().__init__(message)
+        self.suspects = tuple(suspects)
+        self.decided = decided
+
+
+def report_disagreement(
+    identity: WorkerIdentity,
+    sink: MetricsSink,
+    hosts: HostExchange,
+    *,
+    step: int,
+    decision: Decision,
+    fingerprints: Sequence[int],
+    last_agreed: int | None,
+    evidence: str,
+    recomputed: Sequence[int] = (),
+) -> NoReturn:
+    """The `sdc` event (rank 0), a line on stderr and `SilentDataCorruption` (every rank; collective: the
+    host names are all-gathered).
+
+    Args:
+        evidence: Which fingerprints differed: "replica" (parameters and optimizer state, `SdcMonitor`) or
+            "recompute" (pre-reduce gradients against a neighbour's recomputation, `training.sdc_recompute`).
+        recomputed: "recompute": rank r's fingerprint of rank (r + 1)'s gradient, by rank.
+    """
+    names = hosts(identity.node)  # collective too: every rank saw the same fingerprints
+    message = f"silent data corruption at step {step}: {decision.describe()} (evidence: {evidence})"
+    if identity.is_leader:
+        suspect_hosts = list(dict.fromkeys(names[r] for r in decision.suspects))  # each host once
+        quarantined = quarantined_hosts(identity, suspect_hosts)
+        if quarantined:
+            message += f"; quarantine (suspected before): {', '.join(quarantined)}"
+        sink.emit(
+            Sdc(
+                step=step,
+                suspects=list(decision.suspects),
+                suspect_hosts=suspect_hosts,
+                decided=decision.decided,
+                fingerprints=[f"{f:016x}" for f in fingerprints],
+                last_agreed_step=last_agreed,
+                detail=decision.describe(),
+                quarantined_hosts=quarantined,
+                evidence=evidence,
+                recomputed=[f"{f:016x}" for f in recomputed],
+            )
+        )
+    print(f"torchrig: rank {identity.rank}: {message}", file=sys.stderr, flush=True)
+    raise SilentDataCorruption(message, suspects=decision.suspects, decided=decision.decided)
+
+
+def quarantined_hosts(identity: WorkerIdentity, suspect_hosts: list[str]) -> list[str]:
+    """The hosts to keep out after this detection: `sdc_quarantine` over the run directory's earlier `sdc`
+    events (the restarts before this one) and this one's suspects."""
+    earlier = read_events(RunFiles(identity.run_dir).events) if identity.run_dir is not None else []
+    now = Event(time=0.0, rank=0, generation=0, kind=EventKind.SDC, data={"suspect_hosts": suspect_hosts})
+    return sdc_quarantine([*earlier, now])
+
+
+class ReplayLike(Protocol):
+    """`training.sdc_replay.ReplayPoint` as the monitor uses it."""
+
+    kept_step: int | None
+
+    def keep(self, step: int) -> None: ...
+
+    def kept_fingerprint(self) -> int: ...
+
+    def run(self, step: int) -> int | None: ...
 
 
 class SdcMonitor:
@@ -267,6 +402,8 @@ class SdcMonitor:
         hosts: All-gathers the host names (only on a disagreement).
         groups: The replica groups, global ranks that must agree (default: every rank, DDP). HSDP's are
             the ranks that hold the same shard (`replica_groups`).
+        replay: Keeps the state of each agreed check and re-runs the steps since (`decide_replay`); None:
+            no replay (a disagreement without a majority stays undecided).
     """
 
     def __init__(
@@ -279,8 +416,10 @@ class SdcMonitor:
         exchange: Exchange,
         hosts: HostExchange,
         groups: Sequence[Sequence[int]] | None = None,
+        replay: ReplayLike | None = None,
     ) -> None:
         self.identity = identity
+        self.replay = replay
         self.groups = [list(g) for g in groups] if groups is not None else [list(range(identity.world_size))]
         self.sink = sink
         self.every = max(1, every)
@@ -300,35 +439,41 @@ class SdcMonitor:
         decision = decide_groups(fingerprints, self.groups)
         if decision.agreed:
             self.last_agreed = step
+            if self.replay is not None:
+                self.replay.keep(step)
             return decision
-        hosts = self.hosts(self.identity.node)  # collective too: every rank saw the same fingerprints
-        message = f"silent data corruption at step {step}: {decision.describe()}"
-        if self.identity.is_leader:
-            suspect_hosts = [hosts[r] for r in decision.suspects]
-            quarantined = self.quarantined(suspect_hosts)
-            if quarantined:
-                message += f"; quarantine (suspected before): {', '.join(quarantined)}"
-            self.sink.emit(
-                Sdc(
-                    step=step,
-                    suspects=list(decision.suspects),
-                    suspect_hosts=suspect_hosts,
-                    decided=decision.decided,
-                    fingerprints=[f"{f:016x}" for f in fingerprints],
-                    last_agreed_step=self.last_agreed,
-                    detail=decision.describe(),
-                    quarantined_hosts=quarantined,
-                )
-            )
-        print(f"torchrig: rank {self.identity.rank}: {message}", file=sys.stderr, flush=True)
-        raise SilentDataCorruption(message)
+        if not decision.decided and self.replay is not None:
+            decision = self.replayed(step, fingerprints, decision)
+        report_disagreement(
+            self.identity,
+            self.sink,
+            self.hosts,
+            step=step,
+            decision=decision,
+            fingerprints=fingerprints,
+            last_agreed=self.last_agreed,
+            evidence="replica",
+        )
+
+    def replayed(self, step: int, fingerprints: list[int], undecided: Decision) -> Decision:
+        """Re-run the steps since the kept state on every rank and let `decide_replay` name the suspects
+        (collective; `undecided`, with a note, where no replay is possible)."""
+        assert self.replay is not None
+        kept = self.replay.kept_step
+        if kept is None or kept >= step:
+            return replace(undecided, note="no majority, and no agreed state kept to replay from yet")
+        if not decide_groups(self.exchange(self.replay.kept_fingerprint()), self.groups).agreed:
+            return replace(undecided, note=f"no majority, and the state kept at step {kept} no longer agrees")
+        log.warning("sdc: no majority at step %d: replaying steps %d..%d to decide", step, kept + 1, step)
+        again = self.replay.run(step)
+        replayed = self.exchange(-1 if again is None else again)  # collective even where it could not run
+        if again is None or any(f == MASK64 for f in replayed):
+            return replace(undecided, note="no majority, and the replay could not run on every rank")
+        return decide_replay(fingerprints, replayed, self.groups)
 
     def quarantined(self, suspect_hosts: list[str]) -> list[str]:
-        """The hosts to keep out after this detection: `sdc_quarantine` over the run directory's earlier
-        `sdc` events (the restarts before this one) and this one's suspects."""
-        earlier = read_events(RunFiles(self.identity.run_dir).events) if self.identity.run_dir is not None else []
-        now = Event(time=0.0, rank=0, generation=0, kind=EventKind.SDC, data={"suspect_hosts": suspect_hosts})
-        return sdc_quarantine([*earlier, now])
+        """`quarantined_hosts` of this rank's run directory."""
+        return quarantined_hosts(self.identity, suspect_hosts)
 
     def after_step(self, step: int) -> None:
         """Check when `step` is due (every `every` steps)."""
@@ -385,6 +530,7 @@ def create_sdc_monitor(
     state: Callable[[], int],
     device: torch.device,
     shards: int | None,
+    replay: ReplayLike | None = None,
 ) -> SdcMonitor | None:
     """The monitor of a data-parallel job (None: `sdc.every` 0, one rank, no group, or no replicas).
 
@@ -393,6 +539,9 @@ def create_sdc_monitor(
         device: Where the fingerprints are exchanged (the default group's device).
         shards: Parts the state is split into (`replica_shards`): 1 for DDP, the shard dimension for HSDP
             (its replicas are compared), None for FSDP (no two ranks hold the same bits: off, with a log line).
+        replay: How to keep the agreed state and re-run the steps since (`training.sdc_replay`); used only
+            where a replica group has two members (with three or more a majority decides, and keeping a
+            copy of the state would cost memory for nothing).
     """
     import torch.distributed as tdist
 
@@ -411,6 +560,7 @@ def create_sdc_monitor(
         exchange=all_gather_fingerprints(device),
         hosts=all_gather_hosts(device),
         groups=groups,
+        replay=replay if any(len(g) == 2 for g in groups) else None,
     )
 
 

@@ -33,7 +33,9 @@ from training.metrics.base import MetricsSink, StepRecord
 from training.metrics.straggler import create_straggler_detector
 from training.optim import lr_at
 from training.profiling import create_step_profiler
-from training.sdc import create_sdc_monitor, fingerprint, replica_shards
+from training.sdc import create_sdc_monitor, fingerprint, replica_shards, state_tensors
+from training.sdc_recompute import create_recompute_check
+from training.sdc_replay import ReplayPoint, replay_steps
 from training.state import ModelOptimizerState, TrainerProgress, full_params_sha256
 from training.strategies import Parallel, clip_grad_norm, ddp_bucket_order, rewrap_ddp
 from training.task import Task
@@ -147,9 +149,28 @@ class Trainer:
             state=lambda: fingerprint(self.par.model, self.optimizer, self.par.device),
             device=par.device,
             shards=replica_shards(par.model, par.mesh),
+            replay=ReplayPoint(
+                lambda: state_tensors(self.par.model, self.optimizer),
+                self.progress,
+                lambda last: replay_steps(self, last),
+                par.device,
+            )
+            if self.cfg.deterministic  # a replay must reproduce a healthy rank bit for bit
+            else None,
         )
         if self.sdc is not None:
             self.sdc.prefer_certified(checkpoints)
+        # `sdc.recomputeEvery`: each rank recomputes its neighbour's pre-reduce gradient (`training.sdc_recompute`).
+        self.recompute = create_recompute_check(
+            identity,
+            sink,
+            every=spec.spec.sdc.recompute_every,
+            par=par,
+            task=task,
+            cfg=self.cfg,
+            phase=lambda: self.watchdog.fixed("sdc_recompute"),
+            undecided=None if self.sdc is None else self.sdc.check,
+        )
         faults.arm(par.module, optimizer)
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -361,6 +382,8 @@ class Trainer:
         loss_sum = torch.zeros((), device=par.device)
         par.comm.take()
         par.comm.take_first_gradient()
+        if self.recompute is not None:  # on its steps, fingerprint DDP's buckets before their all-reduce
+            self.recompute.before_step(step)
         for micro in range(cfg.grad_accumulation):
             td = time.perf_counter()
             batch = to_device(next(feed.batches), par.device)
@@ -373,6 +396,8 @@ class Trainer:
                 else:
                     loss.backward()  # type: ignore[no-untyped-call]
             loss_sum += loss.detach().float()
+        if self.recompute is not None:  # before the optimizer step: raises SilentDataCorruption on a mismatch
+            self.recompute.after_backward(step, progress.cursor)
         grad_norm = self._apply_gradients()
         loss_value = progress.loss = float(loss_sum)
         delay = self.faults.step_delay(step)

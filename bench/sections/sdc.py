@@ -8,7 +8,14 @@
 - fingerprint: one fingerprint of the tinygpt example's DDP replica (parameters + AdamW state) against one
   of its training steps, in this process;
 - detection: a `bitflip` of a parameter on rank 1 at a step that is no multiple of `sdc.every`: the time
-  and the steps from the `fault` event to the `sdc` event.
+  and the steps from the `fault` event to the `sdc` event (two replicas: the replay decides, and its time
+  is in it);
+- recompute: the same digits job with `sdc.recomputeEvery` off, at every step and at its default (when it
+  is not off), side by side, the replica check off in all three; one recompute check's cost as a share of a
+  step, and that share spread over the default; tinygpt's recomputation (one forward and backward of a
+  micro-batch, `torch.autograd.grad`) against one of its steps, in this process;
+- recompute detection: a `bitflip` of rank 1's local gradient before the all-reduce (`local_grad`) with a
+  check every step: steps and seconds from the flip to the `sdc` event (evidence `recompute`).
 """
 
 from __future__ import annotations
@@ -25,10 +32,14 @@ from bench.sections.base import Section
 
 BATCH, WORLD = 32, 2
 TARGET = 0.01  # the default's overhead, as a share of a step
+RECOMPUTE_TARGET = 0.05  # the recompute's overhead at its default (issue 38: off by default above this)
 
 
-def _seconds_per_step(steps: int, every: int | None, *, faults: str | None = None, out: Path | None = None) -> float:
-    """Wall seconds per step of the digits job under torchrun with `sdc.every` = `every` (None: off)."""
+def _seconds_per_step(
+    steps: int, every: int | None, *, recompute: int = 0, faults: str | None = None, out: Path | None = None
+) -> float:
+    """Wall seconds per step of the digits job under torchrun with `sdc.every` = `every` (None: off) and
+    `sdc.recomputeEvery` = `recompute`."""
     from bench.common import digits_spec_file
     from training.contract import Env, RunFiles, read_jsonl
 
@@ -44,6 +55,7 @@ def _seconds_per_step(steps: int, every: int | None, *, faults: str | None = Non
                 "spec.metrics.logEvery=1",
                 "spec.metrics.enabled=false",
                 f"spec.sdc.every={0 if every is None else every}",
+                f"spec.sdc.recomputeEvery={recompute}",
             ],
         )
         run_dir = RunFiles(tmp / "run")
@@ -92,10 +104,11 @@ def _fingerprint_vs_step(repeats: int) -> dict[str, Any]:
 
     from orchestrator.loader import load_spec
     from training.optim import build_optimizer
-    from training.sdc import fingerprint
+    from training.sdc import fingerprint, fingerprint_tensors
     from training.task import load_task
 
     spec = load_spec(Path(__file__).resolve().parents[2] / "examples" / "tinygpt-fsdp.yaml")
+    params = []
     cfg = spec.spec.training
     task = load_task(spec.spec.task.entrypoint, spec.spec.task.args)
     torch.manual_seed(0)
@@ -111,7 +124,8 @@ def _fingerprint_vs_step(repeats: int) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
 
     step()  # AdamW's state exists from here on
-    step_s, fp_s = [], []
+    params = [p for p in model.parameters() if p.requires_grad]
+    step_s, fp_s, rc_s = [], [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
         step()
@@ -119,6 +133,10 @@ def _fingerprint_vs_step(repeats: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         fingerprint(model, optimizer, device)
         fp_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()  # what `RecomputeCheck.recompute` adds: a neighbour's forward and backward
+        grads = torch.autograd.grad(task.loss(model, batch), params)
+        fingerprint_tensors(grads, device)
+        rc_s.append(time.perf_counter() - t0)
     words = sum(p.numel() for p in model.parameters()) * 3  # parameters + two AdamW moments (float32 words)
     return {
         "model_words": words,
@@ -126,16 +144,49 @@ def _fingerprint_vs_step(repeats: int) -> dict[str, Any]:
         "fingerprint_s": stats(fp_s)["median"],
         "fingerprint_ratio_of_a_step": stats(fp_s)["median"] / stats(step_s)["median"],
         "fingerprint_ns_per_word": stats(fp_s)["median"] / words * 1e9,
+        "recompute_s": stats(rc_s)["median"],
+        "recompute_ratio_of_a_step": stats(rc_s)["median"] / stats(step_s)["median"],
     }
 
 
-def _detection(steps: int, every: int, flip_step: int) -> dict[str, Any]:
+def _recompute_overhead(repeats: int, steps: int, default: int) -> dict[str, Any]:
+    """The digits job with `sdc.recomputeEvery` off, 1 and `default` (when on), interleaved; the replica
+    check off in all of them."""
+    off, each, at_default = [], [], []
+    for _ in range(repeats):
+        off.append(_seconds_per_step(steps, None))
+        each.append(_seconds_per_step(steps, None, recompute=1))
+        if default > 0:
+            at_default.append(_seconds_per_step(steps, None, recompute=default))
+    check_s = statistics.median(e - o for e, o in zip(each, off, strict=True))
+    step_s = statistics.median(off)
+    out: dict[str, Any] = {
+        "step_s_off": stats(off),
+        "step_s_every_step": stats(each),
+        "check_s": check_s,
+        "check_ratio_of_a_step": check_s / step_s,
+        "every_step_overhead_ratio_direct": statistics.median(e / o - 1 for e, o in zip(each, off, strict=True)),
+        "default_every": default,
+        "target": f"<= {RECOMPUTE_TARGET}",
+        "steps": steps,
+        "repeats": repeats,
+    }
+    if default > 0:
+        out["step_s_default"] = stats(at_default)
+        out["default_overhead_ratio"] = max(0.0, check_s) / (default * step_s)
+        out["default_overhead_ratio_direct"] = statistics.median(
+            d / o - 1 for d, o in zip(at_default, off, strict=True)
+        )
+    return out
+
+
+def _detection(steps: int, every: int, flip_step: int, *, target: str = "param", recompute: int = 0) -> dict[str, Any]:
     from training.contract import EventKind, read_events
 
-    faults = json.dumps([{"kind": "bitflip", "rank": 1, "step": flip_step, "target": "param"}])
+    faults = json.dumps([{"kind": "bitflip", "rank": 1, "step": flip_step, "target": target}])
     with tempfile.TemporaryDirectory() as d:
         events_path = Path(d) / "events.jsonl"
-        _seconds_per_step(steps, every, faults=faults, out=events_path)
+        _seconds_per_step(steps, every, recompute=recompute, faults=faults, out=events_path)
         events = read_events(events_path)
     flip = next(e for e in events if e.kind == EventKind.FAULT and e.get("kind") == "bitflip")
     found = next(e for e in events if e.kind == EventKind.SDC and e.time >= flip.time)
@@ -146,17 +197,24 @@ def _detection(steps: int, every: int, flip_step: int) -> dict[str, Any]:
         "steps_to_detection": (found.step or 0) - (flip.step or 0),
         "seconds_to_detection": round(found.time - flip.time, 4),
         "suspects": found.get("suspects"),
+        "decided": found.get("decided"),
+        "evidence": found.get("evidence"),
+        "detail": found.get("detail"),
     }
 
 
 def bench_sdc(quick: bool) -> dict[str, Any]:
     """Overhead of `sdc.every` at its default against the same job without it, and flip-to-detection."""
-    from training.config import DEFAULT_SDC_EVERY
+    from training.config import DEFAULT_SDC_EVERY, DEFAULT_SDC_RECOMPUTE_EVERY
 
+    repeats, steps = (2, 80) if quick else (4, 200)
     return {
-        "overhead": _overhead(2 if quick else 4, 80 if quick else 200, DEFAULT_SDC_EVERY),
+        "overhead": _overhead(repeats, steps, DEFAULT_SDC_EVERY),
         "fingerprint_tinygpt": _fingerprint_vs_step(2 if quick else 5),  # a CPU step of it takes seconds
-        "detection": _detection(60, DEFAULT_SDC_EVERY, DEFAULT_SDC_EVERY + 3),
+        # a flip between two checks: found at the next one, and (two replicas) decided by replaying the steps since
+        "detection": _detection(2 * DEFAULT_SDC_EVERY + 10, DEFAULT_SDC_EVERY, DEFAULT_SDC_EVERY + 3),
+        "recompute": _recompute_overhead(repeats, steps, DEFAULT_SDC_RECOMPUTE_EVERY),
+        "recompute_detection": _detection(40, 0, 23, target="local_grad", recompute=1),
     }
 
 

@@ -426,7 +426,7 @@ class SilentCorruption(Scenario):
     )
     proves = (
         "a flipped bit is found within sdc.every steps and its rank named (majority; with two ranks: "
-        "undecided between both), no checkpoint of a disagreeing step is restored, and the result is unchanged."
+        "deterministic replay), no checkpoint of a disagreeing step is restored, and the result is unchanged."
     )
     latest_fault = 0.8  # a check (every sdc.every steps, or the final save) must follow the flip
 
@@ -476,11 +476,17 @@ class SilentCorruption(Scenario):
                 f"flipped rank {ctx.fault_rank}, suspects {suspects} ({sdc.get('detail') if sdc else '-'})",
             )
         else:
-            # No majority between two replicas: the event says "undecided" rather than guess (replay, which
-            # would decide, is not built); the flipped rank must be among the suspects.
+            # No majority between two replicas: deterministic replay from the last agreed state decides
+            # (`training.sdc.decide_replay`). Only a flip before any state was kept (the first check) leaves
+            # it undecided, the flipped rank among the suspects and the detail saying so.
+            first_window = sdc is not None and "no agreed state kept" in str(sdc.get("detail"))
             verdict.check(
-                "two replicas: the flipped rank is among the suspects, marked undecided",
-                sdc is not None and not sdc.get("decided") and ctx.fault_rank in suspects,
+                "two replicas: the replay named the flipped rank",
+                sdc is not None
+                and (
+                    (bool(sdc.get("decided")) and suspects == [ctx.fault_rank])
+                    or (first_window and not sdc.get("decided") and ctx.fault_rank in suspects)
+                ),
                 f"flipped rank {ctx.fault_rank}, suspects {suspects} ({sdc.get('detail') if sdc else '-'})",
             )
         restores = [e for e in history.of(EventKind.RESTORE) if sdc is not None and e.time > sdc.time]

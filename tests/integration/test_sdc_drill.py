@@ -132,3 +132,70 @@ def test_tinygpt_a_flipped_bit_in_each_place_is_found_and_the_job_ends_bit_ident
     assert sdc and sdc[0].step == 10 and sdc[0].get("last_agreed_step") == 5
     assert sdc[0].get("suspects") == (list(range(world)) if world == 2 else [rank])
     assert report.resumed_from_step == 5 and report.final_params_match_reference is True
+
+
+def _digits_run(tmp_path: Path, name: str, faults: list[dict[str, object]], recompute_every: int) -> Path:
+    """The digits job at 2 ranks under torchrun (one restart allowed), the replica check at every step;
+    its run directory."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from orchestrator.loader import apply_overrides, read_yaml
+
+    digits = REPO / "examples" / "digits-ddp.yaml"
+    overrides = [
+        "spec.training.steps=16",
+        "spec.checkpoint.every.steps=4",
+        "spec.training.evalAtEnd=false",
+        "spec.metrics.enabled=false",
+        "spec.sdc.every=1",
+        f"spec.sdc.recomputeEvery={recompute_every}",
+    ]
+    spec = tmp_path / f"{name}.yaml"
+    spec.write_text(yaml.safe_dump(apply_overrides(read_yaml(digits.read_text(), str(digits)), overrides)))
+    run_dir = tmp_path / name
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+        "--log-dir", str(tmp_path / f"{name}-logs"), "-m", "training", "--spec", str(spec), "--run-dir", str(run_dir),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCHRIG_FAULTS": json.dumps(faults)}
+    done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    return run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_local_gradient_flipped_before_the_all_reduce_is_seen_by_recompute_only(tmp_path: Path) -> None:
+    """A bit of rank 1's own gradient flipped before DDP's all-reduce at step 7 (`local_grad`): the average
+    carries it into both replicas alike, so the replica check, run at every step, sees nothing and the job
+    ends with different parameters than a clean run; with `sdc.recomputeEvery` 1, rank 0's recomputation of
+    rank 1's gradient disagrees at step 7 itself, rank 1 is named (rank 1's recomputation of rank 0 vouches
+    for rank 0), nothing of the flip is applied, and the restarted job ends bit-identical to the clean run."""
+    # the output layer's bias (parameter 5): its gradient is never 0 (the default, the first weight of the first
+    # layer, meets a pixel that is 0 in every image: its gradient is 0, and a flipped 0 is too small to matter)
+    flip = [{"kind": "bitflip", "rank": 1, "step": 7, "target": "local_grad", "tensor": 5, "element": 3}]
+    clean = _digits_run(tmp_path, "clean", [], recompute_every=1)
+    unseen = _digits_run(tmp_path, "unseen", flip, recompute_every=0)
+    seen = _digits_run(tmp_path, "seen", flip, recompute_every=1)
+
+    def sha(run_dir: Path) -> str:
+        return str(json.loads(RunFiles(str(run_dir)).result.read_text())["params_sha256"])
+
+    unseen_events = read_events(RunFiles(str(unseen)).events)
+    assert [e.step for e in unseen_events if e.kind == EventKind.FAULT and e.get("kind") == "bitflip"] == [7]
+    assert not [e for e in unseen_events if e.kind == EventKind.SDC]  # the replicas agreed at every step
+    assert sha(unseen) != sha(clean)  # ... on a corrupted model
+
+    events = read_events(RunFiles(str(seen)).events)
+    (sdc,) = [e for e in events if e.kind == EventKind.SDC]
+    assert sdc.step == 7 and sdc.get("evidence") == "recompute"
+    assert sdc.get("suspects") == [1] and sdc.get("decided") is True
+    own, recomputed = sdc.get("fingerprints"), sdc.get("recomputed")
+    assert recomputed[1] == own[0] and recomputed[0] != own[1]  # the evidence: which fingerprints differed
+    restores = [e for e in events if e.kind == EventKind.RESTORE]
+    assert restores and restores[-1].step == 4 and restores[-1].get("certified") is True
+    assert sha(seen) == sha(clean)

@@ -126,6 +126,23 @@ def fake_results() -> dict[str, Any]:
                 "steps_to_detection": 17,
                 "seconds_to_detection": 0.5,
             },
+            "recompute": {
+                "step_s_off": {**spread, "median": 0.02},
+                "step_s_every_step": {**spread, "median": 0.03},
+                "check_s": 0.01,
+                "check_ratio_of_a_step": 0.5,
+                "default_every": 100,
+                "default_overhead_ratio": 0.005,
+                "default_overhead_ratio_direct": 0.01,
+            },
+            "recompute_detection": {
+                "every": 0,
+                "flip_step": 23,
+                "detected_step": 23,
+                "steps_to_detection": 0,
+                "seconds_to_detection": 0.02,
+                "detail": "recompute: rank(s) 1 disagree",
+            },
         },
     }
 
@@ -199,6 +216,10 @@ def test_report_writes_json_markdown_and_plot(tmp_path: Path) -> None:
         "| median | 0.0200 | 0.0202 | 0.0200 |",
         "One check (fingerprint + all-gather): 0.200 ms, 1.00% of a step; at the default every 20 steps: 0.050%",
         "Flip to detection: 17 steps, 0.500 s (flip at step 23, check every 20).",
+        "| median | 0.0200 | 0.0300 |",
+        "One recompute check (a neighbour's forward and backward, two fingerprints, an all-gather): 10.000 ms, "
+        "50.0% of a step; at the default every 100 steps: 0.50% (measured directly, side by side: 1.00%)",
+        "to detection: 0 steps, 0.020 s; recompute: rank(s) 1 disagree.",
     ):
         assert row in md, row
     assert (tmp_path / "scaling.png").read_bytes().startswith(b"\x89PNG")

@@ -4,6 +4,7 @@ The same on real DDP groups: tests/integration/test_sdc_drill.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -294,7 +295,7 @@ def test_flip_bit_flips_exactly_one_bit() -> None:
         flip_bit(t, 0, 32)
 
 
-@pytest.mark.parametrize("target", ["param", "moment", "grad"])
+@pytest.mark.parametrize("target", ["param", "moment", "grad", "local_grad"])
 def test_the_injector_flips_its_target_at_its_step_on_its_rank_only(target: str) -> None:
     def run(rank: int) -> tuple[int, list[Any]]:
         torch.manual_seed(0)
@@ -371,17 +372,22 @@ def test_the_sdc_counter_counts_and_carries_over_a_restart_in_the_run_directory(
     from training.metrics.prometheus import PrometheusSink
 
     identity = WorkerIdentity(job="j", rank=0, world_size=2, node="n", run_dir=str(tmp_path))
-    labels = {"training_job": "j", "rank": "0", "node": "n"}
+    labels = {"training_job": "j", "rank": "0", "node": "n", "evidence": "replica"}
+    recompute = {**labels, "evidence": "recompute"}
     first = PrometheusSink(identity)
     events = EventsJsonlSink(str(tmp_path), identity, log_every=10)
     try:
         assert first.registry.get_sample_value(names.SDC_DETECTED, labels) == 0  # exported from the start
+        assert first.registry.get_sample_value(names.SDC_DETECTED, recompute) == 0  # both kinds of evidence
         event = Sdc(
             step=7, suspects=[1], suspect_hosts=["h"], decided=True, fingerprints=[], last_agreed_step=5, detail=""
         )
-        first.emit(event)
-        events.emit(event)
+        by_recompute = dataclasses.replace(event, evidence="recompute", recomputed=["0" * 16, "1" * 16])
+        for each in (event, by_recompute, by_recompute):
+            first.emit(each)
+            events.emit(each)
         assert first.registry.get_sample_value(names.SDC_DETECTED, labels) == 1
+        assert first.registry.get_sample_value(names.SDC_DETECTED, recompute) == 2
     finally:
         first.close()
         events.close()
@@ -389,6 +395,7 @@ def test_the_sdc_counter_counts_and_carries_over_a_restart_in_the_run_directory(
     successor = PrometheusSink(identity)  # the restarted rank 0, in the same run directory
     try:
         assert successor.registry.get_sample_value(names.SDC_DETECTED, labels) == 1
+        assert successor.registry.get_sample_value(names.SDC_DETECTED, recompute) == 2
     finally:
         successor.close()
 

@@ -207,9 +207,11 @@ class Sdc:
     """Rank 0: the replicas' fingerprints disagreed at `step` (`training.sdc`); the group restarts from the
     newest certified checkpoint.
 
-    `suspects` are the ranks outside the majority (`decided`), or, with no majority (two ranks), every
-    rank outside the largest group (`decided` false: `detail` says so); `suspect_hosts` their host names
-    (a pod's name on Kubernetes); `fingerprints` every rank's, by rank (16 hex digits).
+    `suspects` are the ranks outside the majority, the ones a replay or the recompute's witnesses named
+    (`decided`), or, when nothing told them apart (two ranks), every rank outside the largest group
+    (`decided` false: `detail` says so); `suspect_hosts` their host names (a pod's name on Kubernetes);
+    `fingerprints` every rank's, by rank (16 hex digits): of its replica, or, with `evidence` "recompute",
+    of its own pre-reduce gradient.
     """
 
     step: int
@@ -220,6 +222,10 @@ class Sdc:
     last_agreed_step: int | None
     detail: str
     quarantined_hosts: list[str] = field(default_factory=list)  # `sdc_quarantine`: suspects seen before
+    # Which fingerprints differed: "replica" (parameters and optimizer state) or "recompute" (a rank's own
+    # pre-reduce gradient against its neighbour's recomputation of it: `recomputed`, by recomputing rank).
+    evidence: str = "replica"
+    recomputed: list[str] = field(default_factory=list)
     kind: EventKind = field(default=EventKind.SDC, init=False, repr=False)
 
 

@@ -90,7 +90,9 @@ STRAGGLER_RANK = "torchrig_straggler_rank"  # gauge: the slowest rank over metri
 STEP_DEADLINE: Final = "torchrig_step_deadline_seconds"  # gauge by phase: how long a rank may be silent
 
 # -- silent data corruption (training.sdc) ---------------------------------------------------------
-SDC_DETECTED: Final = "torchrig_sdc_detected_total"  # counter (rank 0): the replicas' fingerprints disagreed
+SDC_DETECTED: Final = "torchrig_sdc_detected_total"  # counter (rank 0) by evidence: fingerprints disagreed
+LABEL_EVIDENCE: Final = "evidence"  # which fingerprints differed: one of SDC_EVIDENCE
+SDC_EVIDENCE: Final = ("replica", "recompute")  # parameters + optimizer state; a recomputed pre-reduce gradient
 
 # -- evaluation and events --------------------------------------------------------------------------
 EVAL_METRIC: Final = "torchrig_eval_metric"  # gauge by metric

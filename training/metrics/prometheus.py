@@ -100,9 +100,15 @@ class _StepHistogram(Collector):
         return metrics
 
 
-def prior_sdc_events(path: str | os.PathLike[str]) -> int:
-    """How many `sdc` events an events.jsonl holds (0 when there is none yet)."""
-    return sum(1 for event in read_events(path) if event.kind == EventKind.SDC)
+def prior_sdc_events(path: str | os.PathLike[str], evidence: str = "replica") -> int:
+    """How many `sdc` events of `evidence` an events.jsonl holds (0 when there is none yet; an event
+    without the field, from before it existed, is a replica one)."""
+    return sum(1 for e in read_events(path) if e.kind == EventKind.SDC and _evidence(e.get("evidence")) == evidence)
+
+
+def _evidence(value: object) -> str:
+    """An `sdc` event's evidence as a label value: one of a fixed set (untrusted input)."""
+    return value if isinstance(value, str) and value in names.SDC_EVIDENCE else names.SDC_EVIDENCE[0]
 
 
 def default_bind_address(configured: str | None) -> str:
@@ -286,14 +292,20 @@ class PrometheusSink(MetricsSink):
             "restarts.hangDetection auto), collective (in place), checkpoint_io, recovery, startup, evaluation.",
             [names.LABEL_PHASE],
         )
-        self._sdc = counter(
+        sdc = counter(
             names.SDC_DETECTED,
-            "Replica disagreements (silent data corruption) found by sdc.every checks; rank 0 counts them.",
-        ).labels(*v)
+            "Silent data corruption found, by evidence: replica (sdc.every: parameters and optimizer state "
+            "disagreed) or recompute (sdc.recomputeEvery: a pre-reduce gradient disagreed with its "
+            "recomputation); rank 0 counts them.",
+            [names.LABEL_EVIDENCE],
+        )
+        # Both series from the start, at 0: increase() sees the first detection of either kind.
+        self._sdc = {evidence: sdc.labels(*v, evidence) for evidence in names.SDC_EVIDENCE}
         if identity.is_leader and identity.run_dir is not None:
             # The rank that finds a disagreement exits at once (exit 206), before a scrape sees its count: its
             # successor in the run directory starts from the `sdc` events there, so the counter still rises.
-            self._sdc.inc(prior_sdc_events(RunFiles(identity.run_dir).events))
+            for evidence, child in self._sdc.items():
+                child.inc(prior_sdc_events(RunFiles(identity.run_dir).events, evidence))
 
         now = time.time()
         self._start_time.set(now)
@@ -466,7 +478,7 @@ class PrometheusSink(MetricsSink):
         label = str(event) if str(event) in names.EVENT_NAMES else names.OTHER_EVENT
         self._events.labels(*self._base_values, label).inc()
         if str(event) == str(EventKind.SDC):
-            self._sdc.inc()
+            self._sdc[_evidence(fields.get("evidence"))].inc()
 
     def close(self) -> None:
         """Stop serving (idempotent)."""
