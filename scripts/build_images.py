@@ -254,6 +254,9 @@ def build(
         return Built(tag, time.monotonic() - t0, cached=True)
     args = ["build", "--file", str(image.dockerfile), "--tag", tag, "--build-arg", f"{image.base_arg}={base}"]
     args += ["--pull=never", "--layers", "--label", f"io.torchrig.inputs={tag.rpartition(':')[2]}"]
+    # The RUN steps reach PyPI through the host's network: a bridge's NAT to the outside (netavark's, the
+    # backend images/containers.conf names for its DNS) is not there on every host, and a build needs none.
+    args += ["--network", "host"]
     if local is not None:
         args += ["--volume", f"{local[0]}:{WHEELS_MOUNT}:ro", "--build-arg", f"TORCH_FIND_LINKS={WHEELS_MOUNT}"]
     if ca_bundle and Path(ca_bundle).is_file():

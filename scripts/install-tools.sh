@@ -60,4 +60,11 @@ for pkg in runc podman mmdebstrap; do
     apt_install "$pkg"
   fi
 done
+# netavark + aardvark-dns: the network backend whose networks resolve containers' --network-alias names
+# (images/containers.conf names it; CNI's networks have no DNS): tests/containers' multi-pod jobs need it.
+for pkg in netavark aardvark-dns; do
+  if [ ! -x "/usr/lib/podman/$pkg" ]; then
+    apt_install "$pkg"
+  fi
+done
 podman --version

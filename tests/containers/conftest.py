@@ -4,6 +4,7 @@ run, and across runs while nothing that goes into the image changed), and what t
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -31,6 +32,12 @@ def cpu_image() -> str:
     why = _why_no_podman()
     if why:
         pytest.skip(why)
+    # An image already built (a tag) to run instead: while the sources change under a test being written,
+    # every session would rebuild. `make test` never sets it.
+    given = os.environ.get("TORCHRIG_TEST_CPU_IMAGE")
+    if given:
+        _BUILT.append(f"{given} given by TORCHRIG_TEST_CPU_IMAGE")
+        return given
     t0 = time.monotonic()
     log: list[str] = []
     try:

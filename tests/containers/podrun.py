@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,6 +113,8 @@ def container_args(
     shared: Path | None = None,
     name: str | None = None,
     network: str = "none",
+    ip: str | None = None,
+    aliases: Sequence[str] = (),
 ) -> PodRun:
     """`podman run` arguments for POD (see the module docstring).
 
@@ -126,6 +128,9 @@ def container_args(
         shared: where the job's PVC directories go (default: under `workdir`).
         name: the container's name (default: the pod's).
         network: `podman run --network` (default none: loopback only, enough for a one-pod job).
+        ip: the container's address on `network` (`--ip`; `pod_ip` should say the same).
+        aliases: names that resolve to the container on `network` (`--network-alias`: its Services'
+            and hostname's cluster DNS names, answered by the network's aardvark-dns).
     """
     c = pod.container
     pod_sc = pod_spec.get("securityContext") or {}
@@ -140,6 +145,8 @@ def container_args(
         pod.hostname,
         "--network",
         network,
+        *(["--ip", ip] if ip else []),
+        *[a for alias in aliases for a in ("--network-alias", alias)],
         "--user",
         f"{uid}:{gid}",
         "--group-add",
@@ -163,23 +170,23 @@ def container_args(
         name = vol["name"]
         if "configMap" in vol:
             src = vol["configMap"]
-            _write_items(workdir / "vol" / name, configmaps[src["name"]], src.get("items"), 0o644, fs_group)
+            _write_items(workdir / "volumes" / name, configmaps[src["name"]], src.get("items"), 0o644, fs_group)
         elif "secret" in vol:
             src = vol["secret"]
             mode = src.get("defaultMode", 0o644)
-            _write_items(workdir / "vol" / name, secrets[src["secretName"]], src.get("items"), mode, fs_group)
+            _write_items(workdir / "volumes" / name, secrets[src["secretName"]], src.get("items"), mode, fs_group)
         elif "emptyDir" in vol and (vol["emptyDir"] or {}).get("medium") == "Memory":
             tmpfs[name] = vol["emptyDir"]
             continue
         elif "emptyDir" in vol:
-            _writable_dir(workdir / "vol" / name, fs_group)
+            _writable_dir(workdir / "volumes" / name, fs_group)
         elif "persistentVolumeClaim" in vol:
             claim = vol["persistentVolumeClaim"]["claimName"]
             host[name] = _writable_dir((shared or workdir / "pvc") / claim, fs_group)
             continue
         else:
             raise NotImplementedError(f"pod {pod.name}: volume {name}: only configMap, secret, emptyDir, PVC")
-        host[name] = workdir / "vol" / name
+        host[name] = workdir / "volumes" / name
     for mount in c.get("volumeMounts", []):
         if "subPath" in mount:
             raise NotImplementedError(f"pod {pod.name}: volumeMount {mount['name']}: subPath")

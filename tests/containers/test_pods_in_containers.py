@@ -1,0 +1,180 @@
+"""The rendered pods of multi-pod jobs as real containers (tests/pods/podman_runtime.py), trained to the end.
+
+The pods harness's scenarios run here with its second runtime: each pod of the rendered PyTorchJob or
+TrainJob (operators.py derives them) is a `podman run` of images/cpu with the template's
+securityContext, volumes, limits and grace period, on one podman network whose aardvark-dns answers the
+operators' Service and hostname names. jobs.py `run_job` plays the kubelet and the operator, as for the
+process runtime. Every scenario ends bit-identical (`params_sha256`) to `torchrig run --nodes 2`.
+
+Needs podman with netavark/aardvark-dns (scripts/install-tools.sh); skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.pods.conftest import TIME_SCALE
+from tests.pods.conftest import reference_result as reference_result  # noqa: PLC0414 (a fixture, re-exported)
+from tests.pods.jobs import JobOutcome, pytorchjob_succeeded, run_job, trainjob_succeeded
+from tests.pods.kubelet import Pod
+from tests.pods.operators import pytorchjob_pods, trainjob_pods
+from tests.pods.podman_runtime import PodmanCluster
+from tests.pods.runtime import PodCluster
+from tests.pods.scenario import one, render
+from tests.pods.test_pods import _events, _result, _why
+from training.contract import EventKind, ExitCode
+
+pytestmark = [pytest.mark.containers, pytest.mark.slow, pytest.mark.timeout(900)]
+
+JOB_TIMEOUT_S = 300
+MakeCluster = Callable[[list[dict[str, Any]], list[Pod]], PodmanCluster]
+
+# Run inside a container (`podman exec`, as its user): SIGKILL the trainer of RANK argv[1]; exit 3 when this
+# container has none. torchrun's worker is the rank's in-place host (training.inplace.host), the trainer
+# its child (TORCHRIG_INPLACE_ROLE=trainer when exec'd, the host's own environment when forked); warm
+# spares carry TORCHRIG_INPLACE_ROLE=spare. Killing the host would be torchrun's worker dying: a group restart.
+KILL_RANK = """
+import os, signal, sys
+ranked = {}
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        env = dict(e.split(b"=", 1) for e in open(f"/proc/{pid}/environ", "rb").read().split(b"\\0") if b"=" in e)
+        parent = int(open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[1])
+    except OSError:
+        continue
+    if env.get(b"RANK") == sys.argv[1].encode() and env.get(b"TORCHRIG_INPLACE_ROLE") != b"spare":
+        ranked[int(pid)] = (parent, env.get(b"TORCHRIG_INPLACE_ROLE"))
+trainers = [p for p, (parent, role) in ranked.items() if role == b"trainer" or parent in ranked]
+if len(trainers) != 1:
+    print("candidates", ranked)
+    sys.exit(3)
+os.kill(trainers[0], signal.SIGKILL)
+print("killed", trainers[0], "of", sorted(ranked))
+"""
+
+
+@pytest.fixture
+def podman_cluster(cpu_image: str, tmp_path: Path) -> Iterator[MakeCluster]:
+    """`make(objects, pods)` -> an entered PodmanCluster of the CPU image; every cluster made is closed."""
+    made: list[PodmanCluster] = []
+
+    def make(objects: list[dict[str, Any]], pods: list[Pod]) -> PodmanCluster:
+        cluster = PodmanCluster(tmp_path / f"cluster{len(made)}", objects, pods, image=cpu_image, time_scale=TIME_SCALE)
+        made.append(cluster)
+        return cluster.__enter__()
+
+    yield make
+    for cluster in made:
+        cluster.close()
+
+
+def _committed(cluster: PodCluster, step: int) -> bool:
+    return any(e.kind is EventKind.CHECKPOINT_COMMITTED and (e.step or 0) >= step for e in _events(cluster))
+
+
+def _pytorchjob(make: MakeCluster, objects: list[dict[str, Any]], **kw: Any) -> tuple[PodmanCluster, JobOutcome]:
+    job = one(objects, "PyTorchJob")
+    cluster = make(objects, pytorchjob_pods(objects))
+    backoff = job["spec"].get("runPolicy", {}).get("backoffLimit")
+    outcome = run_job(cluster, pytorchjob_succeeded(job), timeout_s=JOB_TIMEOUT_S, backoff_limit=backoff, **kw)
+    return cluster, outcome
+
+
+def _slow(rank: int, step: int, seconds: float) -> str:
+    fault = [{"kind": "slow", "rank": rank, "step": step, "generation": -1, "seconds": seconds}]
+    return f"spec.kubernetes.env.TORCHRIG_FAULTS='{json.dumps(fault)}'"
+
+
+def test_pytorchjob_of_two_pods_replaces_a_rank_killed_in_its_container_in_place(
+    podman_cluster: MakeCluster, reference_result: dict[str, Any]
+) -> None:
+    """A fixed-size PyTorchJob (Master + Worker, 2 ranks each) in hardened containers: the Worker's
+    init container waits for the Master's name (aardvark-dns), both agents rendezvous at
+    `$(MASTER_ADDR):$(MASTER_PORT)`, and after the step-10 checkpoint rank 3's trainer is SIGKILLed
+    from outside (`podman exec ... kill`): a warm spare in its container takes its place, no container
+    restarts, no step is lost, and the run ends bit-identical to `torchrig run --nodes 2`."""
+    objects = render("pytorchjob", _slow(0, 5, 0.3), fixed_size=True)
+    killed: list[str] = []
+
+    def kill(cluster: PodCluster, events: list[str]) -> None:
+        if killed or not _committed(cluster, 10):
+            return
+        for name in cluster.pods:
+            proc = cluster.exec(name, ["python", "-c", KILL_RANK, "3"])
+            if proc.returncode == 0:
+                killed.append(name)
+                events.append(f"harness: podman exec {name}: {proc.stdout.strip()} (rank 3)")
+                return
+        raise AssertionError(f"no container runs rank 3's trainer: {proc.stdout} {proc.stderr}")
+
+    cluster, outcome = _pytorchjob(podman_cluster, objects, on_tick=kill)
+    assert killed, "the job ended before the step-10 checkpoint\n" + _why(outcome, cluster)
+    assert outcome.status == "Succeeded", _why(outcome, cluster)
+    assert {n: (s.exit_codes, s.starts) for n, s in cluster.pods.items()} == {n: ([0], 1) for n in cluster.pods}
+    recoveries = [e for e in _events(cluster) if e.kind is EventKind.RECOVERY]
+    assert {e.get("path") for e in recoveries} == {"inplace"}, _why(outcome, cluster)
+    assert sorted(e.get("role") for e in recoveries) == ["spare", "survivor", "survivor", "survivor"]
+    assert len({e.step for e in recoveries}) == 1, "every rank resumed from the same step: none lost"
+    result = _result(cluster)
+    assert (result["steps"], result["world_size"]) == (40, 4)
+    assert result["params_sha256"] == reference_result["params_sha256"]
+
+
+def test_drained_pytorchjob_checkpoints_within_its_grace_and_resumes_losing_no_step(
+    podman_cluster: MakeCluster, reference_result: dict[str, Any]
+) -> None:
+    """A node drain of both pods after the step-10 checkpoint: `podman stop -t
+    terminationGracePeriodSeconds` of every container (SIGTERM, SIGKILL at the deadline). Every rank
+    stops at one agreed step after an emergency checkpoint on the PVC, well within the grace, and exits
+    PREEMPTED (retryable); the operator recreates both pods (new emptyDirs, the same claim), which
+    resume from that step: 0 steps lost, bit-identical to `torchrig run --nodes 2`."""
+    objects = render("pytorchjob", _slow(-1, 1, 0.1), fixed_size=True)
+    drained: list[float] = []
+
+    def drain(cluster: PodCluster, events: list[str]) -> None:
+        if drained or not _committed(cluster, 10):
+            return
+        assert isinstance(cluster, PodmanCluster)
+        drained.append(time.time())
+        for name in cluster.pods:
+            cluster.stop(name)
+        events.append("harness: node drain, every pod deleted")
+
+    cluster, outcome = _pytorchjob(podman_cluster, objects, on_tick=drain)
+    assert drained, "the job ended before the step-10 checkpoint\n" + _why(outcome, cluster)
+    assert outcome.status == "Succeeded", _why(outcome, cluster)
+    for state in cluster.pods.values():
+        assert state.exit_codes == [int(ExitCode.PREEMPTED), 0] and state.incarnation == 1, _why(outcome, cluster)
+    events = _events(cluster)
+    preempted = [e for e in events if e.kind is EventKind.PREEMPTED]
+    assert len(preempted) == 4 and all(e.get("committed") for e in preempted), _why(outcome, cluster)
+    stop = {e.step for e in preempted}
+    assert len(stop) == 1 and 10 <= min(stop) < 40, stop
+    stopped_s = max(e.time for e in preempted) - drained[0]
+    assert stopped_s < cluster.grace_s(next(iter(cluster.pods))), f"{stopped_s:.0f} s of the grace period"
+    restores = [e for e in events if e.kind is EventKind.RESTORE]
+    assert restores and {e.step for e in restores} == stop, "0 lost steps: resumed from the stop step"
+    result = _result(cluster)
+    assert (result["steps"], result["world_size"]) == (40, 4)
+    assert result["params_sha256"] == reference_result["params_sha256"]
+
+
+def test_trainjob_of_two_pods_trains_in_containers_like_torchrig_run(
+    podman_cluster: MakeCluster, reference_result: dict[str, Any]
+) -> None:
+    """A TrainJob of 2 nodes: the JobSet's pods reach node 0 by `PET_MASTER_ADDR`
+    (`<trainjob>-node-0-0.<trainjob>`, the headless Service's name, answered by aardvark-dns)."""
+    objects = render("trainjob", "spec.nodes.min=2")
+    cluster = podman_cluster(objects, trainjob_pods(objects))
+    outcome = run_job(cluster, trainjob_succeeded, timeout_s=JOB_TIMEOUT_S)
+    assert outcome.status == "Succeeded", _why(outcome, cluster)
+    assert {n: s.exit_codes for n, s in cluster.pods.items()} == {n: [0] for n in cluster.pods}
+    result = _result(cluster)
+    assert (result["steps"], result["world_size"]) == (40, 4)
+    assert result["params_sha256"] == reference_result["params_sha256"]
