@@ -14,7 +14,10 @@ stderr, no traceback); 200 training failed (an exception: retryable, a survivor 
 one too); 201 the step watchdog ended a hung rank (see `training.watchdog`); 202 preempted (SIGTERM:
 stopped at an agreed step after an emergency checkpoint, `training.preemption`); 203 in-place
 recovery failed (`training.inplace`: the group restarts); 205 a checkpoint store could not be read at
-restore and none that could holds a checkpoint of the job (`training.checkpoint.restore`).
+restore and none that could holds a checkpoint of the job (`training.checkpoint.restore`); 206 the
+data-parallel replicas disagreed (`training.sdc`: the group restarts from the newest certified
+checkpoint); 207 the replicas' majority named this rank the suspect and the job recovers in place (it
+leaves, a warm spare takes its rank, the others roll back: `training.inplace.protocol.decide_sdc`).
 """
 
 from __future__ import annotations
@@ -145,7 +148,7 @@ def run_role(spec: WorkerSpec, role: str, run_dir: str, *, spec_path: str | None
         CheckpointStoreUnavailableError,
     )
     from training.inplace import ROLE_SPARE, InPlace
-    from training.inplace.group import RecoveryFailed
+    from training.inplace.group import LeftForSpare, RecoveryFailed
     from training.preemption import PreemptedExit
     from training.sdc import SilentDataCorruption
     from training.task import TaskLoadError
@@ -167,6 +170,10 @@ def run_role(spec: WorkerSpec, role: str, run_dir: str, *, spec_path: str | None
     except SilentDataCorruption as exc:  # the replicas disagreed: the group restarts from a certified checkpoint
         print(f"torchrig: error: {exc}", file=sys.stderr)
         return int(ExitCode.SDC_DETECTED)
+    except LeftForSpare as exc:  # the majority named this rank: its host gives the rank to a spare
+        print(f"torchrig: error: {exc.__cause__ or exc}; {exc}".splitlines()[0], file=sys.stderr)
+        code = exc.decision.exit_code
+        return EXIT_FAILED if code is None else code
     except TaskLoadError as exc:
         print(f"torchrig: error: {f'{spec_path}: ' if spec_path else ''}{exc}", file=sys.stderr)
         return EXIT_USAGE

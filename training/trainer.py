@@ -33,7 +33,7 @@ from training.metrics.base import MetricsSink, StepRecord
 from training.metrics.straggler import create_straggler_detector
 from training.optim import lr_at
 from training.profiling import create_step_profiler
-from training.sdc import create_sdc_monitor, fingerprint, replica_shards, state_tensors
+from training.sdc import SilentDataCorruption, create_sdc_monitor, fingerprint, replica_shards, state_tensors
 from training.sdc_recompute import create_recompute_check
 from training.sdc_replay import ReplayPoint, replay_steps
 from training.state import ModelOptimizerState, TrainerProgress, full_params_sha256
@@ -295,11 +295,13 @@ class Trainer:
             except Exception as exc:
                 from training.inplace.group import is_peer_failure
 
-                if self.inplace is None or not is_peer_failure(exc):
+                # The replicas disagreed: leave for a spare, roll back in place, or raise (a group restart).
+                rollback = isinstance(exc, SilentDataCorruption) and self._rolls_back(exc)
+                if not rollback and (self.inplace is None or not is_peer_failure(exc)):
                     raise
                 failure = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
             # Outside the handler: the traceback (and the old DDP wrapper it references) is gone.
-            self.recover_in_place(failure)
+            self.recover_in_place(failure, rollback=rollback)
             self._snapshot()  # the spare took one on joining: every member takes this one
             feed = self._feed()  # the data order from the cursor: the step in flight is recomputed
             self.par.model.train()
@@ -307,13 +309,37 @@ class Trainer:
         samples_per_s = steps_run * feed.plan.global_batch / train_s if train_s > 0 else None
         return self._final_loss(), samples_per_s
 
-    def recover_in_place(self, failure: str) -> None:
+    def _rolls_back(self, exc: SilentDataCorruption) -> bool:
+        """`protocol.decide_sdc`: True when this rank rolls back in place (the majority named others).
+
+        Raises:
+            LeftForSpare: the majority named this rank: it leaves, and its host gives its rank to a spare.
+        """
+        from training.inplace.group import LeftForSpare
+        from training.inplace.protocol import RollBack, SdcObservation, StandDown, decide_sdc
+
+        seen = SdcObservation(
+            rank=self.identity.rank,
+            world=self.identity.world_size,
+            suspects=exc.suspects,
+            decided=exc.decided,
+            in_place=self.inplace is not None,
+            sharded=self.replicas is not None,
+        )
+        decision = decide_sdc(seen)
+        if isinstance(decision, StandDown):
+            raise LeftForSpare(decision, decision.reason) from exc
+        return isinstance(decision, RollBack)
+
+    def recover_in_place(self, failure: str, *, rollback: bool = False) -> None:
         """A collective failed (a peer died): re-form the group with a spare in the dead rank's place.
 
         Keeps model, optimizer and progress in memory; destroys the broken group, joins the next
         generation (`InPlaceGroup.form`), takes the newest state from the most advanced rank, wraps
         the model in a new DDP and opens a new checkpoint manager (a new writer fence) for the new
-        group. The step that was in flight is recomputed by the caller from `progress.cursor`.
+        group. The step that was in flight is recomputed by the caller from `progress.cursor`. With
+        `rollback` (the replicas disagreed, `protocol.RollBack`) every member then reloads the newest
+        certified checkpoint, and training resumes from its step.
 
         Raises:
             RecoveryFailed: the new generation did not form (the host then restarts the group).
@@ -326,7 +352,7 @@ class Trainer:
         with self.watchdog.recovery(limit):
             from training.inplace import survivor
 
-            survivor.recover_trainer(self, group, failure, limit, control_group=control_group)
+            survivor.recover_trainer(self, group, failure, limit, control_group=control_group, rollback=rollback)
         self.par.comm.failed = False
 
     def _snapshot(self) -> None:

@@ -33,6 +33,7 @@ from training.distributed import device_for, init_process_group
 from training.faults import FaultInjector
 from training.inplace import ROLE_SPARE, ROLE_TRAINER, InPlace
 from training.inplace.group import InPlaceGroup, StateSync, freeze_heap
+from training.inplace.protocol import ROLLBACK_PATH
 from training.inplace.replica import ReplicaSet
 from training.metrics import create_sinks
 from training.metrics.base import MetricsSink
@@ -200,6 +201,8 @@ def run_worker(
                 optimizer = prewarmed.optimizer
                 with watchdog.io(spec.spec.restarts.in_place_timeout_seconds):
                     synced = group.sync_state(model, optimizer, spare_progress, has_state=False)
+                if synced.rollback:  # it re-trains steps its predecessor ran: their faults were the predecessor's
+                    faults.predecessor_reached = synced.step
                 par = parallelize(
                     model, task.blocks(model), cfg, identity, device, bucket_order=synced.bucket_order, in_sync=True
                 )
@@ -244,10 +247,11 @@ def run_worker(
             watchdog.waiting_grace_s = spec.spec.restarts.in_place_timeout_seconds
         if prewarmed is not None and synced is not None:
             trainer.progress.load_state_dict(synced.progress)
-            trainer.skip_restore = True
+            # After an SDC the survivors reload the newest certified checkpoint: so does the spare (`run`).
+            trainer.skip_restore = not synced.rollback
             sink.emit(
                 Recovery(
-                    path="inplace",
+                    path=ROLLBACK_PATH if synced.rollback else "inplace",
                     step=synced.step,
                     seconds=round(time.perf_counter() - prewarmed.assigned_at, 3),
                     inplace_generation=prewarmed.generation,

@@ -89,6 +89,8 @@ class DrillContext:
     in_memory_every: int | None = None
     sdc_every: int | None = None  # spec.sdc.every (the sdc drill turns an off one, 0, on at its default)
     sdc_replicas: int = 0  # ranks that hold each replica's bits: the world (DDP), the nodes (HSDP)
+    in_place: bool = False  # spec.restarts recovers in place (a spare per node, not mode restart)
+    sharded: bool = False  # FSDP/HSDP: its in-place state is in-memory snapshots, not every rank's
     rng: random.Random = field(default_factory=random.Random, compare=False, repr=False)
 
     @property

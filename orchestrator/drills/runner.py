@@ -19,6 +19,7 @@ from orchestrator.errors import SpecError, UnsupportedFeature
 from orchestrator.spec import JobSpec
 from training.config import DEFAULT_SDC_EVERY, Strategy
 from training.contract import DrillEventKind, EventKind, RunFiles, Summary
+from training.inplace.protocol import ROLLBACK_PATH
 
 __all__ = ["DrillOptions", "adopt_reference", "run_drill"]
 
@@ -94,6 +95,8 @@ def run_drill(scenario_name: str, spec: JobSpec, options: DrillOptions) -> Drill
         in_memory_every=spec.spec.checkpoint.in_memory.every,
         sdc_every=spec.spec.sdc.every or DEFAULT_SDC_EVERY,
         sdc_replicas=nodes if spec.spec.training.strategy is Strategy.hsdp else nodes * spec.spec.procs_per_node,
+        in_place=spec.spec.restarts.in_place,
+        sharded=spec.spec.training.strategy is not Strategy.ddp,
     )
     tag = time.strftime("%Y%m%d-%H%M%S")
     plan = scenario.plan(isolate_stores(spec, tag, "run"), ctx)
@@ -251,8 +254,15 @@ def _fill_from_run(report: DrillReport, summary: Summary, history: RunHistory, o
     # place; no restore. Recovered from the step every member agreed on, measured from the fault to
     # the first step completed after the new group formed.
     in_place = [e for e in history.of(EventKind.RECOVERY) if e.time >= t_fault and e.get("path") == "inplace"]
+    # After an SDC whose majority named the suspect: a spare took its rank and every member reloaded the
+    # newest certified checkpoint in place (its restores are no group restart's).
+    rolled = [e for e in history.of(EventKind.RECOVERY) if e.time >= t_fault and e.get("path") == ROLLBACK_PATH]
     recovered_at = t_fault
-    if restores:
+    if restores and rolled:
+        report.recovery_path = ROLLBACK_PATH
+        report.resumed_from_step = restores[0].step or 0
+        recovered_at = max(t_fault, *(e.time for e in rolled))
+    elif restores:
         report.recovery_path = _restart_path(report.backend)
         report.resumed_from_step = restores[0].step or 0
         recovered_at = max(t_fault, restores[0].time)

@@ -422,22 +422,25 @@ class SilentCorruption(Scenario):
     name = "sdc"
     summary = (
         "Flip one bit of a parameter, an optimizer moment or a gradient on one rank (silent data corruption); "
-        "the replicas' fingerprints disagree and the group restarts from the newest certified checkpoint."
+        "the replicas' fingerprints disagree: with a majority and in-place recovery the suspect leaves for a "
+        "spare and the others reload the newest certified checkpoint in place, else the group restarts from it."
     )
     proves = (
         "a flipped bit is found within sdc.every steps and its rank named (majority; with two ranks: "
-        "deterministic replay), no checkpoint of a disagreeing step is restored, and the result is unchanged."
+        "deterministic replay), no checkpoint of a disagreeing step is restored, the recovery takes the "
+        "path the decision names (inplace-rollback or restart), and the result is unchanged."
     )
     latest_fault = 0.8  # a check (every sdc.every steps, or the final save) must follow the flip
 
     def patch(self, spec: JobSpec, ctx: DrillContext) -> JobSpec:
-        # The detecting ranks exit 206 and the group restarts (in place has no survivor to keep: every
-        # replica may carry the corruption). `sdc.every` 0 (off) is turned on at its default.
+        # `sdc.every` 0 (off) is turned on at its default. The recovery is the job's own
+        # (`training.inplace.protocol.decide_sdc`): in place (a rollback) where a majority names the suspect
+        # and the job recovers in place, a group restart from the certified checkpoint otherwise.
         if spec.spec.sdc.every <= 0:
             from training.config import DEFAULT_SDC_EVERY
 
             spec = patch_section(spec, "sdc", every=DEFAULT_SDC_EVERY)
-        return patch_section(spec, "restarts", mode="restart")
+        return spec
 
     def unmet(self, spec: JobSpec, nodes: int | None = None) -> str | None:
         from training.config import Strategy
@@ -489,6 +492,7 @@ class SilentCorruption(Scenario):
                 ),
                 f"flipped rank {ctx.fault_rank}, suspects {suspects} ({sdc.get('detail') if sdc else '-'})",
             )
+        self._judge_path(verdict, report, history, ctx, sdc)
         restores = [e for e in history.of(EventKind.RESTORE) if sdc is not None and e.time > sdc.time]
         uncertified = [e.step for e in restores if e.get("certified") is not True]
         late = [e.step for e in restores if flip_step is None or e.step is None or e.step >= flip_step]
@@ -501,6 +505,37 @@ class SilentCorruption(Scenario):
         if report.reference_params_sha256 is not None:
             _params_check(verdict, report)
         return verdict
+
+    @staticmethod
+    def _judge_path(
+        verdict: Verdict, report: DrillReport, history: RunHistory, ctx: DrillContext, sdc: Event | None
+    ) -> None:
+        """The recovery `decide_sdc` names: decided suspects of a job that recovers in place are replaced by
+        spares while the others roll back (`inplace-rollback`); anything else (undecided, every rank a
+        suspect, no in-place recovery, FSDP/HSDP) restarts the group."""
+        from training.inplace.protocol import ROLLBACK_PATH
+
+        decided = sdc is not None and bool(sdc.get("decided"))
+        suspects = (sdc.get("suspects") or []) if sdc is not None else []
+        left = set(range(ctx.world_size)) - set(suspects)  # someone to roll back
+        restart = "ray-restart" if report.backend == "ray" else "restart"
+        want = ROLLBACK_PATH if decided and left and ctx.in_place and not ctx.sharded else restart
+        verdict.check(
+            f"recovered by {want}",
+            report.recovery_path == want,
+            f"path {report.recovery_path} (decided {decided}, in place {ctx.in_place}), MTTR {report.mttr_seconds} s",
+        )
+        if want == ROLLBACK_PATH:
+            rolled = [e for e in history.of(EventKind.RECOVERY) if e.get("path") == ROLLBACK_PATH]
+            spares = [e for e in rolled if e.get("role") == "spare"]
+            survivors = [e for e in rolled if e.get("role") == "survivor"]
+            verdict.check(
+                "a warm spare took the suspect's rank, every survivor reloaded the same certified step",
+                [e.rank for e in spares] == [ctx.fault_rank]
+                and sorted(e.rank for e in survivors) == [r for r in range(ctx.world_size) if r != ctx.fault_rank]
+                and len({e.step for e in survivors}) == 1,
+                f"rollback events (rank, role, step): {[(e.rank, e.get('role'), e.step) for e in rolled]}",
+            )
 
 
 class _StoreScenario(Scenario):

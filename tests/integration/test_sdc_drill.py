@@ -1,7 +1,8 @@
 """The `sdc` drill end to end on the local backend: a real bit flipped in one rank's memory, real DDP
-replicas compared (`training.sdc`), a real group restart from the newest certified checkpoint, and the
-end bit-identical to an uninterrupted reference. At 2 ranks (no majority: the event says undecided) and
-at 4 (the majority names the flipped rank)."""
+replicas compared (`training.sdc`), and the end bit-identical to an uninterrupted reference. Where the
+suspect is decided (a majority at 4 ranks; at 2 the replay) it leaves, a warm spare takes its rank and the
+survivors reload the newest certified checkpoint in place (`inplace-rollback`); undecided, and under HSDP,
+the group restarts from that checkpoint."""
 
 from __future__ import annotations
 
@@ -49,10 +50,14 @@ def test_a_flipped_bit_is_found_its_rank_named_and_the_job_ends_bit_identical(
     assert flip.rank == rank and flip.step == 13
     sdc = [e for e in events if e.kind == EventKind.SDC]
     assert sdc and sdc[0].step == 15 and sdc[0].get("last_agreed_step") == 10
-    assert sdc[0].get("decided") is (world > 2)
-    assert sdc[0].get("suspects") == ([0, 1] if world == 2 else [rank])
+    # A majority decides at 4; at 2 the replay (`training.sdc`), which may name both ranks.
+    suspects, decided = sdc[0].get("suspects") or [], sdc[0].get("decided") is True
+    assert rank in suspects and (decided or world == 2) and (world == 2 or suspects == [rank])
     # Nothing after the flip was restored, and what was restored says it is certified.
     assert report.resumed_from_step == 10 and report.final_params_match_reference is True
+    rolled_back = decided and len(suspects) < world  # someone is left to roll back
+    assert report.recovery_path == ("inplace-rollback" if rolled_back else "restart")
+    assert report.mttr_seconds is not None
 
 
 @pytest.mark.slow
@@ -80,8 +85,9 @@ def test_hsdp_compares_each_shards_replicas_across_nodes(tmp_path: Path) -> None
     failed = [(c.name, c.detail) for c in report.checks if not c.passed]
     assert report.passed, f"failed checks: {failed}\n" + json.dumps(report.to_dict(), default=str)[-3000:]
     sdc = [e for e in read_events(RunFiles(report.run_dir or "").events) if e.kind == EventKind.SDC]
-    assert sdc and sdc[0].step == 15 and sdc[0].get("suspects") == [1, 3] and not sdc[0].get("decided")
-    assert report.final_params_match_reference is True
+    assert sdc and sdc[0].step == 15 and 3 in (sdc[0].get("suspects") or []) and 0 not in sdc[0].get("suspects")
+    # HSDP recovers in place from in-memory snapshots, which may postdate the flip: it restarts from disk.
+    assert report.final_params_match_reference is True and report.recovery_path == "restart"
 
 
 # tinygpt small enough for a CPU test (the example's own size is a GPU cluster's), DDP in fp32 so the
@@ -130,8 +136,11 @@ def test_tinygpt_a_flipped_bit_in_each_place_is_found_and_the_job_ends_bit_ident
     assert flip.rank == rank and flip.step == 8
     sdc = [e for e in events if e.kind == EventKind.SDC]
     assert sdc and sdc[0].step == 10 and sdc[0].get("last_agreed_step") == 5
-    assert sdc[0].get("suspects") == (list(range(world)) if world == 2 else [rank])
+    suspects, decided = sdc[0].get("suspects") or [], sdc[0].get("decided") is True
+    assert rank in suspects and (decided or world == 2) and (world == 2 or suspects == [rank])
     assert report.resumed_from_step == 5 and report.final_params_match_reference is True
+    rolled_back = decided and len(suspects) < world
+    assert report.recovery_path == ("inplace-rollback" if rolled_back else "restart")
 
 
 def _digits_run(tmp_path: Path, name: str, faults: list[dict[str, object]], recompute_every: int) -> Path:

@@ -50,6 +50,7 @@ def test_exit_code_convention() -> None:
         ExitCode.STORE_LOST,
         ExitCode.STORE_UNAVAILABLE,
         ExitCode.SDC_DETECTED,  # the group restarts from the newest certified checkpoint
+        ExitCode.SDC_SUSPECT,  # the majority's suspect leaves; a spare takes its rank in place
     }
     assert {c for c in ExitCode if c.retryable} == retryable
     assert all(not is_retryable(code) for code in (*PERMANENT, 1))

@@ -27,6 +27,7 @@ from orchestrator.drills.scenarios import (
     KillNode,
     KillWorker,
     LoseStoreAtRestart,
+    SilentCorruption,
     Straggler,
     get_scenario,
 )
@@ -747,3 +748,46 @@ def test_lose_store_at_restart_gives_up_under_the_drills_marker() -> None:
     from training.checkpoint.restore import RESTORE_GAVE_UP
 
     assert GAVE_UP == RESTORE_GAVE_UP
+
+
+def _sdc_rollback_run(tmp_path: Path) -> Path:
+    """A 3-rank run whose rank 1 flipped a bit at step 13; the check at 15 named it (a majority): it left,
+    a spare took rank 1, and every member reloaded the certified step 10 in place (`inplace-rollback`)."""
+    events: list[dict[str, Any]] = [
+        {"time": 1.0, "event": "start", "rank": r, "world_size": 3, "pid": 10 + r, "generation": 0} for r in range(3)
+    ]
+    events += [
+        {"time": 5.0, "event": "checkpoint_committed", "step": 10, "rank": 0, "certified": True},
+        {"time": 6.0, "event": "fault", "kind": "bitflip", "rank": 1, "step": 13, "generation": 0},
+        {"time": 6.5, "event": "sdc", "step": 15, "rank": 0, "suspects": [1], "decided": True},
+        {"time": 7.0, "event": "recovery", "path": "inplace-rollback", "step": 15, "rank": 1, "role": "spare"},
+        *(
+            {"time": 7.5, "event": "restore", "step": 10, "store": "local", "rank": r, "certified": True}
+            for r in range(3)
+        ),
+        *(
+            {"time": 7.6, "event": "recovery", "path": "inplace-rollback", "step": 10, "rank": r, "role": "survivor"}
+            for r in (0, 2)
+        ),
+        {"time": 8.0, "event": "first_step", "step": 11, "rank": 0, "generation": 0},
+    ]
+    _write_jsonl(tmp_path / "events.jsonl", events)
+    return tmp_path
+
+
+def test_an_sdc_rolled_back_in_place_is_its_own_recovery_path_and_the_verdict_wants_it(tmp_path: Path) -> None:
+    history = RunHistory.load(_sdc_rollback_run(tmp_path))
+    ctx = _ctx(scenario="sdc", world_size=3, fault_step=13, sdc_every=5, sdc_replicas=3, in_place=True)
+    report = DrillReport("sdc", "local", 0)
+    _fill_from_run(report, Summary(status="succeeded", params_sha256="ab"), history, _outcome(13, 1))
+    assert report.recovery_path == "inplace-rollback" and report.resumed_from_step == 10
+    assert report.mttr_seconds == pytest.approx(2.0)  # the flip (6.0) to the first step after the rollback
+    report.add(SilentCorruption().judge(report, history, ctx))
+    assert report.passed, report.checks
+
+    # The same detection with a job that recovers in place, ended by a group restart: the wrong path.
+    restarted = DrillReport("sdc", "local", 0)
+    _fill_from_run(restarted, Summary(status="succeeded", params_sha256="ab"), history, _outcome(13, 1))
+    restarted.recovery_path = "restart"
+    restarted.add(SilentCorruption().judge(restarted, history, ctx))
+    assert [c.name for c in restarted.checks if not c.passed] == ["recovered by inplace-rollback"]

@@ -3,6 +3,7 @@ them out against an in-memory store (no process, no socket)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable
@@ -32,7 +33,9 @@ from training.inplace.protocol import (
     Promote,
     Ready,
     Recovered,
+    RollBack,
     RoundOver,
+    SdcObservation,
     SpareObservation,
     SpareState,
     StandBy,
@@ -45,6 +48,7 @@ from training.inplace.protocol import (
     Wait,
     decide_form,
     decide_host,
+    decide_sdc,
     decide_spare,
     decide_standby,
     mermaid,
@@ -78,6 +82,8 @@ def _fallback(decision: Decision, reason: str) -> bool:
         (T, HostObservation(exit_code=203, stepped=True), PassThrough(203)),
         (T, HostObservation(exit_code=137, stepped=True), ClaimSpare()),
         (T, HostObservation(exit_code=200, stepped=True), ClaimSpare()),
+        (T, HostObservation(exit_code=206, stepped=True), PassThrough(206)),  # SDC undecided: group restart
+        (T, HostObservation(exit_code=207, stepped=True), ClaimSpare()),  # the SDC suspect: replace its rank
         (T, HostObservation(exit_code=137, stepped=True, stopping=True), PassThrough(137)),
         (W, HostObservation(stepped=True), Recovered()),
         (W, HostObservation(), Wait()),
@@ -371,6 +377,43 @@ def test_a_survivor_runs_its_phases_in_the_order_of_the_table() -> None:
     done: list[str] = []
     recover(_phases(done), 3)
     assert done == ["leave", "form", "sync", "rewire"]
+
+
+def test_a_rollback_reloads_the_certified_checkpoint_after_rewiring_and_its_failure_is_a_fall_back() -> None:
+    done: list[str] = []
+    recover(dataclasses.replace(_phases(done), rollback=lambda: done.append("rollback")), 3)
+    assert done == ["leave", "form", "sync", "rewire", "rollback"]
+
+    def nothing_certified() -> None:
+        raise RecoveryFailed("no certified checkpoint before step 15 to roll back to")
+
+    with pytest.raises(RecoveryFailed, match="no certified checkpoint"):
+        recover(dataclasses.replace(_phases([]), rollback=nothing_certified), 3)
+
+
+# -- a replica disagreement (`training.sdc`) -------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("seen", "expected"),
+    [
+        # The majority named rank 2: it leaves for a spare, the others roll back in place.
+        (SdcObservation(2, 4, (2,), decided=True, in_place=True), StandDown(int(ExitCode.SDC_SUSPECT))),
+        (SdcObservation(0, 4, (2,), decided=True, in_place=True), RollBack()),
+        # No majority (two replicas the replay could not tell apart): nobody is known good.
+        (SdcObservation(0, 2, (0, 1), decided=False, in_place=True), PassThrough(int(ExitCode.SDC_DETECTED))),
+        (SdcObservation(1, 2, (0, 1), decided=False, in_place=True), PassThrough(int(ExitCode.SDC_DETECTED))),
+        # No in-place host to give the rank to a spare: the group restarts.
+        (SdcObservation(2, 4, (2,), decided=True, in_place=False), PassThrough(int(ExitCode.SDC_DETECTED))),
+        (SdcObservation(0, 4, (2,), decided=True, in_place=False), PassThrough(int(ExitCode.SDC_DETECTED))),
+        # HSDP: its in-place state is in-memory snapshots, which may postdate the flip.
+        (SdcObservation(0, 4, (3,), decided=True, in_place=True, sharded=True), PassThrough(206)),
+        (SdcObservation(3, 4, (3,), decided=True, in_place=True, sharded=True), PassThrough(206)),
+        # Every rank a suspect (a replay none of them reproduced): no survivor to roll back.
+        (SdcObservation(0, 2, (0, 1), decided=True, in_place=True), PassThrough(206)),
+    ],
+)
+def test_the_sdc_policy(seen: SdcObservation, expected: Decision) -> None:
+    assert decide_sdc(seen) == expected
+    assert decide_sdc(seen).exit_code in (None, 206, 207)
 
 
 def test_a_failure_after_leaving_is_a_fall_back_naming_the_generation() -> None:

@@ -6,7 +6,9 @@ hosts, trainers and warm spares, and standby nodes, whose every choice is
 `training.inplace.protocol`'s (`decide_host`, `decide_form`, and the transition tables). A schedule is a
 short list of faults at given ticks (kill a trainer, a spare, a whole machine; a permanent bug; a
 shutdown; a store that refuses or stalls; a machine cut off from the store, or from the store and its
-peers, that comes back; a forged order; the run's end); after every tick the invariants are checked:
+peers, that comes back; a forged order; the run's end; a replica disagreement, `sdc`, whose suspect leaves
+for a spare while the others roll back, or, with no majority, which restarts the group); after every tick
+the invariants are checked:
 
 - at most one member per rank per generation, and a generation forms only with every rank;
 - no member of an old generation commits a checkpoint after a newer one formed (a commit is a
@@ -54,7 +56,9 @@ from training.inplace.protocol import (
     Promote,
     Ready,
     Recovered,
+    RollBack,
     RoundOver,
+    SdcObservation,
     SpareObservation,
     SpareState,
     StandbyObservation,
@@ -66,6 +70,7 @@ from training.inplace.protocol import (
     Wait,
     decide_form,
     decide_host,
+    decide_sdc,
     decide_spare,
     decide_standby,
     next_state,
@@ -98,6 +103,7 @@ KINDS = (
     "partition",
     "forge",
     "finish",
+    "sdc",
 )
 KILLED = 128 + 9
 # Every host ends this soon after torchrun's SIGTERM (its own grace is 30 s): one cut off from the store ends
@@ -264,6 +270,7 @@ class Proc:
     stepped: bool = False
     gen: int = 0
     survivor: SurvivorState | None = None  # None: training in `gen`
+    rollback: bool = False  # its recovery ends in ROLLBACK (a replica disagreement's survivor)
     phase: int = 0  # FORM: 0 looks at the rank's owner, 1 joins (a tick later), 2 waits for the others
     form_start: float = 0.0
     stopping: bool = False
@@ -446,6 +453,31 @@ class Sim:
             self._forge(n)
         elif kind == "finish":
             self.finishing = n if self.finishing is None else self.finishing
+        elif kind == "sdc":
+            self._sdc(n)
+
+    def _sdc(self, n: int) -> None:
+        """The replicas' fingerprints disagree at a check (a collective of the newest generation training at
+        full size; none runs while a recovery is in flight). Rank `n % world` is the odd one out: with three
+        or more replicas the majority names it, with two it is undecided. Each member acts on `decide_sdc`."""
+        newest = self.newest()
+        members = [self.current(rank) for rank in range(self.world)]
+        if not all(
+            p.alive and p.survivor is None and p.stepped and p.gen == newest and p.exit_tick is None and not p.stopping
+            for p in members
+        ):
+            return
+        suspect, decided = n % self.world, self.world >= 3
+        suspects = (suspect,) if decided else tuple(range(self.world))
+        for proc in members:
+            assert proc.rank is not None
+            decision = decide_sdc(SdcObservation(proc.rank, self.world, suspects, decided, in_place=True))
+            if isinstance(decision, RollBack):
+                proc.survivor, proc.rollback = SurvivorState.LEAVE, True  # it leaves the group itself
+                self.whole.clear()
+            else:
+                assert decision.exit_code is not None
+                self._die(proc, decision.exit_code)
 
     @staticmethod
     def _partition_ticks(n: int) -> int:
@@ -761,10 +793,15 @@ class Sim:
             self._enter_form(proc, proc.gen + 1)
         elif proc.survivor is SurvivorState.FORM:
             self._form(proc)
-        elif proc.survivor in (SurvivorState.SYNC, SurvivorState.REWIRE):
+        elif proc.survivor in (SurvivorState.SYNC, SurvivorState.REWIRE, SurvivorState.ROLLBACK):
             # Collective with every member: a death during it is an exception the member turns into a
-            # fall-back (`Trainer._recover_in_place`).
-            decision = FallBack("a member died while syncing") if self._gen_broken(proc.gen) else Wait()
+            # fall-back (`Trainer._recover_in_place`). A rollback's survivor goes on from REWIRE to reload
+            # the certified checkpoint with every member (`survivor.recover`).
+            decision: FallBack | Wait | RollBack = Wait()
+            if self._gen_broken(proc.gen):
+                decision = FallBack("a member died while syncing")
+            elif proc.survivor is SurvivorState.REWIRE and proc.rollback:
+                decision = RollBack()
             proc.survivor = next_state(SURVIVOR_TRANSITIONS, proc.survivor, decision)
             self._survivor_end(proc)
 
@@ -773,7 +810,7 @@ class Sim:
             assert proc.survivor.exit_code is not None
             self._die(proc, proc.survivor.exit_code)
         elif proc.survivor is SurvivorState.RESUMED:
-            proc.survivor = None
+            proc.survivor, proc.rollback = None, False
 
     def _enter_form(self, proc: Proc, gen: int) -> None:
         proc.survivor, proc.gen, proc.form_start, proc.phase, proc.watch = SurvivorState.FORM, gen, self.t, 0, None
@@ -1457,6 +1494,25 @@ def test_a_standby_host_killed_while_it_counts_a_rank_lost_leaves_no_count_behin
     trainer trains on, and no other host of rank 0 recovers it: the count stays 1."""
     faults = [Fault(8, "kill_spare", 452), Fault(13, "partition", 325), Fault(26, "kill_node", 889)]
     simulate(World(3, 1, 0, 5, standbys=2), faults, strict=True)
+
+
+def test_a_replica_disagreement_with_a_majority_rolls_back_in_place_with_a_spare_in_the_suspects_rank() -> None:
+    sim = Sim(World(1, 3, 1, 2), [Fault(10, "sdc", 4)])
+    assert sim.run() == "resumed in generation 1"
+    # Rank 1's trainer left with SDC_SUSPECT, and its rank is held by a spare in generation 1.
+    first = sim.procs[sim.hosts[1].first_pid]
+    assert first.code == ExitCode.SDC_SUSPECT and sim.current(1).pid != first.pid and sim.current(1).gen == 1
+    assert all(sim.current(r).pid == sim.hosts[r].first_pid for r in (0, 2))  # the survivors stayed
+
+
+def test_a_replica_disagreement_without_a_majority_restarts_the_group() -> None:
+    assert simulate(World(1, 2, 1, 2), [Fault(10, "sdc", 1)]) == "group restart (206)"
+
+
+def test_a_suspect_with_no_spare_to_take_its_rank_falls_back_to_a_group_restart() -> None:
+    """Its node has no warm spare (a rank's replacement runs on the rank's node: no other node's spare can
+    be claimed): the host finds none within the in-place timeout and the group restarts."""
+    assert simulate(World(1, 3, 0, 2), [Fault(10, "sdc", 2)]) == "group restart (203)"
 
 
 def test_seeded_schedules_hold_every_invariant() -> None:

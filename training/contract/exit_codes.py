@@ -38,9 +38,14 @@ for SIGKILL, an OOM kill or a lost node; 143 for SIGTERM, a preemption). torchri
 - `SDC_DETECTED` (206): the data-parallel replicas' fingerprints disagreed (`training.sdc`: silent data
   corruption, an `sdc` event names the suspects). Retryable: the group restarts from the newest
   certified checkpoint (one whose replicas agreed); an in-place host passes it through, since every
-  rank's state may carry the corruption and no survivor's can be trusted.
+  rank's state may carry the corruption and no survivor's can be trusted (two replicas: no majority names
+  the culprit; or no in-place recovery).
+- `SDC_SUSPECT` (207): a majority of the replicas named this rank the suspect of a disagreement, and the job
+  recovers in place (`training.inplace.protocol.decide_sdc`): this rank leaves, its in-place host gives
+  its rank to a warm spare, and the survivors reload the newest certified checkpoint in place. Outside an
+  in-place host (never the case: the decision needs one) it is retryable like 206.
 
-200 to 206 lie above 128 + 64 (the highest signal), so they are never mistaken for a signal death.
+200 to 207 lie above 128 + 64 (the highest signal), so they are never mistaken for a signal death.
 `torchrun` itself exits 1 when its worker group failed and it has no restart left: under a PyTorchJob
 (where torchrun owns the restart budget) that is permanent, as it should be; the TrainJob, whose restarts
 belong to its JobSet, fails its Job only on `PERMANENT` codes and restarts on the rest.
@@ -70,6 +75,7 @@ class ExitCode(IntEnum):
     STORE_LOST = 204  # torchrun's agent lost its rendezvous store (its host pod died): restart the job
     STORE_UNAVAILABLE = 205  # restore: a checkpoint store could not be read, none that could holds one
     SDC_DETECTED = 206  # the replicas disagreed (training.sdc): restart from the newest certified checkpoint
+    SDC_SUSPECT = 207  # the majority named this rank (training.sdc): it leaves, a spare takes its rank in place
 
     @property
     def retryable(self) -> bool:

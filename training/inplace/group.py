@@ -42,7 +42,7 @@ from torch._C._distributed_c10d import PrefixStore
 
 from training.contract import WorkerIdentity
 from training.inplace import BEAT_S, BEHIND_LOST_S, HOST_LOST_S, STANDBY_GRACE_S, InPlace, KeyWait, exchange, sockets
-from training.inplace.protocol import FallBack, Formed, FormObservation, decide_form
+from training.inplace.protocol import Decision, FallBack, Formed, FormObservation, decide_form
 
 __all__ = [
     "InPlaceGroup",
@@ -73,6 +73,15 @@ class RecoveryFailed(RuntimeError):
     """The new generation did not form in time: the group must restart (the fallback)."""
 
 
+class LeftForSpare(RuntimeError):
+    """This rank leaves so that a warm spare takes its rank (`decision`, from `protocol.decide_sdc`: the
+    replicas' majority named it the suspect of a disagreement); the process exits `decision.exit_code`."""
+
+    def __init__(self, decision: Decision, message: str) -> None:
+        super().__init__(message)
+        self.decision = decision
+
+
 def is_peer_failure(exc: BaseException) -> bool:
     """Whether `exc` looks like a collective that failed because a peer went away (not a bug here)."""
     if isinstance(exc, RecoveryFailed):
@@ -92,6 +101,7 @@ class StateSync:
     replaced: list[int]  # ranks that held no state (spares)
     progress: dict[str, Any]  # the source's `TrainerProgress.state_dict()`
     bucket_order: list[int] | None = None  # the source's DDP bucket layout (`Parallel.bucket_order`)
+    rollback: bool = False  # after an SDC: every member reloads the newest certified checkpoint next
 
 
 def nodes_behind(store: Any, inplace: InPlace, world: int, nproc: int, generation: int | None = None) -> set[int]:
@@ -365,6 +375,7 @@ class InPlaceGroup:
         *,
         has_state: bool,
         bucket_order: list[int] | None = None,
+        rollback: bool = False,
     ) -> StateSync:
         """Give every rank the state of the most advanced one (collective on the new group).
 
@@ -375,6 +386,9 @@ class InPlaceGroup:
             has_state: False for a spare (it holds no trained state).
             bucket_order: This rank's DDP bucket layout; the source's is returned to every rank, so the
                 new wrappers all start from the layout the run had (`training.strategies._OrderedDDP`).
+            rollback: The survivors roll back to the newest certified checkpoint after this (the source says
+                so to every member, the spares too, in `StateSync.rollback`): no model or optimizer is sent,
+                every member reads them from the checkpoint next.
         """
         world = self.identity.world_size
         t0 = time.perf_counter()
@@ -389,9 +403,16 @@ class InPlaceGroup:
         source = values.index(best)
         rank = self.identity.rank
         behind = [r for r, v in enumerate(values) if v != best]
-        mine_box = {"progress": progress.state_dict(), "buckets": bucket_order} if rank == source else None
+        mine_box = (
+            {"progress": progress.state_dict(), "buckets": bucket_order, "rollback": rollback}
+            if rank == source
+            else None
+        )
         # Small: the progress and DDP's bucket layout, to all, as JSON (no pickle from a peer).
         payload = exchange.broadcast_json(mine_box, src=source)
+        rolling_back = payload.get("rollback") is True
+        if rolling_back:
+            behind = []
         # The model and optimizer go only to the ranks that lack them (a spare, a rank behind), point to
         # point: broadcast to all, every survivor would receive and deserialise the whole state for nothing
         # (at 8 ranks on 2 cores that was most of the transfer phase's growth with the world size).
@@ -411,6 +432,7 @@ class InPlaceGroup:
             replaced=[r for r, v in enumerate(values) if v < 0],
             progress=payload["progress"],
             bucket_order=payload.get("buckets"),
+            rollback=rolling_back,
         )
 
 

@@ -4,15 +4,17 @@ The processes of in-place recovery (`training.inplace`) only carry decisions out
 (`training.inplace.host`), a member forming a new generation (`training.inplace.group`), a warm spare
 (`training.inplace.spare`) and a standby node (`training.inplace.standby`) look at the store, their
 children and the clock, put what they saw into an observation, and ask `decide_host` / `decide_form` /
-`decide_spare` / `decide_standby` what to do. Every exit code a recovery ends with is chosen here, so the
-policy can be read in one place, tested as a table and checked by a deterministic simulation
-(`tests/unit/test_protocol_sim.py`), which drives these same functions with a model store, an injected
-clock and fault schedules drawn at random.
+`decide_spare` / `decide_standby` what to do; a trainer whose replicas disagreed (`training.sdc`) asks
+`decide_sdc` whether it leaves, rolls back in place, or makes the group restart. Every exit code a
+recovery ends with is chosen here, so the policy can be read in one place, tested as a table and checked
+by a deterministic simulation (`tests/unit/test_protocol_sim.py`), which drives these same functions with
+a model store, an injected clock and fault schedules drawn at random.
 
 The transitions are data too (`HOST_TRANSITIONS`, `SURVIVOR_TRANSITIONS`, `SPARE_TRANSITIONS`,
 `STANDBY_TRANSITIONS`): `next_state` follows them, and `mermaid` draws them for docs/architecture.md (a
 unit test keeps the drawing and the table equal). The survivor's table orders its phases
-(`training.inplace.survivor`; its only decision, whether a generation formed, is `decide_form`'s). Nothing
+(`training.inplace.survivor`; its decisions are `decide_form`'s, whether a generation formed, and
+`decide_sdc`'s, whether it reloads the newest certified checkpoint after re-wiring: ROLLBACK). Nothing
 here imports torch, touches a process or the store, or reads time except through a `Clock`.
 """
 
@@ -30,6 +32,7 @@ __all__ = [
     "HOST_TRANSITIONS",
     "PASS_THROUGH",
     "REAL_CLOCK",
+    "ROLLBACK_PATH",
     "SPARE_TRANSITIONS",
     "STANDBY_TRANSITIONS",
     "SURVIVOR_TRANSITIONS",
@@ -47,7 +50,9 @@ __all__ = [
     "Ready",
     "RealClock",
     "Recovered",
+    "RollBack",
     "RoundOver",
+    "SdcObservation",
     "SpareObservation",
     "SpareState",
     "StandBy",
@@ -60,6 +65,7 @@ __all__ = [
     "Wait",
     "decide_form",
     "decide_host",
+    "decide_sdc",
     "decide_spare",
     "decide_standby",
     "mermaid",
@@ -79,6 +85,11 @@ PASS_THROUGH: frozenset[int] = frozenset(
         int(ExitCode.SDC_DETECTED),  # every replica may hold the corruption: no survivor to keep
     }
 )
+
+
+# `Recovery.path` of an in-place return to the newest certified checkpoint after an SDC (`RollBack`): what
+# the drill report calls the recovery (beside `inplace` and `restart`).
+ROLLBACK_PATH = "inplace-rollback"
 
 
 class Clock(Protocol):
@@ -126,6 +137,7 @@ class SurvivorState(Enum):
     FORM = "form"  # join generation g+1 and wait until every rank has
     SYNC = "sync"  # take the newest state from the most advanced rank
     REWIRE = "rewire"  # new DDP wrapper, checkpoint manager, preemption group
+    ROLLBACK = "rollback"  # after an SDC: every member reloads the newest certified checkpoint (collective)
     RESUMED = "resumed"  # training again, in generation g+1
     FAILED = "failed"  # the generation could not form: the group restarts
 
@@ -239,6 +251,16 @@ class FallBack:
 
 
 @dataclass(frozen=True)
+class RollBack:
+    """The replicas disagreed and the majority named other ranks (`decide_sdc`): this survivor stays, re-forms
+    the group with spares in the suspects' ranks and, once re-wired, reloads the newest certified checkpoint
+    with every member (the majority's own state took the suspect's gradients in: it is consistent, not
+    right). To a survivor's REWIRE: go on to ROLLBACK."""
+
+    exit_code = None
+
+
+@dataclass(frozen=True)
 class StandDown:
     """A standby (a standby node, a standby host, a spare) ends without having taken a rank or a node:
     exit `code`. `reason`, when set, is said on stderr (it is no part of the decision's identity)."""
@@ -312,6 +334,7 @@ Decision = (
     | Take
     | RoundOver
     | Join
+    | RollBack
 )
 
 
@@ -439,6 +462,28 @@ class StandbyObservation:
     store_failed: str | None = None
 
 
+@dataclass(frozen=True)
+class SdcObservation:
+    """What a trainer knows when its replicas disagreed (`training.sdc.SilentDataCorruption`).
+
+    Attributes:
+        rank: This rank.
+        world: The world size.
+        suspects: The ranks the fingerprints suspect.
+        decided: A strict majority of each replica group agreed, so the suspects are the culprits; False
+            with two replicas (no majority: both are suspects).
+        in_place: The trainer recovers in place (an in-place host watches it, `restarts.mode` auto/inplace).
+        sharded: FSDP/HSDP (its state lives in shards and in-memory replicas, not in every rank).
+    """
+
+    rank: int
+    world: int
+    suspects: tuple[int, ...]
+    decided: bool
+    in_place: bool
+    sharded: bool = False
+
+
 # -- policies ---------------------------------------------------------------------------------------
 def decide_host(state: HostState, seen: HostObservation) -> Decision:
     """What a host does next in `state`, having seen `seen`."""
@@ -483,6 +528,28 @@ def decide_host(state: HostState, seen: HostObservation) -> Decision:
         # so the group restarts (bounded by restarts.max).
         return FallBack(f"the trainer exited {seen.exit_code} before completing a step")
     return ClaimSpare()
+
+
+def decide_sdc(seen: SdcObservation) -> Decision:
+    """What a rank does once its replicas disagreed: `StandDown(SDC_SUSPECT)` (the majority named it: it
+    leaves, its host gives its rank to a warm spare, as for any trainer dead after a step), `RollBack` (a
+    survivor: it re-forms the group and reloads the newest certified checkpoint in place) or
+    `PassThrough(SDC_DETECTED)` (the group restarts from the newest certified checkpoint: undecided, so no
+    survivor is known good; every rank a suspect, so none would be left to roll back; no in-place host; or
+    FSDP/HSDP, whose in-place recovery restores in-memory replicas of a step that may postdate the
+    corruption).
+
+    A rank's replacement runs where its host runs (the host watches its trainer by pid), so the spare that
+    takes a suspect's rank is one of the suspect's own node: no spare of another node can be claimed, and
+    a group restart would run the rank on that node all the same. The node is named in the `sdc` event
+    (`suspect_hosts`), and once suspected twice in `quarantined_hosts`: keeping it out is the scheduler's
+    (a Kubernetes taint, docs/operations.md)."""
+    every_rank = set(range(seen.world)) <= set(seen.suspects)
+    if not seen.decided or not seen.in_place or seen.sharded or not seen.suspects or every_rank:
+        return PassThrough(int(ExitCode.SDC_DETECTED))
+    if seen.rank in seen.suspects:
+        return StandDown(int(ExitCode.SDC_SUSPECT), "the replicas' majority names this rank: it leaves for a spare")
+    return RollBack()
 
 
 def decide_form(seen: FormObservation) -> Decision:
@@ -620,7 +687,10 @@ SURVIVOR_TRANSITIONS: Mapping[tuple[SurvivorState, type], SurvivorState] = {
     (SurvivorState.SYNC, Wait): SurvivorState.REWIRE,
     (SurvivorState.SYNC, FallBack): SurvivorState.FAILED,
     (SurvivorState.REWIRE, Wait): SurvivorState.RESUMED,
+    (SurvivorState.REWIRE, RollBack): SurvivorState.ROLLBACK,
     (SurvivorState.REWIRE, FallBack): SurvivorState.FAILED,
+    (SurvivorState.ROLLBACK, Wait): SurvivorState.RESUMED,
+    (SurvivorState.ROLLBACK, FallBack): SurvivorState.FAILED,
 }
 
 SPARE_TRANSITIONS: Mapping[tuple[SpareState, type], SpareState] = {

@@ -6,6 +6,10 @@ order `recover` takes from the survivor's table: LEAVE (cut the broken generatio
 its groups, abandon its checkpoint manager) -> FORM (join generation g+1, `InPlaceGroup.form`, whose
 decisions are `protocol.decide_form`'s) -> SYNC (the newest state from the most advanced rank, or from
 the in-memory replicas under FSDP/HSDP) -> REWIRE (DDP, checkpoint manager, preemption group) -> RESUMED.
+After a replica disagreement whose majority named other ranks (`protocol.decide_sdc`: `RollBack`), the
+survivor has no failed collective: it leaves the group itself (the suspect is leaving for a spare), and
+after REWIRE every member, the spare too, reloads the newest certified checkpoint (ROLLBACK): the
+majority's state took the suspect's gradients in, so only a certified step is known good.
 Any failure once the broken generation is left (a second death while forming or syncing, a shutdown
 signal, a generation that does not form) is a `FallBack`: `RecoveryFailed`, and the trainer exits
 `RECOVERY_FAILED` so that torchrun restarts the group. A failure while leaving is the trainer's own (it
@@ -14,6 +18,7 @@ propagates as it is). The transitions are `protocol.SURVIVOR_TRANSITIONS`, as th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import threading
@@ -27,7 +32,17 @@ import torch
 from training.contract.events import Recovery
 from training.inplace import sockets
 from training.inplace.group import RecoveryFailed, StateSync
-from training.inplace.protocol import SURVIVOR_TRANSITIONS, Decision, FallBack, Formed, SurvivorState, Wait, next_state
+from training.inplace.protocol import (
+    ROLLBACK_PATH,
+    SURVIVOR_TRANSITIONS,
+    Decision,
+    FallBack,
+    Formed,
+    RollBack,
+    SurvivorState,
+    Wait,
+    next_state,
+)
 from training.optim import build_optimizer
 from training.state import ModelOptimizerState
 from training.strategies import parallelize, rewrap_ddp, unwrap_ddp
@@ -52,6 +67,7 @@ class Phases:
     form: Callable[[], None]
     sync: Callable[[], None]
     rewire: Callable[[], None]
+    rollback: Callable[[], None] | None = None  # after an SDC (`RollBack`): the collective reload
 
 
 def recover(phases: Phases, generation: int) -> None:
@@ -69,10 +85,15 @@ def recover(phases: Phases, generation: int) -> None:
         SurvivorState.FORM: phases.form,
         SurvivorState.SYNC: phases.sync,
         SurvivorState.REWIRE: phases.rewire,
+        SurvivorState.ROLLBACK: phases.rollback or (lambda: None),
     }
     state = SurvivorState.LEAVE
     while not state.terminal:
-        decision: Decision = Formed() if state is SurvivorState.FORM else Wait()
+        decision: Decision = Wait()
+        if state is SurvivorState.FORM:
+            decision = Formed()
+        elif state is SurvivorState.REWIRE and phases.rollback is not None:
+            decision = RollBack()
         failed: Exception | None = None
         try:
             work[state]()
@@ -110,9 +131,16 @@ class _Survivor:
     """One recovery of `trainer`: each phase's work on its pieces, and when each phase ended."""
 
     def __init__(
-        self, trainer: Trainer, group: InPlaceGroup, limit: float, control_group: Callable[[Any], Any]
+        self,
+        trainer: Trainer,
+        group: InPlaceGroup,
+        limit: float,
+        control_group: Callable[[Any], Any],
+        *,
+        rollback: bool = False,
     ) -> None:
         self.trainer = trainer
+        self.rollback = rollback
         self.group = group
         self.limit = limit
         self.control_group = control_group
@@ -129,6 +157,14 @@ class _Survivor:
     def leave(self) -> None:
         t, group = self.trainer, self.group
         old_checkpoints, t.checkpoints = t.checkpoints, None
+        if self.rollback and old_checkpoints is not None:
+            # No peer died: the group still works, and the suspect closes its manager as it exits. Closing
+            # ours with it commits the save in flight (a certified step) instead of abandoning it, so the
+            # rollback returns to the newest certified step, not the one before.
+            try:  # (under the recovery's limit, `Trainer.recover_in_place`)
+                old_checkpoints.close()
+            except Exception:
+                log.warning("in-place: the checkpoint save in flight did not commit", exc_info=True)
         # Drop every reference to the broken groups before destroying them (DDP's reducer would keep them
         # alive); `group.leave` first cuts their connections, which wakes the survivors blocked on us.
         if self.sharded:
@@ -166,7 +202,12 @@ class _Survivor:
             found = StateSync(step=plan.step, source=-1, replaced=sorted(plan.sends), progress=t.progress.state_dict())
         else:
             found = group.sync_state(
-                t.par.module, t.optimizer, t.progress, has_state=True, bucket_order=t.par.bucket_order
+                t.par.module,
+                t.optimizer,
+                t.progress,
+                has_state=True,
+                bucket_order=t.par.bucket_order,
+                rollback=self.rollback,
             )
             t.par.bucket_order = found.bucket_order
             rewrap_ddp(t.par)
@@ -195,9 +236,27 @@ class _Survivor:
             t.preemption.reconnect(self.control_group(t.checkpoints))
         self.mark("preemption")
 
+    def reload_certified(self) -> None:
+        """ROLLBACK: every member (the spares in `Trainer.run`) restores the newest certified checkpoint."""
+        t = self.trainer
+        reached = t.progress.step
+        t.skip_restore = False  # a former spare's: its state came from a peer once, now from the store
+        t.restore()
+        if t.progress.step >= reached:
+            raise RecoveryFailed(f"no certified checkpoint before step {reached} to roll back to")
+        assert self.synced is not None
+        self.synced = dataclasses.replace(self.synced, step=t.progress.step)
+        self.mark("restored")
+
 
 def recover_trainer(
-    trainer: Trainer, group: InPlaceGroup, failure: str, limit: float, *, control_group: Callable[[Any], Any]
+    trainer: Trainer,
+    group: InPlaceGroup,
+    failure: str,
+    limit: float,
+    *,
+    control_group: Callable[[Any], Any],
+    rollback: bool = False,
 ) -> None:
     """Bring `trainer` back after its collective failed (`failure`): the phases, then the recovery event.
 
@@ -209,21 +268,30 @@ def recover_trainer(
         limit: `restarts.inPlaceTimeoutSeconds`.
         control_group: The checkpoint manager's control group (`training.trainer.control_group`), which the
             preemption agreement rides on.
+        rollback: The replicas disagreed and the majority named another rank (`protocol.RollBack`): re-form,
+            then reload the newest certified checkpoint (ROLLBACK); the event's path is `inplace-rollback`.
 
     Raises:
         RecoveryFailed: a phase after LEAVE failed (the group restarts).
     """
-    survivor = _Survivor(trainer, group, limit, control_group)
+    survivor = _Survivor(trainer, group, limit, control_group, rollback=rollback)
     cpu_start = time.thread_time()
+    what = "replicas disagreed" if rollback else "collective failed"
     print(
-        f"torchrig: in-place: rank {trainer.identity.rank}: collective failed after step {trainer.progress.step} "
+        f"torchrig: in-place: rank {trainer.identity.rank}: {what} after step {trainer.progress.step} "
         f"({failure}); re-forming the group",
         file=sys.stderr,
         flush=True,
     )
     # LEAVE -> FORM -> SYNC -> REWIRE -> RESUMED; a failure after LEAVE is `RecoveryFailed` (the fallback).
     recover(
-        Phases(leave=survivor.leave, form=survivor.form, sync=survivor.sync, rewire=survivor.rewire),
+        Phases(
+            leave=survivor.leave,
+            form=survivor.form,
+            sync=survivor.sync,
+            rewire=survivor.rewire,
+            rollback=survivor.reload_certified if rollback else None,
+        ),
         survivor.generation,
     )
     synced = survivor.synced
@@ -231,13 +299,13 @@ def recover_trainer(
     seconds = round(time.perf_counter() - survivor.start, 3)
     trainer.sink.emit(
         Recovery(
-            path="inplace",
+            path=ROLLBACK_PATH if rollback else "inplace",
             step=synced.step,
             seconds=seconds,
             inplace_generation=group.generation,
             replaced_ranks=synced.replaced,
             role="survivor",
-            source="replica" if survivor.sharded else "peer",
+            source="checkpoint" if rollback else "replica" if survivor.sharded else "peer",
             cpu_s=round(time.thread_time() - cpu_start, 3),
             phases=survivor.phases,
         )
