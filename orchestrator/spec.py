@@ -262,7 +262,10 @@ class ResourcesConfig(Model):
     memory: Quantity = Field(default="4Gi", description="Memory request and limit per node (Kubernetes quantity).")
     shared_memory: Quantity | None = Field(
         default="1Gi",
-        description="Size of the memory-backed /dev/shm (DataLoader workers and NCCL need more than the default 64Mi).",
+        description=(
+            "Size of the memory-backed /dev/shm (DataLoader workers and NCCL need more than the default 64Mi). "
+            "null: none (the container runtime's own 64Mi /dev/shm)."
+        ),
     )
     gpu_resource: str = Field(
         default="nvidia.com/gpu",
