@@ -70,7 +70,9 @@ class DrillReport(_Checks):
     resumed_from_step: int | None = None
     lost_steps: int | None = None
     mttr_seconds: float | None = None
-    # "inplace" (a spare, no restore) | "restart" (the group, from a checkpoint; "ray-restart": Ray Train's)
+    # "inplace" (a spare, no restore) | "inplace-rollback" (after an SDC: a spare in the suspect's rank, every
+    # member reloaded the newest certified checkpoint in place) | "restart" (the group, from a checkpoint;
+    # "ray-restart": Ray Train's)
     recovery_path: str | None = None
     restored_from: list[dict[str, Any]] = field(default_factory=list)
     final_params_match_reference: bool | None = None
