@@ -68,6 +68,10 @@ def _argv(args: tuple[Any, ...]) -> str:
     return ""
 
 
+# urllib3 probes IPv6 support at import by binding `::1` (urllib3/util/connection.py, HAS_IPV6): a test
+# that first imports it (Ray, requests, kubernetes do) would fail on plumbing, not on what it does.
+import urllib3.util.connection  # noqa: E402, F401
+
 sys.addaudithook(_audit)
 
 
