@@ -1,34 +1,47 @@
 #!/usr/bin/env bash
 # The whole suite as CI runs it. pytest's exit 5 (no tests collected) fails like any other error.
-# The unit tests run on two workers (pytest-xdist); the integration, pod and chart tests run one at a
-# time (each starts real multi-process jobs and servers that need the machine's cores to themselves).
+# The unit tests run on two workers (pytest-xdist). The integration, pod and chart tests run in two
+# groups: those that mostly wait (HTTP fakes, helm/promtool subprocesses, CLI errors) on two workers,
+# then those marked `serial` (tests/conftest.py: multi-process training, drills, timing assertions: they
+# need the machine's cores to themselves) one at a time.
 set -euo pipefail
 venv=${1:-.venv}; shift || true
 export RAY_USAGE_STATS_ENABLED=0 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 export PATH="$PWD/$venv/bin:$PATH"
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
 echo "== lint"
 "$venv/bin/ruff" check .
 "$venv/bin/ruff" format --check .
 "$venv/bin/mypy"
+# Each group's output also goes to a log, for the suite's 25 slowest tests at the end.
 echo "== unit tests (2 workers)"
 unit=0
 t0=$SECONDS
-"$venv/bin/pytest" -q -n 2 --durations=25 -m "not soak" tests/unit "$@" || unit=$?
+"$venv/bin/pytest" -q -n 2 --durations=25 -m "not soak" tests/unit "$@" | tee "$logs/unit" || unit=$?
 t1=$SECONDS
-echo "== integration tests"
-rest=0
-"$venv/bin/pytest" -q --durations=25 -m "not soak" --ignore=tests/unit "$@" || rest=$?
+echo "== integration tests that mostly wait (2 workers)"
+light=0
+"$venv/bin/pytest" -q -n 2 --durations=25 -m "not soak and not serial" --ignore=tests/unit "$@" \
+  | tee "$logs/light" || light=$?
 t2=$SECONDS
+echo "== integration tests that need the cores to themselves (one at a time)"
+serial=0
+"$venv/bin/pytest" -q --durations=25 -m "not soak and serial" --ignore=tests/unit "$@" | tee "$logs/serial" || serial=$?
+t3=$SECONDS
+echo "== the 25 slowest tests of the suite"
+cat "$logs"/* | grep -E '^[0-9]+\.[0-9]+s (setup|call|teardown) ' | sort -rn | head -25 || true
 # Each half's wall time, for the suite's 25-minute budget (README, "Development").
-echo "== durations: unit $((t1 - t0)) s, integration $((t2 - t1)) s, total $((t2 - t0)) s"
-# Either half collecting nothing (a bad -k, a broken conftest, a moved folder) fails the run: a half
-# that runs nothing proves nothing, even when the other half passed.
-for part in "unit:$unit" "integration:$rest"; do
-  if [ "${part#*:}" -eq 5 ]; then
-    echo "pytest collected no ${part%%:*} tests: failing (a suite that runs nothing proves nothing)" >&2
+echo "== durations: unit $((t1 - t0)) s, integration $((t3 - t1)) s" \
+  "($((t2 - t1)) s on 2 workers, $((t3 - t2)) s one at a time), total $((t3 - t0)) s"
+# Any group collecting nothing (a bad -k, a broken conftest, a moved folder, a lost marker) fails the run:
+# a group that runs nothing proves nothing, even when the others passed.
+for part in "unit tests:$unit" "integration tests on 2 workers:$light" "integration tests one at a time:$serial"; do
+  if [ "${part##*:}" -eq 5 ]; then
+    echo "pytest collected no ${part%:*}: failing (a suite that runs nothing proves nothing)" >&2
     exit 1
   fi
 done
-for rc in "$unit" "$rest"; do
+for rc in "$unit" "$light" "$serial"; do
   if [ "$rc" -ne 0 ]; then exit "$rc"; fi
 done

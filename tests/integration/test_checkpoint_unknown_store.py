@@ -190,6 +190,7 @@ def _rank(rank: int, world: int, port: int, store: str, run: str, failing_rank: 
         dist.destroy_process_group()
 
 
+@pytest.mark.serial  # four spawned torch processes within the module's 120 s timeout: the cores to itself
 def test_ranks_never_split_over_a_store_one_of_them_cannot_list(tmp_path: Path) -> None:
     store, _ = _saved(tmp_path, (1, 2))
     # Rank 0 lists for everyone: its failure stops every rank alike; rank 1's listing is never consulted.

@@ -1,6 +1,7 @@
-"""scripts/run-tests.sh, the suite as CI runs it: a half of the suite that collects no test (pytest's exit
-5: a bad `-k`, a broken conftest, a moved folder) fails the run even when the other half passed, and any
-other failure keeps its exit code. Run against stand-ins for ruff, mypy and pytest, so that the script's
+"""scripts/run-tests.sh, the suite as CI runs it: a group of the suite (unit; integration on 2 workers;
+integration `serial`, one at a time) that collects no test (pytest's exit 5: a bad `-k`, a broken
+conftest, a moved folder, a lost marker) fails the run even when the others passed, and any other failure
+keeps its exit code. Run against stand-ins for ruff, mypy and pytest, so that the script's
 own decisions are what is tested."""
 
 from __future__ import annotations
@@ -14,39 +15,67 @@ import pytest
 
 from tests.fixtures.common import REPO
 
+# Which group an invocation is: the unit folder, or the integration half's `-m` (serial or not).
 PYTEST = """#!/usr/bin/env bash
-for a in "$@"; do [ "$a" = tests/unit ] && exit "$UNIT_RC"; done
-exit "$REST_RC"
+group=light
+for a in "$@"; do
+  [ "$a" = tests/unit ] && group=unit
+  [ "$a" = "not soak and serial" ] && group=serial
+done
+echo "1.0${#group}s call     tests/fake.py::test_$group"
+case $group in unit) exit "$UNIT_RC";; serial) exit "$SERIAL_RC";; *) exit "$LIGHT_RC";; esac
 """
 
 
-@pytest.mark.parametrize(
-    ("unit", "rest", "code", "says"),
-    [
-        (0, 0, 0, ""),
-        (5, 0, 1, "collected no unit tests"),
-        (0, 5, 1, "collected no integration tests"),
-        (5, 5, 1, "collected no unit tests"),
-        (1, 0, 1, ""),
-        (0, 2, 2, ""),
-    ],
-)
-def test_a_half_that_collects_nothing_fails_the_run(tmp_path: Path, unit: int, rest: int, code: int, says: str) -> None:
+def _run(tmp_path: Path, unit: int, light: int, serial: int) -> subprocess.CompletedProcess[str]:
     bin_dir = tmp_path / "venv" / "bin"
     bin_dir.mkdir(parents=True)
     for name, body in (("ruff", "#!/bin/sh\nexit 0\n"), ("mypy", "#!/bin/sh\nexit 0\n"), ("pytest", PYTEST)):
         tool = bin_dir / name
         tool.write_text(body)
         tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
-    done = subprocess.run(
+    return subprocess.run(
         ["bash", str(REPO / "scripts" / "run-tests.sh"), str(tmp_path / "venv")],
         check=False,
         cwd=REPO,
-        env={**os.environ, "UNIT_RC": str(unit), "REST_RC": str(rest)},
+        env={**os.environ, "UNIT_RC": str(unit), "LIGHT_RC": str(light), "SERIAL_RC": str(serial)},
         capture_output=True,
         text=True,
         timeout=60,
     )
+
+
+@pytest.mark.parametrize(
+    ("unit", "light", "serial", "code", "says"),
+    [
+        (0, 0, 0, 0, ""),
+        (5, 0, 0, 1, "collected no unit tests"),
+        (0, 5, 5, 1, "collected no integration tests"),
+        (0, 5, 0, 1, "collected no integration tests on 2 workers"),
+        (0, 0, 5, 1, "collected no integration tests one at a time"),
+        (5, 5, 5, 1, "collected no unit tests"),
+        (1, 0, 0, 1, ""),
+        (0, 2, 0, 2, ""),
+        (0, 0, 3, 3, ""),
+    ],
+)
+def test_a_group_that_collects_nothing_fails_the_run(
+    tmp_path: Path, unit: int, light: int, serial: int, code: int, says: str
+) -> None:
+    done = _run(tmp_path, unit, light, serial)
     assert done.returncode == code, done.stderr
     assert says in done.stderr
     assert "== durations: unit " in done.stdout
+
+
+def test_the_end_lists_the_slowest_tests_of_every_group_slowest_first(tmp_path: Path) -> None:
+    out = _run(tmp_path, 0, 0, 0).stdout
+    tail = out[out.index("== the 25 slowest tests of the suite") :].splitlines()[1:4]
+    assert [line.rsplit("::", 1)[1] for line in tail] == ["test_serial", "test_light", "test_unit"], out
+
+
+def test_every_module_listed_for_two_workers_exists() -> None:
+    # A renamed module would silently fall back to `serial` (safe, but slower): keep the list true.
+    from tests.conftest import PARALLEL_MODULES
+
+    assert sorted(m for m in PARALLEL_MODULES if not (REPO / m).is_file()) == []
