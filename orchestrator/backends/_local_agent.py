@@ -1,8 +1,9 @@
-"""A local run's torchrun agent, started while the rendezvous store is still starting.
+"""A local run's torchrun agent, started before the rendezvous store exists.
 
-The store (`_local_store`) binds a free port and writes it to a file; both it and torchrun spend their
-first seconds importing torch. Started one after the other they cost both imports in a row; here the
-agent imports torchrun first and only then waits for the port, so the two imports overlap.
+The supervisor opens the store (`_local_store`) once the run's preflight passed and writes its port to a
+file; the preflight, the store and torchrun all need torch, whose import takes seconds. Here the agent
+imports torchrun first and only then waits for the port, so its import overlaps the supervisor's
+instead of following it (and a failed preflight stops the agent before it did anything).
 
 Usage: `python -m orchestrator.backends._local_agent PORT_FILE TORCHRUN_ARGS...`: every occurrence
 of `STORE_PORT` in TORCHRUN_ARGS and in `TORCHRIG_INPLACE_STORE` becomes the port (PORT_FILE `-`: the
