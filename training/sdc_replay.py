@@ -118,6 +118,9 @@ def replay_steps(trainer: Trainer, last: int) -> None:
     """
     spot, trainer.recompute = trainer.recompute, None
     try:
+        # Asked from inside a step (the recompute check, between backward and the optimizer), `.grad` still
+        # holds that step's gradients, and the first replayed backward would add to them.
+        trainer.optimizer.zero_grad(set_to_none=True)
         feed = trainer._feed()
         with trainer.watchdog.fixed("sdc_replay"):
             while trainer.progress.step < last:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -154,8 +155,10 @@ def test_tinygpt_a_flipped_bit_in_each_place_is_found_and_the_job_ends_bit_ident
     assert report.recovery_path == ("inplace-rollback" if rolled_back else "restart")
 
 
-def _digits_run(tmp_path: Path, name: str, faults: list[dict[str, object]], recompute_every: int) -> Path:
-    """The digits job at 2 ranks under torchrun (one restart allowed), the replica check at every step;
+def _digits_run(
+    tmp_path: Path, name: str, faults: list[dict[str, object]], recompute_every: int, every: int = 1
+) -> Path:
+    """The digits job at 2 ranks under torchrun (one restart allowed), the replica check every `every` steps;
     its run directory."""
     import os
     import subprocess
@@ -171,7 +174,7 @@ def _digits_run(tmp_path: Path, name: str, faults: list[dict[str, object]], reco
         "spec.checkpoint.every.steps=4",
         "spec.training.evalAtEnd=false",
         "spec.metrics.enabled=false",
-        "spec.sdc.every=1",
+        f"spec.sdc.every={every}",
         f"spec.sdc.recomputeEvery={recompute_every}",
     ]
     spec = tmp_path / f"{name}.yaml"
@@ -219,3 +222,31 @@ def test_a_local_gradient_flipped_before_the_all_reduce_is_seen_by_recompute_onl
     restores = [e for e in events if e.kind == EventKind.RESTORE]
     assert restores and restores[-1].step == 4 and restores[-1].get("certified") is True
     assert sha(seen) == sha(clean)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_replicas_the_replay_decides_a_flip_found_before_it_spread(tmp_path: Path) -> None:
+    """Two replicas, a parameter flipped on rank 1 after step 7 (the output bias: it reaches the next
+    gradient). With a recompute check every step it is found at step 8, before that step's optimizer applies
+    the all-reduced spread: the two ranks' recomputations both disagree (undecided), the replica check of
+    step 7 runs, and its replay from the state agreed at step 5 reproduces rank 0 and not rank 1: rank 1,
+    decided. Without it the check before the save of step 8 comes after the flip was averaged into rank 0
+    too: no rank is reproduced, and the event says so rather than guess. Both end bit-identical to a clean run."""
+    flip = [{"kind": "bitflip", "rank": 1, "step": 7, "target": "param", "tensor": 5, "element": 3}]
+    clean = _digits_run(tmp_path, "clean", [], recompute_every=1, every=5)
+    early = _digits_run(tmp_path, "early", flip, recompute_every=1, every=5)
+    late = _digits_run(tmp_path, "late", flip, recompute_every=0, every=5)
+
+    def sdc_events(run_dir: Path) -> list[Any]:
+        return [e for e in read_events(RunFiles(str(run_dir)).events) if e.kind == EventKind.SDC]
+
+    (found,) = sdc_events(early)
+    assert (found.step, found.get("evidence"), found.get("suspects"), found.get("decided")) == (7, "replica", [1], True)
+    assert found.get("detail") == "replay: rank(s) 1 disagree"
+    (spread,) = sdc_events(late)
+    assert (spread.step, spread.get("suspects"), spread.get("decided")) == (8, [0, 1], False)  # the save's check
+    assert "reproduced no rank" in str(spread.get("detail"))
+    for run_dir in (early, late):
+        result = json.loads(RunFiles(str(run_dir)).result.read_text())
+        assert result["params_sha256"] == json.loads(RunFiles(str(clean)).result.read_text())["params_sha256"]
