@@ -92,6 +92,38 @@ def _slow(rank: int, step: int, seconds: float) -> str:
     return f"spec.kubernetes.env.TORCHRIG_FAULTS='{json.dumps(fault)}'"
 
 
+def _kill_rank_after_step_10(rank: int) -> tuple[list[str], Callable[[PodCluster, list[str]], None]]:
+    """A harness tick that SIGKILLs rank `rank`'s trainer inside its container (`podman exec`) once the
+    step-10 checkpoint is committed; the list gets the pod it ran in."""
+    killed: list[str] = []
+
+    def kill(cluster: PodCluster, events: list[str]) -> None:
+        if killed or not _committed(cluster, 10):
+            return
+        for name in cluster.pods:
+            proc = cluster.exec(name, ["python", "-c", KILL_RANK, str(rank)])
+            if proc.returncode == 0:
+                killed.append(name)
+                events.append(f"harness: podman exec {name}: {proc.stdout.strip()} (rank {rank})")
+                return
+        raise AssertionError(f"no container runs rank {rank}'s trainer: {proc.stdout} {proc.stderr}")
+
+    return killed, kill
+
+
+def _assert_replaced_in_place(cluster: PodCluster, outcome: JobOutcome, reference: dict[str, Any]) -> None:
+    """The job succeeded, no container restarted, every member recovered in place at one step, bit-exact."""
+    assert outcome.status == "Succeeded", _why(outcome, cluster)
+    assert {n: (s.exit_codes, s.starts) for n, s in cluster.pods.items()} == {n: ([0], 1) for n in cluster.pods}
+    recoveries = [e for e in _events(cluster) if e.kind is EventKind.RECOVERY]
+    assert {e.get("path") for e in recoveries} == {"inplace"}, _why(outcome, cluster)
+    assert sorted(e.get("role") for e in recoveries) == ["spare", "survivor", "survivor", "survivor"]
+    assert len({e.step for e in recoveries}) == 1, "every rank resumed from the same step: none lost"
+    result = _result(cluster)
+    assert (result["steps"], result["world_size"]) == (40, 4)
+    assert result["params_sha256"] == reference["params_sha256"]
+
+
 def test_pytorchjob_of_two_pods_replaces_a_rank_killed_in_its_container_in_place(
     podman_cluster: MakeCluster, reference_result: dict[str, Any]
 ) -> None:
@@ -101,30 +133,10 @@ def test_pytorchjob_of_two_pods_replaces_a_rank_killed_in_its_container_in_place
     from outside (`podman exec ... kill`): a warm spare in its container takes its place, no container
     restarts, no step is lost, and the run ends bit-identical to `torchrig run --nodes 2`."""
     objects = render("pytorchjob", _slow(0, 5, 0.3), fixed_size=True)
-    killed: list[str] = []
-
-    def kill(cluster: PodCluster, events: list[str]) -> None:
-        if killed or not _committed(cluster, 10):
-            return
-        for name in cluster.pods:
-            proc = cluster.exec(name, ["python", "-c", KILL_RANK, "3"])
-            if proc.returncode == 0:
-                killed.append(name)
-                events.append(f"harness: podman exec {name}: {proc.stdout.strip()} (rank 3)")
-                return
-        raise AssertionError(f"no container runs rank 3's trainer: {proc.stdout} {proc.stderr}")
-
+    killed, kill = _kill_rank_after_step_10(3)
     cluster, outcome = _pytorchjob(podman_cluster, objects, on_tick=kill)
     assert killed, "the job ended before the step-10 checkpoint\n" + _why(outcome, cluster)
-    assert outcome.status == "Succeeded", _why(outcome, cluster)
-    assert {n: (s.exit_codes, s.starts) for n, s in cluster.pods.items()} == {n: ([0], 1) for n in cluster.pods}
-    recoveries = [e for e in _events(cluster) if e.kind is EventKind.RECOVERY]
-    assert {e.get("path") for e in recoveries} == {"inplace"}, _why(outcome, cluster)
-    assert sorted(e.get("role") for e in recoveries) == ["spare", "survivor", "survivor", "survivor"]
-    assert len({e.step for e in recoveries}) == 1, "every rank resumed from the same step: none lost"
-    result = _result(cluster)
-    assert (result["steps"], result["world_size"]) == (40, 4)
-    assert result["params_sha256"] == reference_result["params_sha256"]
+    _assert_replaced_in_place(cluster, outcome, reference_result)
 
 
 def test_drained_pytorchjob_checkpoints_within_its_grace_and_resumes_losing_no_step(
@@ -167,16 +179,17 @@ def test_drained_pytorchjob_checkpoints_within_its_grace_and_resumes_losing_no_s
     assert result["params_sha256"] == reference_result["params_sha256"]
 
 
-def test_trainjob_of_two_pods_trains_in_containers_like_torchrig_run(
+def test_trainjob_of_two_pods_trains_in_containers_and_replaces_a_killed_rank_in_place(
     podman_cluster: MakeCluster, reference_result: dict[str, Any]
 ) -> None:
     """A TrainJob of 2 nodes: the JobSet's pods reach node 0 by `PET_MASTER_ADDR`
-    (`<trainjob>-node-0-0.<trainjob>`, the headless Service's name, answered by aardvark-dns)."""
-    objects = render("trainjob", "spec.nodes.min=2")
+    (`<trainjob>-node-0-0.<trainjob>`, the headless Service's name, answered by aardvark-dns) and share
+    its rendezvous store for in-place recovery; rank 1's trainer, SIGKILLed in its container after the
+    step-10 checkpoint, is replaced by a warm spare: no pod fails (a failed pod would fail its Job and
+    restart the whole JobSet), no step is lost, bit-identical to `torchrig run --nodes 2`."""
+    objects = render("trainjob", "spec.nodes.min=2", _slow(0, 5, 0.3))
     cluster = podman_cluster(objects, trainjob_pods(objects))
-    outcome = run_job(cluster, trainjob_succeeded, timeout_s=JOB_TIMEOUT_S)
-    assert outcome.status == "Succeeded", _why(outcome, cluster)
-    assert {n: s.exit_codes for n, s in cluster.pods.items()} == {n: [0] for n in cluster.pods}
-    result = _result(cluster)
-    assert (result["steps"], result["world_size"]) == (40, 4)
-    assert result["params_sha256"] == reference_result["params_sha256"]
+    killed, kill = _kill_rank_after_step_10(1)
+    outcome = run_job(cluster, trainjob_succeeded, timeout_s=JOB_TIMEOUT_S, on_tick=kill)
+    assert killed, "the job ended before the step-10 checkpoint\n" + _why(outcome, cluster)
+    _assert_replaced_in_place(cluster, outcome, reference_result)
