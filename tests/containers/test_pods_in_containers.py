@@ -193,3 +193,47 @@ def test_trainjob_of_two_pods_trains_in_containers_and_replaces_a_killed_rank_in
     outcome = run_job(cluster, trainjob_succeeded, timeout_s=JOB_TIMEOUT_S, on_tick=kill)
     assert killed, "the job ended before the step-10 checkpoint\n" + _why(outcome, cluster)
     _assert_replaced_in_place(cluster, outcome, reference_result)
+
+
+def test_a_standby_pod_takes_the_ranks_of_a_killed_pod_in_place(
+    podman_cluster: MakeCluster, reference_result: dict[str, Any]
+) -> None:
+    """`restarts.spareNodes: 1` on a 2-node PyTorchJob: a store-only Master, Workers 0 and 1 training,
+    Worker 2 standing by. Once the standby's spares are warm, the container of the node that is not
+    rank 0's is SIGKILLed whole (`podman kill`: a lost node). The standby takes both of its ranks in
+    place, the other node's ranks never restart, no step is lost, bit-identical to `torchrig run
+    --nodes 2`; the lost node's recreated pod stands by (or finds the job over)."""
+    objects = render("pytorchjob", "spec.nodes.min=2", "spec.restarts.spareNodes=1", _slow(0, 5, 0.3))
+    standby, nodes, store = "digits-ddp-worker-2", ["digits-ddp-worker-0", "digits-ddp-worker-1"], "digits-ddp-master-0"
+    killed: list[tuple[float, str]] = []
+
+    def kill(cluster: PodCluster, events: list[str]) -> None:
+        if killed or "torchrig: standby: ready" not in cluster.pods[standby].logs():
+            return
+        rank0 = [n for n in nodes if "torchrig: step " in cluster.pods[n].logs()]
+        if len(rank0) != 1:
+            return
+        victim = next(n for n in nodes if n != rank0[0])
+        killed.append((time.time(), victim))
+        cluster.kill(victim)
+        events.append(f"harness: podman kill -s KILL {victim} (a lost node)")
+
+    cluster, outcome = _pytorchjob(podman_cluster, objects, on_tick=kill)
+    assert killed, "the job ended before the standby was ready\n" + _why(outcome, cluster)
+    killed_at, victim = killed[0]
+    assert outcome.status == "Succeeded", _why(outcome, cluster)
+    survivor = next(n for n in nodes if n != victim)
+    codes = {n: s.exit_codes for n, s in cluster.pods.items()}
+    assert codes[store] == codes[survivor] == codes[standby] == [0], _why(outcome, cluster)
+    assert codes[victim][0] == 137 and codes[victim][-1] == 0, _why(outcome, cluster)
+    taken = [line for line in cluster.pods[standby].logs().splitlines() if "standby: node" in line]
+    assert len(taken) == 1 and "takes its ranks" in taken[0], _why(outcome, cluster)
+    recoveries = [e for e in _events(cluster) if e.kind is EventKind.RECOVERY and e.time >= killed_at]
+    assert {e.get("path") for e in recoveries} == {"inplace"}, _why(outcome, cluster)
+    assert sorted(e.get("role") for e in recoveries) == ["spare", "spare", "survivor", "survivor"]
+    assert len({e.step for e in recoveries}) == 1, "every rank resumed from the same step: none lost"
+    result = _result(cluster)
+    assert (result["steps"], result["world_size"]) == (40, 4)
+    assert result["params_sha256"] == reference_result["params_sha256"]
+    logs = cluster.pods[victim].logs()
+    assert "this node stands by" in logs or "the job is over" in logs, _why(outcome, cluster)
