@@ -374,8 +374,8 @@ class MetricsConfig(Model):
 # steps is 0.63% of a step; tinygpt's replica fingerprint is 5% of one of its steps, 0.05% at every 100.
 DEFAULT_SDC_EVERY = 100
 # A recompute check (`training.sdc_recompute`) costs about one more forward and backward of a rank's batch:
-# measured (bench section `sdc`) at about a step's share on digits and tinygpt, so every 100 steps is about 1%
-# of a step, under the 5% that keeps it on by default (docs/operations.md).
+# tinygpt's was 105% of one of its steps (bench section `sdc`; digits' 8%, in noise), so every 100 steps costs
+# about 1% of a step, under the 5% above which it would be off by default (docs/operations.md).
 DEFAULT_SDC_RECOMPUTE_EVERY = 100
 
 

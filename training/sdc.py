@@ -18,7 +18,11 @@ fingerprints (8 bytes per rank, one collective on the default group) and `decide
   computed (or held) something it cannot compute again: it is the suspect, `decided`. Where the replays
   themselves differ (a device that computes the same wrong number every time cannot be told from its one
   peer), or no copy was kept yet (the first `sdc.every` steps), the suspects are every rank outside the
-  largest group and the event says `undecided` rather than guess.
+  largest group and the event says `undecided` rather than guess. So it is where the corruption was already
+  averaged into the peer: a flip on rank 1 after step k enters rank 1's local gradient of step k + 1, whose
+  all-reduce carries it to rank 0, so after step k + 1 neither state is what a clean replay reproduces. The
+  replay decides a flip found before that: at a check or save of its own step, or by the recompute check of
+  step k + 1, which hands an undecided verdict to this check before that step's optimizer runs.
 
 On a disagreement rank 0 writes an `sdc` event (step, suspects, their hosts, every fingerprint, and the
 hosts to quarantine: suspects already named by an earlier `sdc` event of the run, `sdc_quarantine`) and

@@ -8,7 +8,9 @@ rank copies that state back into its live tensors, re-runs the steps from the ke
 one through the trainer's own step (same batches by global index, same per-step seeds, the same DDP
 all-reduce: bit-exact, `training.determinism`) and fingerprints the result. A healthy rank reproduces its
 own fingerprint; a rank whose memory or arithmetic was struck does not (a drill's `bitflip` fires once,
-like a transient fault). The live state is overwritten: the caller raises `SilentDataCorruption` next,
+like a transient fault), as long as the corruption had not yet been averaged into its peer through an
+all-reduce (`training.sdc`: otherwise no rank is reproduced, and the verdict stays undecided). The live
+state is overwritten: the caller raises `SilentDataCorruption` next,
 and the group reloads a certified checkpoint either way.
 
 Cost: one more copy of the state in device memory while the job runs (only where a replica group has two

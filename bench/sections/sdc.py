@@ -180,6 +180,44 @@ def _recompute_overhead(repeats: int, steps: int, default: int) -> dict[str, Any
     return out
 
 
+def _recompute_vs_step_digits(repeats: int) -> dict[str, Any]:
+    """The digits model (its example's size and batch), one process: a training step against what a recompute
+    check adds (a forward and backward with `torch.autograd.grad`, and the fingerprint of the gradients).
+    Robust where the side-by-side runs drown in a loaded machine's noise: no scheduling, no all-gather."""
+    import torch
+
+    from orchestrator.loader import load_spec
+    from training.optim import build_optimizer
+    from training.sdc import fingerprint_tensors
+    from training.task import load_task
+
+    spec = load_spec(Path(__file__).resolve().parents[2] / "examples" / "digits-ddp.yaml")
+    cfg = spec.spec.training
+    task = load_task(spec.spec.task.entrypoint, spec.spec.task.args)
+    torch.manual_seed(0)
+    model = task.build_model()
+    optimizer = build_optimizer(model, cfg.optimizer)
+    dataset = task.train_dataset()
+    batch = task.collate([dataset[i] for i in range(cfg.batch_size)])  # type: ignore[index]
+    params = [p for p in model.parameters() if p.requires_grad]
+    device = torch.device("cpu")
+    step_s, rc_s = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        task.loss(model, batch).backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        fingerprint_tensors(torch.autograd.grad(task.loss(model, batch), params), device)
+        rc_s.append(time.perf_counter() - t0)
+    return {
+        "step_s": stats(step_s)["median"],
+        "recompute_s": stats(rc_s)["median"],
+        "recompute_ratio_of_a_step": stats(rc_s)["median"] / stats(step_s)["median"],
+    }
+
+
 def _detection(steps: int, every: int, flip_step: int, *, target: str = "param", recompute: int = 0) -> dict[str, Any]:
     from training.contract import EventKind, read_events
 
@@ -214,6 +252,7 @@ def bench_sdc(quick: bool) -> dict[str, Any]:
         # a flip between two checks: found at the next one, and (two replicas) decided by replaying the steps since
         "detection": _detection(2 * DEFAULT_SDC_EVERY + 10, DEFAULT_SDC_EVERY, DEFAULT_SDC_EVERY + 3),
         "recompute": _recompute_overhead(repeats, steps, DEFAULT_SDC_RECOMPUTE_EVERY),
+        "recompute_digits_in_process": _recompute_vs_step_digits(200 if quick else 1000),
         "recompute_detection": _detection(40, 0, 23, target="local_grad", recompute=1),
     }
 
