@@ -116,8 +116,10 @@ def test_api_timeout_setting() -> None:
 
 
 def test_a_malformed_timeout_is_a_usage_error(tmp_path: Path) -> None:
-    result = CliRunner().invoke(
-        cli, ["status", "kubernetes://default/x"], env={Env.API_TIMEOUT: "soon"}, catch_exceptions=False
-    )
+    # A kubeconfig of its own: without one the CLI stops at "no usable kubeconfig" first, unless the
+    # kubernetes client was imported while another test's $KUBECONFIG was set (it keeps that default).
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", "http://127.0.0.1:9")
+    env = {Env.API_TIMEOUT: "soon", "KUBECONFIG": str(kubeconfig)}
+    result = CliRunner().invoke(cli, ["status", "kubernetes://default/x"], env=env, catch_exceptions=False)
     assert result.exit_code == EXIT_USAGE
     assert _one_error_line(result.stderr).startswith(f"error: {Env.API_TIMEOUT}='soon'")
