@@ -464,7 +464,7 @@ class SdcMonitor:
         (collective; `undecided`, with a note, where no replay is possible)."""
         assert self.replay is not None
         kept = self.replay.kept_step
-        if kept is None or kept >= step:
+        if kept is None or kept > step:  # (kept after `step`: from before an in-place rollback)
             return replace(undecided, note="no majority, and no agreed state kept to replay from yet")
         if not decide_groups(self.exchange(self.replay.kept_fingerprint()), self.groups).agreed:
             return replace(undecided, note=f"no majority, and the state kept at step {kept} no longer agrees")

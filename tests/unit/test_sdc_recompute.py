@@ -178,6 +178,19 @@ def test_a_replay_that_cannot_decide_says_why(rounds: list[list[int]], note: str
     assert not sink.events[0][1]["decided"] and sink.events[0][1]["suspects"] == [0, 1]
 
 
+def test_a_replay_is_only_from_a_state_kept_at_or_before_the_disagreement() -> None:
+    sink, replay = Recorder(), FakeReplay(kept=3, replayed=11)
+    mon = two_replicas([[11, 11], [11, 12], [3, 3], [11, 11]], replay, sink)
+    mon.after_step(10)  # kept at 10
+    with pytest.raises(SilentDataCorruption, match="no agreed state kept"):
+        mon.check(8)  # a state kept after the step asked about (an in-place rollback since) is no replay point
+    assert replay.ran == []
+    mon = two_replicas([[11, 12], [3, 3], [11, 11]], replay, Recorder())
+    with pytest.raises(SilentDataCorruption, match="replay: rank\\(s\\) 1"):
+        mon.check(10)  # kept at this very step: the replay re-runs nothing and compares with the kept copy
+    assert replay.ran == [10]
+
+
 def test_a_replay_point_restores_the_kept_state_and_reruns_from_it() -> None:
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
