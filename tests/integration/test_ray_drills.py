@@ -145,6 +145,7 @@ def test_ray_hosts_are_the_trainers_ray_workers_and_nothing_else(
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.soak  # ~250 s, 180 s of it Ray Train's worker-group start timeout: `make soak` runs it
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(netns_supported() is not None, reason=str(netns_supported()))
 def test_an_elastic_job_that_loses_a_host_goes_on_smaller_from_the_newest_checkpoint(
