@@ -6,7 +6,7 @@ the pod template's own `securityContext` and grace period into `podman run` argu
 - the image's entrypoint replaced by the container's `command` + `args`, `$(VAR)`-expanded, and its env
   with downward-API `fieldRef`s and `secretKeyRef`s resolved, `envFrom` Secrets included (the harness's
   kubelet.py does both, read-only here);
-- `securityContext`: `runAsUser`/`runAsGroup` -> `--user`, `fsGroup` -> `--group-add`,
+- `securityContext`: `runAsUser`/`runAsGroup` -> `--user` (else the image's USER), `fsGroup` -> `--group-add`,
   `readOnlyRootFilesystem` -> `--read-only` (and `--read-only-tmpfs=false`: podman would otherwise mount
   writable tmpfs on /tmp, /var/tmp and /run, which a Kubernetes pod does not get), `capabilities.drop:
   [ALL]` -> `--cap-drop ALL`, `allowPrivilegeEscalation: false` -> `--security-opt no-new-privileges`;
@@ -147,11 +147,12 @@ def container_args(
         network,
         *(["--ip", ip] if ip else []),
         *[a for alias in aliases for a in ("--network-alias", alias)],
-        "--user",
-        f"{uid}:{gid}",
-        "--group-add",
-        str(fs_group),
     ]
+    # Without runAsUser the image's USER runs (a container's securityContext may leave it out: KubeRay's submitter).
+    if "runAsUser" in sc:
+        args += ["--user", f"{uid}:{gid}"]
+    if "fsGroup" in pod_sc:
+        args += ["--group-add", str(fs_group)]
     if sc.get("readOnlyRootFilesystem"):
         args += ["--read-only", "--read-only-tmpfs=false"]
     if "ALL" in (sc.get("capabilities") or {}).get("drop", []):
