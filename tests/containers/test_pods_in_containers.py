@@ -147,7 +147,8 @@ def test_drained_pytorchjob_checkpoints_within_its_grace_and_resumes_losing_no_s
     stops at one agreed step after an emergency checkpoint on the PVC, well within the grace, and exits
     PREEMPTED (their torchrun 143, retryable); the operator recreates both pods (new emptyDirs, the same claim), which
     resume from that step: 0 steps lost, bit-identical to `torchrig run --nodes 2`."""
-    objects = render("pytorchjob", _slow(-1, 1, 0.1), fixed_size=True)
+    # Every rank paced from step 8: the drain, sent once step 10 is committed, lands well before step 40.
+    objects = render("pytorchjob", _slow(-1, 8, 0.2), fixed_size=True)
     drained: list[float] = []
 
     def drain(cluster: PodCluster, events: list[str]) -> None:
