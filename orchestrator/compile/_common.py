@@ -215,8 +215,15 @@ def worker_env(spec: JobSpec, *, torchrun: bool = True, standby: bool = False) -
         **launcher_env(spec.spec.restarts),
         **(inplace_store_env(spec, standby=standby) if torchrun else {}),
     }
-    env.update(spec.spec.kubernetes.env)
-    return [{"name": k, "value": v} for k, v in env.items()]
+    builtin: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items()]
+    # The node the pod runs on (downward API), the last built-in: the machine a worker names in its
+    # metrics and `sdc` events (`Env.NODE_NAME`), to cordon or taint.
+    builtin.append({"name": Env.NODE_NAME, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
+    # A key of spec.kubernetes.env that names a built-in replaces its value in place; the others follow.
+    user = spec.spec.kubernetes.env
+    names = {item["name"] for item in builtin}
+    out = [{"name": item["name"], "value": user[item["name"]]} if item["name"] in user else item for item in builtin]
+    return out + [{"name": k, "value": v} for k, v in user.items() if k not in names]
 
 
 def pod_placement(spec: JobSpec) -> dict[str, Any]:

@@ -10,7 +10,8 @@ what the API server, the Job controller and the kubelet then add, each rule with
   `pkg/kubelet/container/helpers.go` `ExpandContainerCommandAndArgs`); an undefined reference stays
   as written; `$$` is an escaped `$`; any other `$x` stays.
 - `env[].valueFrom.fieldRef` (downward API): `metadata.name`, `metadata.namespace`,
-  `metadata.labels['k']`, `metadata.annotations['k']`, `spec.hostname`, `status.podIP`
+  `metadata.labels['k']`, `metadata.annotations['k']`, `spec.hostname`, `status.podIP`, `spec.nodeName`
+  (`node-<pod name>`: each pod is a machine of its own here)
   (`pkg/kubelet/kubelet_pods.go` `makeEnvironmentVariables` -> `podFieldSelectorRuntimeValue`);
   `env[].valueFrom.secretKeyRef`: the key's value in the Secret (same function: a missing Secret or
   key fails the container's start unless `optional`, then the variable is left out). A Secret's
@@ -164,6 +165,8 @@ def _field_ref(pod: Pod, path: str, pod_ip: str) -> str:
         "metadata.name": pod.name,
         "metadata.namespace": pod.namespace,
         "spec.hostname": pod.hostname,
+        # One pod per emulated machine (its own network namespace): the node is named after the pod.
+        "spec.nodeName": f"node-{pod.name}",
         "status.podIP": pod_ip,
     }
     if path in simple:

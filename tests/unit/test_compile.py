@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from orchestrator.loader import load_spec
 from orchestrator.spec import JobSpec
 from orchestrator.targets import target_name_limit
 from tests import crds
-from training.contract import Env
+from training.contract import Env, WorkerIdentity
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -39,7 +40,11 @@ def container(template: dict[str, Any]) -> dict[str, Any]:
 
 
 def env_of(ctr: dict[str, Any]) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in ctr["env"]}
+    """name -> value; a downward-API entry reads `fieldRef:<path>`."""
+    return {
+        e["name"]: e.get("value", f"fieldRef:{e.get('valueFrom', {}).get('fieldRef', {}).get('fieldPath')}")
+        for e in ctr["env"]
+    }
 
 
 # -- validity ------------------------------------------------------------------------------------------
@@ -97,7 +102,7 @@ def test_pytorchjob_fixed_size_has_master_and_passes_master_env() -> None:
         "--nnodes 4 --rdzv-backend c10d --rdzv-endpoint $(MASTER_ADDR):$(MASTER_PORT) --rdzv-id tinygpt-fsdp" in joined
     )
     assert cmd[-4:] == ["-m", "training", "--spec", "/etc/torchrig/job.yaml"]
-    env = {e["name"]: e["value"] for e in container(replicas["Master"]["template"])["env"]}
+    env = env_of(container(replicas["Master"]["template"]))
     assert env[Env.INPLACE_STORE] == Env.INPLACE_STORE_RDZV
 
 
@@ -424,3 +429,44 @@ def test_render_is_yaml_or_shell(target: str) -> None:
         assert text.splitlines()[-1].startswith("python -m training.launch --spec job.yaml -- torchrun ")
     else:
         assert all(isinstance(d, dict) for d in yaml.safe_load_all(text))
+
+
+@pytest.mark.parametrize("target", ["pytorchjob", "trainjob", "rayjob"])
+def test_every_compiled_worker_names_its_kubernetes_node(target: str) -> None:
+    """Every pod's workers learn the node they run on (downward API `spec.nodeName`): an `sdc` suspect and
+    the metrics' `node` label name the machine an operator cordons or taints, not the pod's host name."""
+    docs = compile(spec("tinygpt-fsdp"), target, fixed_size=True)
+    envs = [
+        c.get("env", [])
+        for doc in docs
+        for c in _containers(doc)
+        if any(e["name"] == Env.SPEC for e in c.get("env", []))
+    ]
+    if target == "trainjob":
+        envs = [by_kind(docs, "TrainJob")["spec"]["trainer"]["env"]]
+    assert envs, "no worker container found"
+    for env in envs:
+        entry = next(e for e in env if e["name"] == Env.NODE_NAME)
+        assert entry == {"name": Env.NODE_NAME, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+
+
+def _containers(doc: Any) -> list[dict[str, Any]]:
+    """Every container dict anywhere in a manifest (templates nest at different depths per kind)."""
+    found: list[dict[str, Any]] = []
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            if key == "containers" and isinstance(value, list):
+                found.extend(c for c in value if isinstance(c, dict))
+            else:
+                found.extend(_containers(value))
+    elif isinstance(doc, list):
+        for item in doc:
+            found.extend(_containers(item))
+    return found
+
+
+def test_a_worker_names_the_kubernetes_node_else_its_host() -> None:
+    base = {Env.RANK: "0", Env.WORLD_SIZE: "1"}
+    assert WorkerIdentity.from_env({**base, Env.NODE_NAME: "gpu-node-17"}).node == "gpu-node-17"
+    assert WorkerIdentity.from_env(base).node == socket.gethostname()
+    assert WorkerIdentity.from_env({**base, Env.NODE_NAME: ""}).node == socket.gethostname()

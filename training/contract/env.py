@@ -71,6 +71,10 @@ class Env:
     # "1": the rendezvous store is a pod of its own (`training.rendezvous_store`, a PyTorchJob with
     # standby nodes); an agent that ends the job with a permanent code records it there, so it ends too.
     STORE_POD = "TORCHRIG_STORE_POD"
+    # The Kubernetes node a pod runs on (the downward API's `spec.nodeName`, set by every compiled pod): a
+    # worker's `node` (metrics label, events, `sdc` suspects and quarantine) is the machine to cordon or
+    # taint, not the pod's host name; unset (local, Ray on VMs): the host name.
+    NODE_NAME = "TORCHRIG_NODE_NAME"
     # The CLI: seconds a Kubernetes / Ray Jobs API call may take, "S" or "CONNECT,READ" (default 10,30).
     API_TIMEOUT = "TORCHRIG_API_TIMEOUT"
 
@@ -144,7 +148,7 @@ class WorkerIdentity:
         generation: Elastic restart count of the group within one launch (0 for the first attempt).
         run_id: The launch's rendezvous id (`TORCHELASTIC_RUN_ID`; empty without a launcher).
         run_dir: The run directory; None writes no files.
-        node: Host name (a metrics label).
+        node: The machine: the Kubernetes node (`Env.NODE_NAME`) or the host name (a metrics label).
     """
 
     job: str = ""
@@ -212,5 +216,5 @@ class WorkerIdentity:
             generation=_int(env, Env.RESTART_COUNT, default=0),
             run_id=env.get(Env.RUN_ID, ""),
             run_dir=run_dir,
-            node=socket.gethostname(),
+            node=env.get(Env.NODE_NAME) or socket.gethostname(),
         )

@@ -217,6 +217,8 @@ key order (Helm's maps are sorted; the compiler keeps the job file's order). Arg
   {{- $names = append $names $name -}}
   {{- $env = append $env (dict "name" $name "value" (ternary (get $user $name) (index $pair 1) (hasKey $user $name))) -}}
 {{- end -}}
+{{- /* The node the pod runs on (downward API): the machine workers name in metrics and sdc events. */ -}}
+{{- $env = append $env (dict "name" "TORCHRIG_NODE_NAME" "valueFrom" (dict "fieldRef" (dict "fieldPath" "spec.nodeName"))) -}}
 {{- range $name, $value := $user -}}
   {{- if not (has $name $names) -}}
     {{- $env = append $env (dict "name" $name "value" $value) -}}
