@@ -326,7 +326,20 @@ def _sdc_recompute(sd: dict[str, Any]) -> list[str]:
         f"{100 * fp.get('recompute_ratio_of_a_step', float('nan')):.0f}% of one of its steps. "
         f"A local-gradient flip before the all-reduce (invisible to the replica check) to detection: "
         f"{det['steps_to_detection']} steps, {det['seconds_to_detection']:.3f} s{_detail(det)}.",
+        *_sdc_trail(sd),
         "",
+    ]
+
+
+def _sdc_trail(sd: dict[str, Any]) -> list[str]:
+    digits, tinygpt = sd.get("trail_digits_in_process"), sd.get("trail_tinygpt_in_process")
+    if not digits or not tinygpt:
+        return []
+    return [
+        "",
+        f"The gradient trail of two-replica jobs (every step, in process): "
+        f"{100 * digits['trail_ratio_of_a_step']:.1f}% of a digits step, "
+        f"{100 * tinygpt['trail_ratio_of_a_step']:.2f}% of a tinygpt step.",
     ]
 
 

@@ -18,11 +18,13 @@ fingerprints (8 bytes per rank, one collective on the default group) and `decide
   computed (or held) something it cannot compute again: it is the suspect, `decided`. Where the replays
   themselves differ (a device that computes the same wrong number every time cannot be told from its one
   peer), or no copy was kept yet (the first `sdc.every` steps), the suspects are every rank outside the
-  largest group and the event says `undecided` rather than guess. So it is where the corruption was already
-  averaged into the peer: a flip on rank 1 after step k enters rank 1's local gradient of step k + 1, whose
-  all-reduce carries it to rank 0, so after step k + 1 neither state is what a clean replay reproduces. The
-  replay decides a flip found before that: at a check or save of its own step, or by the recompute check of
-  step k + 1, which hands an undecided verdict to this check before that step's optimizer runs.
+  largest group and the event says `undecided` rather than guess. Where the corruption was already
+  averaged into the peer (a flip on rank 1 after step k enters rank 1's local gradient of step k + 1, whose
+  all-reduce carries it to rank 0, so after step k + 1 neither state is what a clean replay reproduces),
+  DDP's gradient trail decides (`training.sdc_replay.GradientTrail`): each rank kept a hash of a sample of
+  its own pre-reduce gradient at every step since the kept state, the replay records the same, and the rank
+  whose gradient departed from its replay strictly first is the suspect (its peer departs a step later,
+  once the average reached it). A departure at the same step on both, or none seen, stays undecided.
 
 On a disagreement rank 0 writes an `sdc` event (step, suspects, their hosts, every fingerprint, and the
 hosts to quarantine: suspects already named by an earlier `sdc` event of the run, `sdc_quarantine`) and
@@ -473,7 +475,17 @@ class SdcMonitor:
         replayed = self.exchange(-1 if again is None else again)  # collective even where it could not run
         if again is None or any(f == MASK64 for f in replayed):
             return replace(undecided, note="no majority, and the replay could not run on every rank")
-        return decide_replay(fingerprints, replayed, self.groups)
+        decision = decide_replay(fingerprints, replayed, self.groups)
+        departed = getattr(self.replay, "departed", None)  # the gradient trail's verdict (DDP)
+        if decision.decided or departed is None:
+            return decision
+        # No state was reproduced (the corruption reached the peer through an all-reduce): whose own
+        # gradient departed from the replay first (`training.sdc_replay.GradientTrail`). Sent as step + 1
+        # (the exchange carries unsigned words; UNKNOWN is -1).
+        from training.sdc_replay import decide_departures  # it imports this module
+
+        departures = [d - 1 for d in self.exchange(departed + 1)]
+        return decide_departures(departures, self.groups, decision)
 
     def quarantined(self, suspect_hosts: list[str]) -> list[str]:
         """`quarantined_hosts` of this rank's run directory."""

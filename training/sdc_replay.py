@@ -26,18 +26,136 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from training.sdc import fingerprint_tensors
+from training.sdc import Decision, _signed, _tensor_hash, fingerprint_tensors, tensor_constant
 
 if TYPE_CHECKING:
     from training.trainer import Trainer
 
-__all__ = ["ReplayPoint", "replay_steps"]
+__all__ = ["GradientTrail", "ReplayPoint", "chained", "decide_departures", "replay_steps"]
 
 log = logging.getLogger(__name__)
+
+
+# The trail hashes every TRAIL_STRIDE-th element of each local gradient: a corrupted parameter or moment
+# changes most of the gradient its next forward and backward compute, so a sample sees it at a fraction of
+# a full hash's cost; a departure the sample misses leaves the verdict undecided, never wrong.
+TRAIL_STRIDE = 8
+NO_DEPARTURE = 0  # `GradientTrail.departure`: every replayed step matched its record
+UNKNOWN = -1  # a replayed step had no record (HSDP: no DDP bucket; a trail begun after the kept step)
+
+
+class GradientTrail:
+    """This rank's own local gradients, step by step since the newest agreed check, as DDP all-reduced them.
+
+    Two replicas that disagree after a parameter flip cannot be told apart by their states: the flip on
+    rank 1 enters rank 1's local gradient of the next step, whose all-reduce carries it to rank 0, so
+    neither state is what a clean replay reproduces. But the *first* step whose local gradient departs
+    from the replay is the culprit's: its gradient of step k was computed from corrupted bits while its
+    peer's still came from clean ones (the peer departs one step later, once the average reached it).
+    The trail keeps, for each step since the kept state, a 64-bit hash of a sample of this rank's
+    gradients taken in DDP's communication hook before the all-reduce (`CommTimer.before_reduce`), on the
+    device (no synchronisation per step); a replay records the same, and `departure` names the first step
+    where they differ. Only where a replica group has two members (`SdcMonitor.replay`) and DDP carries the
+    gradients.
+
+    Args:
+        params: The parameters whose gradients are hashed, in an order every replica shares.
+        device: Where the per-step hashes are combined.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], device: torch.device) -> None:
+        self.index = {id(p): i for i, p in enumerate(params)}
+        self.count = len(params)
+        self.device = device
+        self.recorded: dict[int, torch.Tensor] = {}
+        self.replayed: dict[int, torch.Tensor] = {}
+        self.replaying = False
+        self._step: int | None = None
+        self._hashes: list[torch.Tensor | None] = []
+
+    def capture(self, bucket: Any) -> None:
+        """`CommTimer.before_reduce`: hash this bucket's gradients (this rank's own, before the all-reduce)."""
+        for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+            i = self.index.get(id(param))
+            if i is not None and self._step is not None:
+                # a dense copy of the sample (a one-element strided view counts as contiguous, yet
+                # cannot be read as bytes)
+                sample = grad.reshape(-1)[::TRAIL_STRIDE].clone(memory_format=torch.contiguous_format)
+                self._hashes[i] = _tensor_hash(sample)
+
+    def begin(self, step: int) -> None:
+        """Before step `step`'s first forward."""
+        self._step, self._hashes = step, [None] * self.count
+
+    def end(self) -> None:
+        """After the step's last backward: file its hash (none when no bucket was all-reduced)."""
+        step, self._step = self._step, None
+        if step is None or all(h is None for h in self._hashes):
+            return
+        acc = torch.zeros((), dtype=torch.int64, device=self.device)
+        for t, h in enumerate(self._hashes):
+            if h is not None:
+                acc = acc + h.to(self.device) * _signed(tensor_constant(t))
+        (self.replayed if self.replaying else self.recorded)[step] = acc
+
+    def forget_through(self, step: int) -> None:
+        """The state of `step` agreed: the steps up to it need no record."""
+        for old in [s for s in self.recorded if s <= step]:
+            del self.recorded[old]
+
+    def departure(self, first: int, last: int) -> int:
+        """The first step in `first..last` whose replayed gradient differs from its record; NO_DEPARTURE
+        when none does, UNKNOWN when a step lacks either (one transfer to the host)."""
+        steps = range(first, last + 1)
+        if not steps or any(s not in self.recorded or s not in self.replayed for s in steps):
+            return UNKNOWN
+        differs = torch.stack([self.recorded[s] != self.replayed[s] for s in steps]).tolist()
+        return next((s for s, d in zip(steps, differs, strict=True) if d), NO_DEPARTURE)
+
+
+def chained(first: Callable[[Any], None] | None, second: Callable[[Any], None]) -> Callable[[Any], None]:
+    """One `CommTimer.before_reduce` that calls `first` (the recompute check's capture, if any), then `second`."""
+    if first is None:
+        return second
+
+    def both(bucket: Any) -> None:
+        first(bucket)
+        second(bucket)
+
+    return both
+
+
+def decide_departures(departures: list[int], groups: list[list[int]], undecided: Decision) -> Decision:
+    """Name the suspects from each rank's first departing step (`GradientTrail.departure`, index = rank).
+
+    Within a replica group the ranks whose gradients departed strictly first are the suspects (decided): a
+    healthy replica's gradient departs only once a corrupted average reached it, a step later. A group
+    whose earliest departure is shared by all its ranks, where a rank could not tell (UNKNOWN), or where no
+    rank departed, proves nothing: the verdict stays `undecided` (with the reason).
+    """
+    suspects: set[int] = set()
+    for group in groups:
+        seen = {r: departures[r] for r in group}
+        if any(d == UNKNOWN for d in seen.values()):
+            return replace(undecided, note=undecided.note + "; a replayed step had no gradient record")
+        departed = {r: d for r, d in seen.items() if d != NO_DEPARTURE}
+        if not departed:
+            if any(r in undecided.suspects for r in group):
+                return replace(undecided, note=undecided.note + "; no rank's gradients departed from the replay")
+            continue
+        first = min(departed.values())
+        earliest = {r for r, d in departed.items() if d == first}
+        if len(earliest) == len(group):
+            return replace(undecided, note=undecided.note + f"; every rank's gradients departed at step {first}")
+        suspects |= earliest
+    if not suspects:
+        return undecided
+    return Decision(False, tuple(sorted(suspects)), True, how="replay")
 
 
 class _Stateful(Protocol):
@@ -54,6 +172,7 @@ class ReplayPoint:
         progress: The loop's position (`TrainerProgress`).
         run_to: Re-runs the steps after the live progress's step up to the given one (`replay_steps`).
         device: Where fingerprints are combined.
+        trail: This rank's gradients since the kept state (`GradientTrail`), or None (no DDP buckets).
     """
 
     def __init__(
@@ -62,11 +181,14 @@ class ReplayPoint:
         progress: _Stateful,
         run_to: Callable[[int], None],
         device: torch.device,
+        trail: GradientTrail | None = None,
     ) -> None:
         self.tensors = tensors
         self.progress = progress
         self.run_to = run_to
         self.device = device
+        self.trail = trail
+        self.departed: int = UNKNOWN  # the first replayed step whose gradient departed (`GradientTrail`)
         self.kept_step: int | None = None
         self._copy: list[torch.Tensor] = []
         self._progress: dict[str, Any] = {}
@@ -86,6 +208,8 @@ class ReplayPoint:
             self._copy = [t.detach().clone() for t in live]
         self._progress = copy.deepcopy(self.progress.state_dict())
         self.kept_step = step
+        if self.trail is not None:
+            self.trail.forget_through(step)
 
     def kept_fingerprint(self) -> int:
         """The fingerprint of the kept copy (it agreed when kept; a flip in it since would show here)."""
@@ -105,7 +229,16 @@ class ReplayPoint:
             for t, c in zip(live, self._copy, strict=True):
                 t.copy_(c)
         self.progress.load_state_dict(copy.deepcopy(self._progress))
-        self.run_to(step)
+        if self.trail is None:
+            self.run_to(step)
+        else:
+            self.trail.replayed.clear()
+            self.trail.replaying = True
+            try:
+                self.run_to(step)
+            finally:
+                self.trail.replaying = False
+            self.departed = self.trail.departure(self.kept_step + 1, step)
         return fingerprint_tensors(self.tensors(), self.device)
 
 

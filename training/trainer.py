@@ -35,7 +35,7 @@ from training.optim import lr_at
 from training.profiling import create_step_profiler
 from training.sdc import SilentDataCorruption, create_sdc_monitor, fingerprint, replica_shards, state_tensors
 from training.sdc_recompute import create_recompute_check
-from training.sdc_replay import ReplayPoint, replay_steps
+from training.sdc_replay import GradientTrail, ReplayPoint, chained, replay_steps
 from training.state import ModelOptimizerState, TrainerProgress, full_params_sha256
 from training.strategies import Parallel, clip_grad_norm, ddp_bucket_order, rewrap_ddp
 from training.task import Task
@@ -154,12 +154,19 @@ class Trainer:
                 self.progress,
                 lambda last: replay_steps(self, last),
                 par.device,
+                # DDP: this rank's own gradients step by step, so a replay can name who departed first
+                trail=GradientTrail([p for p in par.module.parameters() if p.requires_grad], par.device)
+                if isinstance(par.model, nn.parallel.DistributedDataParallel)
+                else None,
             )
             if self.cfg.deterministic  # a replay must reproduce a healthy rank bit for bit
             else None,
         )
         if self.sdc is not None:
             self.sdc.prefer_certified(checkpoints)
+        # Only where the monitor keeps a replay point (a replica group of two): the gradient trail's hooks.
+        replay_point = self.sdc.replay if self.sdc is not None else None
+        self.trail = replay_point.trail if isinstance(replay_point, ReplayPoint) else None
         # `sdc.recomputeEvery`: each rank recomputes its neighbour's pre-reduce gradient (`training.sdc_recompute`).
         self.recompute = create_recompute_check(
             identity,
@@ -410,6 +417,9 @@ class Trainer:
         par.comm.take_first_gradient()
         if self.recompute is not None:  # on its steps, fingerprint DDP's buckets before their all-reduce
             self.recompute.before_step(step)
+        if self.trail is not None:  # two replicas: this rank's own gradients, for a replay to name a culprit
+            self.trail.begin(step)
+            par.comm.before_reduce = chained(par.comm.before_reduce, self.trail.capture)
         for micro in range(cfg.grad_accumulation):
             td = time.perf_counter()
             batch = to_device(next(feed.batches), par.device)
@@ -422,6 +432,10 @@ class Trainer:
                 else:
                     loss.backward()  # type: ignore[no-untyped-call]
             loss_sum += loss.detach().float()
+        if self.trail is not None:
+            self.trail.end()
+            if self.recompute is None:
+                par.comm.before_reduce = None
         if self.recompute is not None:  # before the optimizer step: raises SilentDataCorruption on a mismatch
             self.recompute.after_backward(step, progress.cursor)
         grad_norm = self._apply_gradients()

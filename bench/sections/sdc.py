@@ -241,6 +241,63 @@ def _detection(steps: int, every: int, flip_step: int, *, target: str = "param",
     }
 
 
+class _Bucket:
+    """DDP's `GradBucket` as the trail reads it: its parameters and their gradients."""
+
+    def __init__(self, params: list[Any]) -> None:
+        self._params = params
+
+    def parameters(self) -> list[Any]:
+        return self._params
+
+    def gradients(self) -> list[Any]:
+        return [p.grad for p in self._params]
+
+
+def _trail_vs_step(example: str, repeats: int) -> dict[str, Any]:
+    """The gradient trail of two-replica jobs (`training.sdc_replay.GradientTrail`, every step): one
+    process, a training step of the example's model and batch against the trail's begin, capture of every
+    gradient and end (what DDP's communication hook adds to each step). In process for the same reason as
+    `_recompute_vs_step_digits`: a per-step cost of a few percent drowns in a loaded machine's side-by-side noise."""
+    import torch
+
+    from orchestrator.loader import load_spec
+    from training.optim import build_optimizer
+    from training.sdc_replay import GradientTrail
+    from training.task import load_task
+
+    spec = load_spec(Path(__file__).resolve().parents[2] / "examples" / f"{example}.yaml")
+    cfg = spec.spec.training
+    task = load_task(spec.spec.task.entrypoint, spec.spec.task.args)
+    torch.manual_seed(0)
+    model = task.build_model()
+    optimizer = build_optimizer(model, cfg.optimizer)
+    dataset = task.train_dataset()
+    batch = task.collate([dataset[i] for i in range(cfg.batch_size)])  # type: ignore[index]
+    params = [p for p in model.parameters() if p.requires_grad]
+    trail = GradientTrail(params, torch.device("cpu"))
+    step_s, trail_s = [], []
+    for step in range(1, repeats + 1):
+        t0 = time.perf_counter()
+        task.loss(model, batch).backward()  # type: ignore[no-untyped-call]
+        step_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        trail.begin(step)
+        trail.capture(_Bucket(params))
+        trail.end()
+        trail_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_s[-1] += time.perf_counter() - t0
+        trail.forget_through(step)
+    return {
+        "step_s": stats(step_s)["median"],
+        "trail_s": stats(trail_s)["median"],
+        "trail_ratio_of_a_step": stats(trail_s)["median"] / stats(step_s)["median"],
+    }
+
+
 def bench_sdc(quick: bool) -> dict[str, Any]:
     """Overhead of `sdc.every` at its default against the same job without it, and flip-to-detection."""
     from training.config import DEFAULT_SDC_EVERY, DEFAULT_SDC_RECOMPUTE_EVERY
@@ -254,6 +311,8 @@ def bench_sdc(quick: bool) -> dict[str, Any]:
         "recompute": _recompute_overhead(repeats, steps, DEFAULT_SDC_RECOMPUTE_EVERY),
         "recompute_digits_in_process": _recompute_vs_step_digits(200 if quick else 1000),
         "recompute_detection": _detection(40, 0, 23, target="local_grad", recompute=1),
+        "trail_digits_in_process": _trail_vs_step("digits-ddp", 200 if quick else 1000),
+        "trail_tinygpt_in_process": _trail_vs_step("tinygpt-fsdp", 3 if quick else 8),
     }
 
 

@@ -51,9 +51,9 @@ def test_a_flipped_bit_is_found_its_rank_named_and_the_job_ends_bit_identical(
     assert flip.rank == rank and flip.step == 13
     sdc = [e for e in events if e.kind == EventKind.SDC]
     assert sdc and sdc[0].step == 15 and sdc[0].get("last_agreed_step") == 10
-    # A majority decides at 4; at 2 the replay (`training.sdc`), which may name both ranks.
+    # A majority decides at 4; at 2 the replay (`training.sdc`, the gradient trail where states cannot tell).
     suspects, decided = sdc[0].get("suspects") or [], sdc[0].get("decided") is True
-    assert rank in suspects and (decided or world == 2) and (world == 2 or suspects == [rank])
+    assert suspects == [rank] and decided, sdc[0].data
     # Nothing after the flip was restored, and what was restored says it is certified.
     assert report.resumed_from_step == 10 and report.final_params_match_reference is True
     rolled_back = decided and len(suspects) < world  # someone is left to roll back
@@ -119,19 +119,12 @@ def _tinygpt_spec(world: int) -> JobSpec:
     )
 
 
-# Two replicas: the replay (`training.sdc.decide_replay`) names a rank only when one of the two original
-# states is what a clean replay reproduces. A tinygpt flip at step 8 reaches the other rank through the
-# gradient all-reduces of steps 9 and 10, so neither original state is reproduced: undecided (both ranks
-# suspects, a group restart, bit-identical all the same), which the drill's two-replica check, asking for a
-# decided replay, fails. Digits escapes it: the flipped element (parameter 0, element 0) weighs input pixel 0,
-# which is 0 in every image, so the flip never reaches a gradient.
-_REPLAY_UNDECIDED = pytest.mark.xfail(
-    strict=True, reason="two replicas: the replay reproduced no rank (the flip spread through the all-reduce)"
-)
-
-
+# Two replicas: a tinygpt flip at step 8 reaches the other rank through the gradient all-reduces of steps 9
+# and 10, so neither original state is what a clean replay reproduces (`training.sdc.decide_replay`); the
+# gradient trail (`training.sdc_replay.GradientTrail`) names the rank whose own gradient departed from the
+# replay first: the flipped one, a step before its peer.
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [pytest.param(2, marks=_REPLAY_UNDECIDED), 4])
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("seed", [0, 1, 2], ids=["param", "moment", "grad"])
 def test_tinygpt_a_flipped_bit_in_each_place_is_found_and_the_job_ends_bit_identical(
     tmp_path: Path, world: int, seed: int
@@ -149,7 +142,7 @@ def test_tinygpt_a_flipped_bit_in_each_place_is_found_and_the_job_ends_bit_ident
     sdc = [e for e in events if e.kind == EventKind.SDC]
     assert sdc and sdc[0].step == 10 and sdc[0].get("last_agreed_step") == 5
     suspects, decided = sdc[0].get("suspects") or [], sdc[0].get("decided") is True
-    assert rank in suspects and (decided or world == 2) and (world == 2 or suspects == [rank])
+    assert suspects == [rank] and decided, sdc[0].data
     assert report.resumed_from_step == 5 and report.final_params_match_reference is True
     rolled_back = decided and len(suspects) < world
     assert report.recovery_path == ("inplace-rollback" if rolled_back else "restart")
@@ -232,7 +225,8 @@ def test_two_replicas_the_replay_decides_a_flip_found_before_it_spread(tmp_path:
     the all-reduced spread: the two ranks' recomputations both disagree (undecided), the replica check of
     step 7 runs, and its replay from the state agreed at step 5 reproduces rank 0 and not rank 1: rank 1,
     decided. Without it the check before the save of step 8 comes after the flip was averaged into rank 0
-    too: no rank is reproduced, and the event says so rather than guess. Both end bit-identical to a clean run."""
+    too: no rank's state is reproduced, and the gradient trail decides: rank 1's own gradient of step 8
+    departed from the replay, rank 0's did not. Both end bit-identical to a clean run."""
     flip = [{"kind": "bitflip", "rank": 1, "step": 7, "target": "param", "tensor": 5, "element": 3}]
     clean = _digits_run(tmp_path, "clean", [], recompute_every=1, every=5)
     early = _digits_run(tmp_path, "early", flip, recompute_every=1, every=5)
@@ -245,8 +239,8 @@ def test_two_replicas_the_replay_decides_a_flip_found_before_it_spread(tmp_path:
     assert (found.step, found.get("evidence"), found.get("suspects"), found.get("decided")) == (7, "replica", [1], True)
     assert found.get("detail") == "replay: rank(s) 1 disagree"
     (spread,) = sdc_events(late)
-    assert (spread.step, spread.get("suspects"), spread.get("decided")) == (8, [0, 1], False)  # the save's check
-    assert "reproduced no rank" in str(spread.get("detail"))
+    assert (spread.step, spread.get("suspects"), spread.get("decided")) == (8, [1], True)  # the save's check
+    assert spread.get("detail") == "replay: rank(s) 1 disagree"
     for run_dir in (early, late):
         result = json.loads(RunFiles(str(run_dir)).result.read_text())
         assert result["params_sha256"] == json.loads(RunFiles(str(clean)).result.read_text())["params_sha256"]
