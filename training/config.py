@@ -389,9 +389,9 @@ class SdcConfig(Model):
             "Steps between replica-agreement checks: each rank hashes its parameters and optimizer state "
             "(a 64-bit fingerprint of the raw bits) and the group compares them; a checkpoint is also "
             "checked before it is saved, and its manifest records `certified`. On a disagreement an `sdc` "
-            "event names the suspect ranks, and the group restarts from the newest certified checkpoint. "
-            "DDP, and HSDP along its replica dimension; FSDP holds no two copies of one shard: off there. "
-            "0: off (a number, not null: the resolved job file drops nulls and would read the default back)."
+            "event names the suspect ranks; a decided suspect is replaced in place by a warm spare while the "
+            "others reload the newest certified checkpoint, else the group restarts from it. DDP, and HSDP "
+            "along its replica dimension; FSDP holds no two copies of one shard: off there. 0: off."
         ),
     )
     recompute_every: int = Field(
