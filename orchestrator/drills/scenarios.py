@@ -633,17 +633,19 @@ class LoseStoreAtRestart(Scenario):
         return patch_section(spec, "restarts", mode="restart", max=max(spec.spec.restarts.max, 3))
 
     def faults(self, ctx: DrillContext) -> list[Fault]:
-        # The kill is the worker's own, at an exact step: the job cannot finish before it. The store is
-        # lost once the checkpoint before it is committed; the restarted ranks (new processes, torch, a
-        # process group: seconds) then meet the outage at their restore.
-        return [*_pace(ctx), Fault(kind="kill", rank=ctx.fault_rank, step=ctx.fault_step)]
+        return _pace(ctx)  # steps long enough for the drill to act between the commit and the job's end
 
     def actions(self, spec: JobSpec, ctx: DrillContext) -> list[Action]:
         from training.checkpoint.restore import RESTORE_GAVE_UP
 
+        # In this order, from outside: the checkpoint committed, the store lost, then the kill, so that the
+        # restarted ranks (new processes, torch, a process group: seconds) meet the outage at their restore.
+        # (A kill of the worker's own at a fixed step raced the save before it: on a loaded machine the
+        # async commit of the checkpoint the drill waits for came only after the restart had restored.)
         return [
             AwaitCommit(store=0, step=ctx.checkpoint_at_fault, required=True),
             StoreLoss(store=0),
+            RankKill(rank=ctx.fault_rank),
             # The store stays away until a restarted rank has given up on it (so that path is taken too).
             AwaitStoreFailure(store=0, prefix=RESTORE_GAVE_UP),
             StoreBack(store=0),

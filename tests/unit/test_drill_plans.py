@@ -124,10 +124,12 @@ def test_lose_store_at_restart_keeps_one_store_kills_and_brings_the_store_back_a
     ckpt, restarts = plan.spec.spec.checkpoint, plan.spec.spec.restarts
     assert [s.display_name for s in ckpt.stores] == ["c"], "the only store: nothing to fall back on"
     assert ckpt.io_timeout_seconds == 20.0 and restarts.mode == "restart" and restarts.max >= 3
-    assert [(f.kind, f.rank, f.step) for f in plan.faults if f.kind != "slow"] == [("kill", 1, 23)]
+    # The kill comes from outside after the store is gone (a worker's own kill at a step raced the commit).
+    assert [f.kind for f in plan.faults] == ["slow"]
     assert plan.actions == (
         AwaitCommit(store=0, step=20, required=True),
         StoreLoss(store=0),
+        RankKill(rank=1),
         AwaitStoreFailure(store=0, prefix=RESTORE_GAVE_UP),
         StoreBack(store=0),
     )
