@@ -74,6 +74,7 @@ __all__ = [
     "combine_hashes",
     "create_sdc_monitor",
     "decide",
+    "decide_departures",
     "decide_groups",
     "decide_replay",
     "fingerprint",
@@ -310,6 +311,38 @@ def decide_replay(
     return Decision(False, tuple(sorted(suspects)), decided, how="replay", note=note)
 
 
+NO_DEPARTURE = 0  # `training.sdc_replay.GradientTrail.departure`: every replayed step matched its record
+UNKNOWN = -1  # a replayed step had no record (HSDP: no DDP bucket; a trail begun after the kept step)
+
+
+def decide_departures(departures: list[int], groups: list[list[int]], undecided: Decision) -> Decision:
+    """Name the suspects from each rank's first departing step (`GradientTrail.departure`, index = rank).
+
+    Within a replica group the ranks whose gradients departed strictly first are the suspects (decided): a
+    healthy replica's gradient departs only once a corrupted average reached it, a step later. A group
+    whose earliest departure is shared by all its ranks, where a rank could not tell (UNKNOWN), or where no
+    rank departed, proves nothing: the verdict stays `undecided` (with the reason).
+    """
+    suspects: set[int] = set()
+    for group in groups:
+        seen = {r: departures[r] for r in group}
+        if any(d == UNKNOWN for d in seen.values()):
+            return replace(undecided, note=undecided.note + "; a replayed step had no gradient record")
+        departed = {r: d for r, d in seen.items() if d != NO_DEPARTURE}
+        if not departed:
+            if any(r in undecided.suspects for r in group):
+                return replace(undecided, note=undecided.note + "; no rank's gradients departed from the replay")
+            continue
+        first = min(departed.values())
+        earliest = {r for r, d in departed.items() if d == first}
+        if len(earliest) == len(group):
+            return replace(undecided, note=undecided.note + f"; every rank's gradients departed at step {first}")
+        suspects |= earliest
+    if not suspects:
+        return undecided
+    return Decision(False, tuple(sorted(suspects)), True, how="replay")
+
+
 def replica_groups(world_size: int, shards: int) -> list[list[int]]:
     """The replica groups of a job whose state is split into `shards` parts, shard index = rank % shards
     (HSDP's mesh is nodes x local ranks: rank = node * shards + local rank); DDP is `shards` 1."""
@@ -482,8 +515,6 @@ class SdcMonitor:
         # No state was reproduced (the corruption reached the peer through an all-reduce): whose own
         # gradient departed from the replay first (`training.sdc_replay.GradientTrail`). Sent as step + 1
         # (the exchange carries unsigned words; UNKNOWN is -1).
-        from training.sdc_replay import decide_departures  # it imports this module
-
         departures = [d - 1 for d in self.exchange(departed + 1)]
         return decide_departures(departures, self.groups, decision)
 

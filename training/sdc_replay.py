@@ -26,17 +26,24 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from training.sdc import Decision, _signed, _tensor_hash, fingerprint_tensors, tensor_constant
+from training.sdc import (
+    NO_DEPARTURE,
+    UNKNOWN,
+    _signed,
+    _tensor_hash,
+    decide_departures,
+    fingerprint_tensors,
+    tensor_constant,
+)
 
 if TYPE_CHECKING:
     from training.trainer import Trainer
 
-__all__ = ["GradientTrail", "ReplayPoint", "chained", "decide_departures", "replay_steps"]
+__all__ = ["NO_DEPARTURE", "UNKNOWN", "GradientTrail", "ReplayPoint", "chained", "decide_departures", "replay_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +52,6 @@ log = logging.getLogger(__name__)
 # changes most of the gradient its next forward and backward compute, so a sample sees it at a fraction of
 # a full hash's cost; a departure the sample misses leaves the verdict undecided, never wrong.
 TRAIL_STRIDE = 8
-NO_DEPARTURE = 0  # `GradientTrail.departure`: every replayed step matched its record
-UNKNOWN = -1  # a replayed step had no record (HSDP: no DDP bucket; a trail begun after the kept step)
 
 
 class GradientTrail:
@@ -128,34 +133,6 @@ def chained(first: Callable[[Any], None] | None, second: Callable[[Any], None]) 
         second(bucket)
 
     return both
-
-
-def decide_departures(departures: list[int], groups: list[list[int]], undecided: Decision) -> Decision:
-    """Name the suspects from each rank's first departing step (`GradientTrail.departure`, index = rank).
-
-    Within a replica group the ranks whose gradients departed strictly first are the suspects (decided): a
-    healthy replica's gradient departs only once a corrupted average reached it, a step later. A group
-    whose earliest departure is shared by all its ranks, where a rank could not tell (UNKNOWN), or where no
-    rank departed, proves nothing: the verdict stays `undecided` (with the reason).
-    """
-    suspects: set[int] = set()
-    for group in groups:
-        seen = {r: departures[r] for r in group}
-        if any(d == UNKNOWN for d in seen.values()):
-            return replace(undecided, note=undecided.note + "; a replayed step had no gradient record")
-        departed = {r: d for r, d in seen.items() if d != NO_DEPARTURE}
-        if not departed:
-            if any(r in undecided.suspects for r in group):
-                return replace(undecided, note=undecided.note + "; no rank's gradients departed from the replay")
-            continue
-        first = min(departed.values())
-        earliest = {r for r, d in departed.items() if d == first}
-        if len(earliest) == len(group):
-            return replace(undecided, note=undecided.note + f"; every rank's gradients departed at step {first}")
-        suspects |= earliest
-    if not suspects:
-        return undecided
-    return Decision(False, tuple(sorted(suspects)), True, how="replay")
 
 
 class _Stateful(Protocol):
