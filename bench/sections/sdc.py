@@ -24,6 +24,7 @@ import json
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -97,18 +98,25 @@ def _overhead(repeats: int, steps: int, every: int) -> dict[str, Any]:
     }
 
 
-def _fingerprint_vs_step(repeats: int) -> dict[str, Any]:
-    """tinygpt (its example's model and micro-batch), one process: a training step of one micro-batch (the
-    example accumulates two, so a real step is longer and the share smaller) against one fingerprint."""
+@dataclass
+class _Example:
+    """An example's task, model, optimizer and one batch of its size, built in this process (seed 0)."""
+
+    task: Any
+    model: Any
+    optimizer: Any
+    batch: Any
+    params: list[Any]
+
+
+def _example(name: str) -> _Example:
     import torch
 
     from orchestrator.loader import load_spec
     from training.optim import build_optimizer
-    from training.sdc import fingerprint, fingerprint_tensors
     from training.task import load_task
 
-    spec = load_spec(Path(__file__).resolve().parents[2] / "examples" / "tinygpt-fsdp.yaml")
-    params = []
+    spec = load_spec(Path(__file__).resolve().parents[2] / "examples" / f"{name}.yaml")
     cfg = spec.spec.training
     task = load_task(spec.spec.task.entrypoint, spec.spec.task.args)
     torch.manual_seed(0)
@@ -116,6 +124,18 @@ def _fingerprint_vs_step(repeats: int) -> dict[str, Any]:
     optimizer = build_optimizer(model, cfg.optimizer)
     dataset = task.train_dataset()
     batch = task.collate([dataset[i] for i in range(cfg.batch_size)])  # type: ignore[index]
+    return _Example(task, model, optimizer, batch, [p for p in model.parameters() if p.requires_grad])
+
+
+def _fingerprint_vs_step(repeats: int) -> dict[str, Any]:
+    """tinygpt (its example's model and micro-batch), one process: a training step of one micro-batch (the
+    example accumulates two, so a real step is longer and the share smaller) against one fingerprint."""
+    import torch
+
+    from training.sdc import fingerprint, fingerprint_tensors
+
+    ex = _example("tinygpt-fsdp")
+    task, model, optimizer, batch, params = ex.task, ex.model, ex.optimizer, ex.batch, ex.params
     device = torch.device("cpu")
 
     def step() -> None:
@@ -124,7 +144,6 @@ def _fingerprint_vs_step(repeats: int) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
 
     step()  # AdamW's state exists from here on
-    params = [p for p in model.parameters() if p.requires_grad]
     step_s, fp_s, rc_s = [], [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -186,20 +205,10 @@ def _recompute_vs_step_digits(repeats: int) -> dict[str, Any]:
     Robust where the side-by-side runs drown in a loaded machine's noise: no scheduling, no all-gather."""
     import torch
 
-    from orchestrator.loader import load_spec
-    from training.optim import build_optimizer
     from training.sdc import fingerprint_tensors
-    from training.task import load_task
 
-    spec = load_spec(Path(__file__).resolve().parents[2] / "examples" / "digits-ddp.yaml")
-    cfg = spec.spec.training
-    task = load_task(spec.spec.task.entrypoint, spec.spec.task.args)
-    torch.manual_seed(0)
-    model = task.build_model()
-    optimizer = build_optimizer(model, cfg.optimizer)
-    dataset = task.train_dataset()
-    batch = task.collate([dataset[i] for i in range(cfg.batch_size)])  # type: ignore[index]
-    params = [p for p in model.parameters() if p.requires_grad]
+    ex = _example("digits-ddp")
+    task, model, optimizer, batch, params = ex.task, ex.model, ex.optimizer, ex.batch, ex.params
     device = torch.device("cpu")
     step_s, rc_s = [], []
     for _ in range(repeats):
@@ -261,20 +270,10 @@ def _trail_vs_step(example: str, repeats: int) -> dict[str, Any]:
     `_recompute_vs_step_digits`: a per-step cost of a few percent drowns in a loaded machine's side-by-side noise."""
     import torch
 
-    from orchestrator.loader import load_spec
-    from training.optim import build_optimizer
     from training.sdc_replay import GradientTrail
-    from training.task import load_task
 
-    spec = load_spec(Path(__file__).resolve().parents[2] / "examples" / f"{example}.yaml")
-    cfg = spec.spec.training
-    task = load_task(spec.spec.task.entrypoint, spec.spec.task.args)
-    torch.manual_seed(0)
-    model = task.build_model()
-    optimizer = build_optimizer(model, cfg.optimizer)
-    dataset = task.train_dataset()
-    batch = task.collate([dataset[i] for i in range(cfg.batch_size)])  # type: ignore[index]
-    params = [p for p in model.parameters() if p.requires_grad]
+    ex = _example(example)
+    task, model, optimizer, batch, params = ex.task, ex.model, ex.optimizer, ex.batch, ex.params
     trail = GradientTrail(params, torch.device("cpu"))
     step_s, trail_s = [], []
     for step in range(1, repeats + 1):
