@@ -5,31 +5,18 @@ the same on a real two-rank DDP job: tests/integration/test_sdc_drill.py (tinygp
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
+from tests.unit.test_sdc_recompute import Bucket, Recorder
 from training.contract import WorkerIdentity
-from training.metrics.base import MetricsSink
 from training.sdc import Decision, SdcMonitor, SilentDataCorruption
 from training.sdc_replay import NO_DEPARTURE, UNKNOWN, GradientTrail, chained, decide_departures
 
 UNDECIDED = Decision(False, (0, 1), False, how="replay", note="the replay reproduced no rank")
-
-
-class Bucket:
-    def __init__(self, params: list[nn.Parameter], grads: list[torch.Tensor]) -> None:
-        self._params, self._grads = params, grads
-
-    def parameters(self) -> list[nn.Parameter]:
-        return self._params
-
-    def gradients(self) -> list[torch.Tensor]:
-        return self._grads
 
 
 # -- decide_departures ------------------------------------------------------------------------------------
@@ -116,14 +103,6 @@ def test_chained_calls_both_captures_in_order() -> None:
 
 
 # -- the monitor: the trail decides where the states could not ----------------------------------------------
-class Recorder(MetricsSink):
-    def __init__(self) -> None:
-        self.events: list[tuple[str, dict[str, Any]]] = []
-
-    def on_event(self, event: Any, **fields: Any) -> None:
-        self.events.append((str(event), fields))
-
-
 class TrailReplay:
     """A replay point whose replay reproduced no rank, and whose trail departed at `departed`."""
 
