@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from bench import report
-from bench.__main__ import main, run_sections
+from bench.__main__ import main, merge_changes, run_sections
 from bench.common import digits_spec_file
 from bench.sections import SECTIONS, Section
 from bench.sections.exporter import publish as publish_exporter
@@ -268,3 +268,27 @@ def test_digits_spec_file_applies_overrides_like_the_cli(tmp_path: Path) -> None
     assert spec.name == "bench-digits"
     assert spec.spec.training.steps == 7 and spec.spec.metrics.enabled is False
     assert spec.spec.checkpoint.every.steps == 70
+
+
+def test_a_run_replaces_only_what_it_changed_so_a_concurrent_runs_sections_survive() -> None:
+    before = {"timestamp": "t0", "startup": {"ratio": 1.5}, "sdc": {"x": 1}, "errors": {"gpu": "no GPU", "sdc": "old"}}
+    # Meanwhile another `python -m bench --only startup` wrote its figures to the file.
+    latest = {**before, "timestamp": "t1", "startup": {"ratio": 1.12}, "runs": {"startup": {"quick": False}}}
+    after = {
+        **before,
+        "timestamp": "t2",
+        "sdc": {"x": 2},
+        "errors": {"gpu": "no GPU"},
+        "runs": {"sdc": {"quick": True}},
+    }
+    merged = merge_changes(latest, before, after)
+    assert merged["startup"] == {"ratio": 1.12}  # the other run's section, not this run's stale copy
+    assert merged["sdc"] == {"x": 2} and merged["timestamp"] == "t2"
+    assert merged["errors"] == {"gpu": "no GPU"}  # this run's section no longer fails
+    assert merged["runs"] == {"startup": {"quick": False}, "sdc": {"quick": True}}
+
+
+def test_each_section_records_when_it_ran_and_whether_quick(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(SECTIONS, "ok", Section("ok", lambda quick: {"quick_seen": quick}))
+    results = run_sections(["ok"], True, {"runs": {"mttr": {"timestamp": "old", "quick": False}}})
+    assert results["runs"]["ok"]["quick"] is True and results["runs"]["mttr"] == {"timestamp": "old", "quick": False}
