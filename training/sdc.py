@@ -79,6 +79,7 @@ __all__ = [
     "decide_replay",
     "fingerprint",
     "fingerprint_tensors",
+    "replacement",
     "replica_groups",
     "replica_shards",
     "report_disagreement",
@@ -97,6 +98,9 @@ HOST_BYTES = 64  # a host name in the one-off exchange of names (longer ones are
 # this rank's fingerprint -> every rank's, by rank (an all-gather); injected in tests
 Exchange = Callable[[int], list[int]]
 HostExchange = Callable[[str], list[str]]
+# In place with standby nodes: the node a ready standby node takes after a decided disagreement, the same on
+# every rank (`training.inplace.group.InPlaceGroup.sdc_handover`); None: spares of the suspects' own nodes.
+Handover = Callable[[tuple[int, ...], bool], int | None]
 
 
 def _signed(value: int) -> int:
@@ -358,10 +362,13 @@ class SilentDataCorruption(RuntimeError):
         decided: A majority named them (False: no majority, every disagreeing replica is a suspect).
     """
 
-    def __init__(self, message: str, *, suspects: Sequence[int] = (), decided: bool = False) -> None:
+    def __init__(
+        self, message: str, *, suspects: Sequence[int] = (), decided: bool = False, handed_over: int | None = None
+    ) -> None:
         super().__init__(message)
         self.suspects = tuple(suspects)
         self.decided = decided
+        self.handed_over = handed_over  # the node a standby node takes (`Handover`), None: spares of the node
 
 
 def report_disagreement(
@@ -375,6 +382,7 @@ def report_disagreement(
     last_agreed: int | None,
     evidence: str,
     recomputed: Sequence[int] = (),
+    handover: Handover | None = None,
 ) -> NoReturn:
     """The `sdc` event (rank 0), a line on stderr and `SilentDataCorruption` (every rank; collective: the
     host names are all-gathered).
@@ -383,9 +391,20 @@ def report_disagreement(
         evidence: Which fingerprints differed: "replica" (parameters and optimizer state, `SdcMonitor`) or
             "recompute" (pre-reduce gradients against a neighbour's recomputation, `training.sdc_recompute`).
         recomputed: "recompute": rank r's fingerprint of rank (r + 1)'s gradient, by rank.
+        handover: In place (DDP): the node a standby node takes (every rank asks: one answer for all). The
+            event says who replaces the suspects (`replaced_by`) and names the node handed over (`excluded_hosts`).
     """
     names = hosts(identity.node)  # collective too: every rank saw the same fingerprints
+    handed_over = handover(decision.suspects, decision.decided) if handover is not None else None
+    replaced_by = replacement(decision, identity.world_size, in_place=handover is not None, handed_over=handed_over)
+    nproc = max(1, identity.local_world_size)
+    node_ranks = range(handed_over * nproc, (handed_over + 1) * nproc) if handed_over is not None else range(0)
+    excluded = list(dict.fromkeys(names[r] for r in node_ranks if r < len(names)))
     message = f"silent data corruption at step {step}: {decision.describe()} (evidence: {evidence})"
+    if replaced_by == "standby":
+        message += f"; a standby node takes node {handed_over}'s ranks ({', '.join(excluded)} excluded)"
+    elif replaced_by == "spare":
+        message += "; spares of the suspects' own nodes take their ranks (the suspect hardware still runs them)"
     if identity.is_leader:
         suspect_hosts = list(dict.fromkeys(names[r] for r in decision.suspects))  # each host once
         quarantined = quarantined_hosts(identity, suspect_hosts)
@@ -403,10 +422,23 @@ def report_disagreement(
                 quarantined_hosts=quarantined,
                 evidence=evidence,
                 recomputed=[f"{f:016x}" for f in recomputed],
+                replaced_by=replaced_by,
+                excluded_hosts=excluded,
             )
         )
     print(f"torchrig: rank {identity.rank}: {message}", file=sys.stderr, flush=True)
-    raise SilentDataCorruption(message, suspects=decision.suspects, decided=decision.decided)
+    raise SilentDataCorruption(message, suspects=decision.suspects, decided=decision.decided, handed_over=handed_over)
+
+
+def replacement(decision: Decision, world: int, *, in_place: bool, handed_over: int | None) -> str:
+    """Who takes the suspects' ranks (the `sdc` event's `replaced_by`): "standby" (a standby node takes the
+    suspects' node: it holds no rank of the job any more), "spare" (warm spares of the suspects' own nodes:
+    the suspect hardware still runs their ranks) or "" (nobody in place: the group restarts from the newest
+    certified checkpoint, `training.inplace.protocol.decide_sdc`)."""
+    if handed_over is not None:
+        return "standby"
+    every_rank = set(range(world)) <= set(decision.suspects)
+    return "spare" if in_place and decision.decided and decision.suspects and not every_rank else ""
 
 
 def quarantined_hosts(identity: WorkerIdentity, suspect_hosts: list[str]) -> list[str]:
@@ -467,6 +499,7 @@ class SdcMonitor:
         self.hosts = hosts
         self.last_checked: int | None = None
         self.last_agreed: int | None = None  # the newest step whose replicas agreed (certified)
+        self.handover: Handover | None = None  # set by an in-place DDP trainer (`report_disagreement`)
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
@@ -492,6 +525,7 @@ class SdcMonitor:
             fingerprints=fingerprints,
             last_agreed=self.last_agreed,
             evidence="replica",
+            handover=self.handover,
         )
 
     def replayed(self, step: int, fingerprints: list[int], undecided: Decision) -> Decision:

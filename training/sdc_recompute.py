@@ -47,6 +47,7 @@ from training.metrics.base import MetricsSink
 from training.sdc import (
     MASK64,
     Decision,
+    Handover,
     HostExchange,
     _signed,
     _tensor_hash,
@@ -172,6 +173,7 @@ class RecomputeCheck:
         self._order: GlobalOrder | None = None
         self._capture: GradientCapture | None = None
         self.last_checked: int | None = None
+        self.handover: Handover | None = None  # set by an in-place DDP trainer (`report_disagreement`)
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
@@ -216,6 +218,7 @@ class RecomputeCheck:
             last_agreed=None,
             evidence="recompute",
             recomputed=[p[1] for p in pairs],
+            handover=self.handover,
         )
 
     def _batch(self, indices: list[int]) -> Any:

@@ -178,6 +178,9 @@ class Trainer:
             phase=lambda: self.watchdog.fixed("sdc_recompute"),
             undecided=None if self.sdc is None else self.sdc.check,
         )
+        for check in (self.sdc, self.recompute):  # in place with standby nodes: who takes a suspect's node
+            if check is not None:
+                check.handover = self._sdc_handover
         faults.arm(par.module, optimizer)
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -316,6 +319,13 @@ class Trainer:
         samples_per_s = steps_run * feed.plan.global_batch / train_s if train_s > 0 else None
         return self._final_loss(), samples_per_s
 
+    def _sdc_handover(self, suspects: tuple[int, ...], decided: bool) -> int | None:
+        """`SdcMonitor.handover`: the node a ready standby node takes (`InPlaceGroup.sdc_handover`; every rank
+        asks, one answer for all); None without in-place recovery or under FSDP/HSDP (the group restarts)."""
+        if self.inplace is None or self.replicas is not None:
+            return None
+        return self.inplace.sdc_handover(suspects, decided)
+
     def _rolls_back(self, exc: SilentDataCorruption) -> bool:
         """`protocol.decide_sdc`: True when this rank rolls back in place (the majority named others).
 
@@ -332,9 +342,13 @@ class Trainer:
             decided=exc.decided,
             in_place=self.inplace is not None,
             sharded=self.replicas is not None,
+            node=self.identity.rank // max(1, self.identity.local_world_size),
+            handed_over=exc.handed_over,
         )
         decision = decide_sdc(seen)
         if isinstance(decision, StandDown):
+            if exc.handed_over is not None and self.inplace is not None:
+                self.inplace.mark_handed_over()  # its host then leaves instead of claiming a spare of this node
             raise LeftForSpare(decision, decision.reason) from exc
         return isinstance(decision, RollBack)
 

@@ -26,6 +26,8 @@ from training.inplace.protocol import (
     FallBack,
     Formed,
     FormObservation,
+    HandOver,
+    HandoverObservation,
     HostObservation,
     HostState,
     Join,
@@ -47,6 +49,7 @@ from training.inplace.protocol import (
     Take,
     Wait,
     decide_form,
+    decide_handover,
     decide_host,
     decide_sdc,
     decide_spare,
@@ -84,6 +87,11 @@ def _fallback(decision: Decision, reason: str) -> bool:
         (T, HostObservation(exit_code=200, stepped=True), ClaimSpare()),
         (T, HostObservation(exit_code=206, stepped=True), PassThrough(206)),  # SDC undecided: group restart
         (T, HostObservation(exit_code=207, stepped=True), ClaimSpare()),  # the SDC suspect: replace its rank
+        # Its node handed to a standby node (`decide_handover`): no spare of the suspect node, the host leaves.
+        (T, HostObservation(exit_code=207, stepped=True, handed_over=True), HandOver()),
+        (W, HostObservation(exit_code=207, stepped=True, handed_over=True), HandOver()),
+        (T, HostObservation(exit_code=207, stepped=True, handed_over=True, stopping=True), PassThrough(207)),
+        (T, HostObservation(exit_code=137, stepped=True, handed_over=True), ClaimSpare()),  # only an SDC leave
         (T, HostObservation(exit_code=137, stepped=True, stopping=True), PassThrough(137)),
         (W, HostObservation(stepped=True), Recovered()),
         (W, HostObservation(), Wait()),
@@ -185,6 +193,13 @@ SIGTERM = 15
         (SU, StandbyObservation(nodes=2, host_codes=(None, None), lost=(1,)), Wait()),  # not ready: takes nothing
         (SR, StandbyObservation(nodes=2, host_codes=(None, None), lost=(1,)), Take((1,))),
         (SR, StandbyObservation(nodes=2, lost=(0, 1)), RoundOver()),  # every node stopped at once
+        # An SDC suspect's node handed over by the replicas: taken at once, before any beat stops; only when
+        # ready, and before the checks on ended nodes (the handed-over node's hosts leave on their own).
+        (SR, StandbyObservation(nodes=2, host_codes=(None, None), handed_over=1), Take((1,), handover=True)),
+        (SR, StandbyObservation(nodes=2, handed_over=1, ended=(0, 1)), Take((1,), handover=True)),
+        (SU, StandbyObservation(nodes=2, host_codes=(None, None), handed_over=1), Wait()),
+        (SR, StandbyObservation(nodes=2, handed_over=1, job_over=True), StandDown(0)),
+        (SR, StandbyObservation(nodes=2, handed_over=1, stopping=SIGTERM), StandDown(128 + SIGTERM)),
         (SR, StandbyObservation(nodes=2, lost=(0, 1), member=True), Join()),
         (SR, StandbyObservation(nodes=2, lost=(1,), ended=(0,)), RoundOver()),  # every node gone, some ended
         (SR, StandbyObservation(nodes=2, ended=(0, 1)), RoundOver()),
@@ -409,11 +424,61 @@ def test_a_rollback_reloads_the_certified_checkpoint_after_rewiring_and_its_fail
         (SdcObservation(3, 4, (3,), decided=True, in_place=True, sharded=True), PassThrough(206)),
         # Every rank a suspect (a replay none of them reproduced): no survivor to roll back.
         (SdcObservation(0, 2, (0, 1), decided=True, in_place=True), PassThrough(206)),
+        # Node 1 (ranks 2, 3) handed to a standby node: both its ranks leave, node 0's roll back.
+        (SdcObservation(2, 4, (2,), True, True, node=1, handed_over=1), StandDown(int(ExitCode.SDC_SUSPECT))),
+        (SdcObservation(3, 4, (2,), True, True, node=1, handed_over=1), StandDown(int(ExitCode.SDC_SUSPECT))),
+        (SdcObservation(0, 4, (2,), True, True, node=0, handed_over=1), RollBack()),
+        # Undecided, or no in-place host: a hand-over changes nothing, the group restarts.
+        (SdcObservation(3, 4, (2,), False, True, node=1, handed_over=1), PassThrough(206)),
+        (SdcObservation(3, 4, (2,), True, False, node=1, handed_over=1), PassThrough(206)),
     ],
 )
 def test_the_sdc_policy(seen: SdcObservation, expected: Decision) -> None:
     assert decide_sdc(seen) == expected
     assert decide_sdc(seen).exit_code in (None, 206, 207)
+
+
+@pytest.mark.parametrize(
+    ("seen", "expected"),
+    [
+        # 2 nodes x 2 ranks, rank 2 (node 1) decided, a standby ready: node 1 is handed over.
+        (HandoverObservation((2,), True, world=4, nproc=2, standbys_ready=1), 1),
+        (HandoverObservation((0, 1), True, world=4, nproc=2, standbys_ready=2), 0),  # both suspects on node 0
+        # No standby ready, undecided, FSDP/HSDP: the suspects' own nodes' spares (or a group restart).
+        (HandoverObservation((2,), True, world=4, nproc=2, standbys_ready=0), None),
+        (HandoverObservation((2,), False, world=4, nproc=2, standbys_ready=1), None),
+        (HandoverObservation((2,), True, world=4, nproc=2, standbys_ready=1, sharded=True), None),
+        (HandoverObservation((), True, world=4, nproc=2, standbys_ready=1), None),
+        # Suspects on two nodes: one standby takes one node, so neither is handed over.
+        (HandoverObservation((1, 2), True, world=4, nproc=2, standbys_ready=1), None),
+        # One node: no other node holds a survivor; every rank a suspect: nothing to roll back beside it.
+        (HandoverObservation((1,), True, world=4, nproc=4, standbys_ready=1), None),
+        (HandoverObservation((0, 1, 2, 3), True, world=4, nproc=2, standbys_ready=1), None),
+    ],
+)
+def test_the_handover_policy(seen: HandoverObservation, expected: int | None) -> None:
+    assert decide_handover(seen) == expected
+
+
+def test_every_rank_of_a_handed_over_node_leaves_and_every_other_rolls_back() -> None:
+    """Whatever the world, the suspect and the node: the ranks that leave are exactly the handed-over node's,
+    and what they leave with is the code their hosts hand over on (`decide_host`: `HandOver`)."""
+    for nodes, nproc in ((2, 1), (2, 2), (3, 4)):
+        world = nodes * nproc
+        for suspect in range(world):
+            node = decide_handover(HandoverObservation((suspect,), True, world, nproc, standbys_ready=1))
+            assert node == suspect // nproc
+            leaving = set()
+            for rank in range(world):
+                seen = SdcObservation(rank, world, (suspect,), True, True, node=rank // nproc, handed_over=node)
+                decision = decide_sdc(seen)
+                if isinstance(decision, StandDown):
+                    leaving.add(rank)
+                    host = decide_host(T, HostObservation(exit_code=decision.exit_code, stepped=True, handed_over=True))
+                    assert host == HandOver() and host.exit_code == 0
+                else:
+                    assert decision == RollBack()
+            assert leaving == set(range(node * nproc, (node + 1) * nproc))
 
 
 def test_a_failure_after_leaving_is_a_fall_back_naming_the_generation() -> None:

@@ -55,3 +55,47 @@ def test_a_decided_suspect_leaves_and_the_others_roll_back() -> None:
     assert leaves == StandDown(int(ExitCode.SDC_SUSPECT))
     for rank in (0, 1, 3):
         assert decide_sdc(SdcObservation(rank, 4, exc.suspects, exc.decided, in_place=True)) == RollBack()
+
+
+def _disagree_in_place(
+    fingerprints: list[int], hosts: list[str], nproc: int, handed_over: int | None
+) -> tuple[dict[str, Any], SilentDataCorruption, list[tuple[tuple[int, ...], bool]]]:
+    """`_disagree` with an in-place trainer's hand-over (`SdcMonitor.handover`) that answers `handed_over`;
+    also what the hand-over was asked."""
+    sink = _Recorder()
+    identity = WorkerIdentity(job="j", rank=0, world_size=len(hosts), local_world_size=nproc, node=hosts[0])
+    monitor = SdcMonitor(
+        identity, sink, every=5, state=lambda: fingerprints[0], exchange=lambda _: fingerprints, hosts=lambda _: hosts
+    )
+    asked: list[tuple[tuple[int, ...], bool]] = []
+
+    def handover(suspects: tuple[int, ...], decided: bool) -> int | None:
+        asked.append((suspects, decided))
+        return handed_over
+
+    monitor.handover = handover
+    with pytest.raises(SilentDataCorruption) as raised:
+        monitor.check(15)
+    ((_, fields),) = sink.events
+    return fields, raised.value, asked
+
+
+def test_a_suspect_node_handed_to_a_standby_is_named_excluded_and_every_rank_of_it_leaves() -> None:
+    """2 nodes x 2 ranks, rank 2 flipped: the hand-over is asked with the decided suspects, the event says a
+    standby node replaces them and names node 1's host excluded, and the exception carries the node, which
+    makes both of node 1's ranks leave (`decide_sdc`)."""
+    fields, exc, asked = _disagree_in_place([11, 11, 12, 11], ["n0", "n0", "n1", "n1"], nproc=2, handed_over=1)
+    assert asked == [((2,), True)]
+    assert fields["replaced_by"] == "standby" and fields["excluded_hosts"] == ["n1"]
+    assert exc.handed_over == 1 and "a standby node takes node 1's ranks (n1 excluded)" in str(exc)
+    for rank in range(4):
+        seen = SdcObservation(rank, 4, exc.suspects, exc.decided, True, node=rank // 2, handed_over=exc.handed_over)
+        assert decide_sdc(seen) == (StandDown(int(ExitCode.SDC_SUSPECT)) if rank >= 2 else RollBack())
+
+
+def test_without_a_standby_the_event_says_the_suspect_node_still_runs_the_rank() -> None:
+    fields, exc, _ = _disagree_in_place([11, 11, 12, 11], ["n0", "n0", "n1", "n1"], nproc=2, handed_over=None)
+    assert fields["replaced_by"] == "spare" and fields["excluded_hosts"] == []
+    assert exc.handed_over is None and "the suspect hardware still runs them" in str(exc)
+    fields, exc = _disagree([11, 11, 12, 11], ["a", "b", "c", "d"])  # no in-place trainer: nobody in place
+    assert fields["replaced_by"] == "" and exc.handed_over is None

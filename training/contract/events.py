@@ -226,6 +226,11 @@ class Sdc:
     # pre-reduce gradient against its neighbour's recomputation of it: `recomputed`, by recomputing rank).
     evidence: str = "replica"
     recomputed: list[str] = field(default_factory=list)
+    # Who takes the suspects' ranks in place: "standby" (a standby node, `restarts.spareNodes`, takes the
+    # suspects' whole node: `excluded_hosts` names it, it holds no rank of the job any more), "spare" (warm
+    # spares of the suspects' own nodes: the suspect hardware still runs the ranks) or "" (a group restart).
+    replaced_by: str = ""
+    excluded_hosts: list[str] = field(default_factory=list)
     kind: EventKind = field(default=EventKind.SDC, init=False, repr=False)
 
 

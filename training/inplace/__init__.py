@@ -277,6 +277,25 @@ class InPlace:
         return f"node{node}/taker/{beat}"
 
     @staticmethod
+    def sdc_handover_key(generation: int) -> str:
+        """After a replica disagreement in generation `generation`, the node a standby takes (`-1`: none):
+        each rank proposes `protocol.decide_handover`'s answer with a compare-and-set, the first one stored
+        is every rank's (signed)."""
+        return f"gen{generation}/sdc-handover"
+
+    @staticmethod
+    def handover_key() -> str:
+        """The newest SDC hand-over (JSON: node, generation; signed), which a ready standby takes at once
+        (`taker_key(node, "sdc<generation>")`) instead of waiting for the node's beat to stop."""
+        return "sdc/handover"
+
+    @staticmethod
+    def handed_over_key(pid: int) -> str:
+        """Set by trainer `pid` before it exits `SDC_SUSPECT` because a standby node takes its node's ranks:
+        its host then exits 0 instead of claiming a spare of the suspect node (`protocol.HandOver`)."""
+        return f"handed-over/{pid}"
+
+    @staticmethod
     def standbys_key() -> str:
         """How many standby nodes stand ready for this round (their spares warm): the members forming a
         new generation then wait `STANDBY_GRACE_S` longer before they give a lost node up."""

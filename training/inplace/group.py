@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import logging
 import os
 import time
@@ -42,7 +43,15 @@ from torch._C._distributed_c10d import PrefixStore
 
 from training.contract import WorkerIdentity
 from training.inplace import BEAT_S, BEHIND_LOST_S, HOST_LOST_S, STANDBY_GRACE_S, InPlace, KeyWait, exchange, sockets
-from training.inplace.protocol import Decision, FallBack, Formed, FormObservation, decide_form
+from training.inplace.protocol import (
+    Decision,
+    FallBack,
+    Formed,
+    FormObservation,
+    HandoverObservation,
+    decide_form,
+    decide_handover,
+)
 
 __all__ = [
     "InPlaceGroup",
@@ -314,6 +323,36 @@ class InPlaceGroup:
     def mark_stepped(self) -> None:
         """This process completed a step (its host may replace it in place from now on)."""
         self.inplace.write(self.store, self.inplace.stepped_key(os.getpid()), "1")
+
+    def sdc_handover(self, suspects: tuple[int, ...], decided: bool) -> int | None:
+        """After a replica disagreement (every rank calls it): the node a ready standby node takes
+        (`protocol.decide_handover`), the same answer on every rank. Each rank proposes with one
+        compare-and-set of `InPlace.sdc_handover_key` (the first proposal stored wins); the node handed
+        over is then recorded in `InPlace.handover_key` for the standbys. A store that fails, or a value
+        this job did not sign, hands nothing over (the suspects' own nodes' spares take their ranks)."""
+        inplace, store, ident = self.inplace, self.store, self.identity
+        try:
+            ready = int(store.add(inplace.standbys_key(), 0))
+            seen = HandoverObservation(suspects, decided, ident.world_size, ident.local_world_size, ready)
+            proposal = decide_handover(seen)
+            key = inplace.sdc_handover_key(self.generation)
+            mine = inplace.sign(key, str(-1 if proposal is None else proposal))
+            held = inplace.open(key, store.compare_set(key, "", mine))
+            node = int(held) if held is not None and held.lstrip("-").isdigit() and len(held) < 10 else -1
+            if node < 0 or node >= ident.world_size // max(1, ident.local_world_size):
+                return None
+            record = json.dumps({"node": node, "generation": self.generation})
+            inplace.write(store, inplace.handover_key(), record)
+        except Exception as exc:
+            log.warning("sdc: the hand-over to a standby node was not decided (%s); spares of the node instead", exc)
+            return None
+        return node
+
+    def mark_handed_over(self) -> None:
+        """This process leaves because a standby node takes its node's ranks: its host exits 0 instead of
+        claiming a spare of this node (`protocol.HandOver`). Best effort: without it the host claims one."""
+        with contextlib.suppress(Exception):
+            self.inplace.write(self.store, self.inplace.handed_over_key(os.getpid()), "1")
 
     def mark_finished(self) -> None:
         """This process completed its run: its host passes on whatever it dies of from now on (a member

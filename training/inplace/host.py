@@ -51,6 +51,7 @@ from training.inplace.protocol import (
     Clock,
     Decision,
     FallBack,
+    HandOver,
     HostObservation,
     HostState,
     PassThrough,
@@ -557,6 +558,7 @@ def run_host(
     state = HostState.STANDING_BY if standby else HostState.TRAINING
     first_index = 0
     counted = False  # this host counted its rank lost (`lost_key`) and has not taken it back
+    handed_over = False  # its node's ranks went to a standby node (`HandOver`): the node did not end
     if standby:
         promoted = _await_promotion(inplace, store, local_rank, current, lambda: stopping)
         if promoted is None:  # the spare died, or a shutdown signal came first
@@ -595,7 +597,10 @@ def run_host(
             asks = state is not HostState.STOPPING
             stepped = asks and (watching or code is not None) and _stepped(store, inplace, current.pid)
             finished = asks and code not in (None, 0) and _marked(store, inplace, inplace.finished_key(current.pid))
-            seen = HostObservation(exit_code=code, stepped=stepped, finished=finished, stopping=stopping)
+            handed = asks and code not in (None, 0) and _marked(store, inplace, inplace.handed_over_key(current.pid))
+            seen = HostObservation(
+                exit_code=code, stepped=stepped, finished=finished, stopping=stopping, handed_over=handed
+            )
             decision = decide_host(state, seen)
             if isinstance(decision, ClaimSpare):
                 if not counted:  # a replacement not yet stepped is counted lost already
@@ -611,6 +616,7 @@ def run_host(
                 current.close()
                 current = _Promoted(decision.pid, store, inplace)
             else:
+                handed_over = isinstance(decision, HandOver)
                 return _carry_out_exit(decision, rank)
     finally:
         current.close()
@@ -619,7 +625,7 @@ def run_host(
             # node was only cut off, and its own trainer trains on) gives the count back, else every spare
             # pool would go on starting spares only once a host already waits.
             _uncount_lost(store, inplace, rank)
-        if local_rank == 0:  # this node ended, it was not lost: no standby takes its place
+        if local_rank == 0 and not handed_over:  # this node ended, it was not lost: no standby takes its place
             with contextlib.suppress(Exception):
                 inplace.write(store, inplace.ended_key(inplace.node_rank), "1")
         if pool is not None:
@@ -630,6 +636,13 @@ def _carry_out_exit(decision: Decision, rank: int) -> int:
     """The exit code of a host's last decision, saying why on stderr when it falls back to a group restart."""
     if isinstance(decision, FallBack):
         print(f"torchrig: in-place: rank {rank}: {decision.reason}; the group restarts", file=sys.stderr, flush=True)
+    if isinstance(decision, HandOver):
+        print(
+            f"torchrig: in-place: rank {rank}: a standby node takes this node's ranks (an SDC suspect's node); "
+            "this host leaves",
+            file=sys.stderr,
+            flush=True,
+        )
     code = decision.exit_code
-    assert isinstance(decision, PassThrough | FallBack | StandDown) and code is not None, decision
+    assert isinstance(decision, PassThrough | FallBack | StandDown | HandOver) and code is not None, decision
     return code

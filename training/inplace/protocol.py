@@ -5,7 +5,8 @@ The processes of in-place recovery (`training.inplace`) only carry decisions out
 (`training.inplace.spare`) and a standby node (`training.inplace.standby`) look at the store, their
 children and the clock, put what they saw into an observation, and ask `decide_host` / `decide_form` /
 `decide_spare` / `decide_standby` what to do; a trainer whose replicas disagreed (`training.sdc`) asks
-`decide_sdc` whether it leaves, rolls back in place, or makes the group restart. Every exit code a
+`decide_sdc` whether it leaves, rolls back in place, or makes the group restart (and `decide_handover`
+whether a ready standby node takes the suspect's whole node instead of a spare of that node). Every exit code a
 recovery ends with is chosen here, so the policy can be read in one place, tested as a table and checked
 by a deterministic simulation (`tests/unit/test_protocol_sim.py`), which drives these same functions with
 a model store, an injected clock and fault schedules drawn at random.
@@ -42,6 +43,8 @@ __all__ = [
     "FallBack",
     "FormObservation",
     "Formed",
+    "HandOver",
+    "HandoverObservation",
     "HostObservation",
     "HostState",
     "Join",
@@ -64,6 +67,7 @@ __all__ = [
     "Take",
     "Wait",
     "decide_form",
+    "decide_handover",
     "decide_host",
     "decide_sdc",
     "decide_spare",
@@ -261,6 +265,15 @@ class RollBack:
 
 
 @dataclass(frozen=True)
+class HandOver:
+    """To a host whose trainer left because a standby node takes this node's ranks (an SDC suspect's node,
+    `decide_handover`): no spare of this node replaces it, the host exits 0 (its node's agent ends as a
+    finished one, burning no restart) and writes no `ended` mark (the node's index lives on in the standby)."""
+
+    exit_code = 0
+
+
+@dataclass(frozen=True)
 class StandDown:
     """A standby (a standby node, a standby host, a spare) ends without having taken a rank or a node:
     exit `code`. `reason`, when set, is said on stderr (it is no part of the decision's identity)."""
@@ -292,9 +305,13 @@ class Ready:
 @dataclass(frozen=True)
 class Take:
     """Nodes `nodes` stopped beating without ending: take the first of them this standby wins (one
-    compare-and-set per node against every other standby); losing every race is a `Wait`."""
+    compare-and-set per node against every other standby); losing every race is a `Wait`. `handover`: the
+    node is an SDC suspect's, handed to a standby by the replicas' decision (`decide_handover`), alive: its
+    processes leave on their own, its spares are not this standby's to mark, its agent passes torchrun's exit
+    barrier itself."""
 
     nodes: tuple[int, ...]
+    handover: bool = False
 
     exit_code = None
 
@@ -335,6 +352,7 @@ Decision = (
     | RoundOver
     | Join
     | RollBack
+    | HandOver
 )
 
 
@@ -352,6 +370,8 @@ class HostObservation:
         every_rank_lost: Every rank has lost its trainer (`InPlace.lost_key`): no survivor holds state.
         store_failed: A store request of this look failed (why).
         promoted: STANDING_BY: the standby took a lost node and this host's orders came.
+        handed_over: The watched trainer left because a standby node takes this node's ranks
+            (`InPlace.handed_over_key`, set by the trainer before it exits `SDC_SUSPECT`).
         elapsed_s: Time spent in the current state.
         timeout_s: `restarts.inPlaceTimeoutSeconds`.
     """
@@ -364,6 +384,7 @@ class HostObservation:
     every_rank_lost: bool = False
     store_failed: str | None = None
     promoted: bool = False
+    handed_over: bool = False
     elapsed_s: float = 0.0
     timeout_s: float = 60.0
 
@@ -440,6 +461,8 @@ class StandbyObservation:
         nodes: The round's node count.
         lost: Nodes whose beat stopped (`group.NodeWatch`) and that did not end (`InPlace.ended_key`).
         ended: Nodes whose beat stopped after they ended.
+        handed_over: A node the replicas handed to a standby after an SDC (`InPlace.handover_key`, signed) and
+            that no standby took yet.
         new_round: HOLDING: the job's agents recorded a newer round than the one this standby joined (the
             group restarted without its nodes: its ranks, however complete, are no part of the job now).
         store_failed: A store request of this look failed (why).
@@ -458,6 +481,7 @@ class StandbyObservation:
     nodes: int = 0
     lost: tuple[int, ...] = ()
     ended: tuple[int, ...] = ()
+    handed_over: int | None = None
     new_round: bool = False
     store_failed: str | None = None
 
@@ -474,6 +498,10 @@ class SdcObservation:
             with two replicas (no majority: both are suspects).
         in_place: The trainer recovers in place (an in-place host watches it, `restarts.mode` auto/inplace).
         sharded: FSDP/HSDP (its state lives in shards and in-memory replicas, not in every rank).
+        node: This rank's node (`GROUP_RANK`).
+        handed_over: The node the group's record hands to a standby node (`decide_handover`, one
+            compare-and-set in the store for every rank); None: the suspects' ranks go to spares of their
+            own nodes.
     """
 
     rank: int
@@ -481,6 +509,31 @@ class SdcObservation:
     suspects: tuple[int, ...]
     decided: bool
     in_place: bool
+    sharded: bool = False
+    node: int = 0
+    handed_over: int | None = None
+
+
+@dataclass(frozen=True)
+class HandoverObservation:
+    """What a rank knows when its replicas disagreed, to propose whether a standby node takes the suspects'
+    node (`decide_handover`). Every rank proposes; the first proposal stored wins (one compare-and-set), so
+    every rank acts on the same answer even where their reads of `standbys_ready` differed.
+
+    Attributes:
+        suspects: The ranks the fingerprints suspect.
+        decided: A strict majority (or a replay) named them.
+        world: The world size.
+        nproc: Ranks per node (`LOCAL_WORLD_SIZE`; rank = node * nproc + local rank).
+        standbys_ready: Standby nodes counted ready (`InPlace.standbys_key`).
+        sharded: FSDP/HSDP (no in-place rollback: the group restarts).
+    """
+
+    suspects: tuple[int, ...]
+    decided: bool
+    world: int
+    nproc: int
+    standbys_ready: int
     sharded: bool = False
 
 
@@ -518,6 +571,8 @@ def decide_host(state: HostState, seen: HostObservation) -> Decision:
         return Stop() if seen.stopping else Wait()
     if seen.stopping or seen.exit_code in PASS_THROUGH:
         return PassThrough(seen.exit_code)
+    if seen.handed_over and seen.exit_code == int(ExitCode.SDC_SUSPECT):
+        return HandOver()  # a standby node takes this node's ranks: no spare of this (suspect) node
     if seen.finished:
         # Its run was complete (the final checkpoint committed) before it died: a death in teardown (a
         # promoted spare killed with the host that started it) ends a finished rank, it leaves none to
@@ -539,17 +594,38 @@ def decide_sdc(seen: SdcObservation) -> Decision:
     FSDP/HSDP, whose in-place recovery restores in-memory replicas of a step that may postdate the
     corruption).
 
-    A rank's replacement runs where its host runs (the host watches its trainer by pid), so the spare that
-    takes a suspect's rank is one of the suspect's own node: no spare of another node can be claimed, and
-    a group restart would run the rank on that node all the same. The node is named in the `sdc` event
+    With standby nodes (`restarts.spareNodes`) the group may hand the suspects' node to a ready standby
+    (`decide_handover`, `seen.handed_over`): every rank of that node leaves (`StandDown(SDC_SUSPECT)`, its
+    host then hands over: `decide_host`'s `HandOver`), the standby's spares take the node's ranks, and the
+    suspect hardware holds no rank of the job any more. Otherwise a suspect's rank goes to a spare of its own
+    node (a rank's replacement runs where its host runs: the host watches its trainer by pid), which runs on
+    the suspect hardware still; the `sdc` event says which (`replaced_by`). The node is named in the event
     (`suspect_hosts`), and once suspected twice in `quarantined_hosts`: keeping it out is the scheduler's
     (a Kubernetes taint, docs/operations.md)."""
     every_rank = set(range(seen.world)) <= set(seen.suspects)
     if not seen.decided or not seen.in_place or seen.sharded or not seen.suspects or every_rank:
         return PassThrough(int(ExitCode.SDC_DETECTED))
+    if seen.handed_over is not None and seen.node == seen.handed_over:
+        why = "the replicas' majority names this rank" if seen.rank in seen.suspects else "a rank of this node is"
+        return StandDown(int(ExitCode.SDC_SUSPECT), f"{why} the suspect: a standby node takes node {seen.node}'s ranks")
     if seen.rank in seen.suspects:
         return StandDown(int(ExitCode.SDC_SUSPECT), "the replicas' majority names this rank: it leaves for a spare")
     return RollBack()
+
+
+def decide_handover(seen: HandoverObservation) -> int | None:
+    """The node a ready standby node takes after a replica disagreement, or None (the suspects' ranks go to
+    spares of their own nodes, or the group restarts: `decide_sdc`).
+
+    A node is handed over when the suspects are decided, all on one node, a standby is ready, and another
+    node is left to hold survivors (a one-node job has none: its spares roll back on the same machine).
+    Suspects on several nodes keep their nodes' spares: a standby takes one node."""
+    if not seen.decided or seen.sharded or not seen.suspects or seen.standbys_ready < 1 or seen.nproc < 1:
+        return None
+    nodes = {rank // seen.nproc for rank in seen.suspects}
+    if len(nodes) != 1 or seen.world // seen.nproc < 2 or set(range(seen.world)) <= set(seen.suspects):
+        return None
+    return nodes.pop()
 
 
 def decide_form(seen: FormObservation) -> Decision:
@@ -646,6 +722,9 @@ def decide_standby(state: StandbyState, seen: StandbyObservation) -> Decision:
         return StandDown(0)  # the job's agents finished: nothing left to stand by for
     if state is StandbyState.WARMING and seen.spares_ready:
         return Ready()
+    if seen.handed_over is not None and state is StandbyState.READY:
+        # Before the checks on ended nodes: the handed-over node's hosts leave (and its beat may stop).
+        return Take((seen.handed_over,), handover=True)
     if seen.ended and len(seen.ended) + len(seen.lost) == seen.nodes:
         return round_over()  # every node ended
     if seen.lost and len(seen.lost) == seen.nodes:
@@ -665,6 +744,7 @@ HOST_TRANSITIONS: Mapping[tuple[HostState, type], HostState] = {
     (HostState.TRAINING, PassThrough): HostState.DONE,
     (HostState.TRAINING, FallBack): HostState.DONE,
     (HostState.TRAINING, ClaimSpare): HostState.CLAIMING,
+    (HostState.TRAINING, HandOver): HostState.DONE,
     (HostState.CLAIMING, Wait): HostState.CLAIMING,
     (HostState.CLAIMING, Promote): HostState.WATCHING_SPARE,
     (HostState.CLAIMING, PassThrough): HostState.DONE,
@@ -675,6 +755,7 @@ HOST_TRANSITIONS: Mapping[tuple[HostState, type], HostState] = {
     (HostState.WATCHING_SPARE, PassThrough): HostState.DONE,
     (HostState.WATCHING_SPARE, FallBack): HostState.DONE,
     (HostState.WATCHING_SPARE, ClaimSpare): HostState.CLAIMING,
+    (HostState.WATCHING_SPARE, HandOver): HostState.DONE,
     (HostState.STOPPING, Wait): HostState.STOPPING,
     (HostState.STOPPING, PassThrough): HostState.DONE,
 }

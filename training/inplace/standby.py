@@ -270,6 +270,7 @@ class Standby:
         self.env = env
         self.hosts: list[subprocess.Popen[bytes]] = []
         self.taken: int | None = None  # the node this standby holds
+        self.handed_over = False  # it was handed over after an SDC: its own agent passes the exit barrier
 
     def start_hosts(self) -> None:
         """One host per local rank, each with a spare child, under this standby's own node index."""
@@ -303,16 +304,18 @@ class Standby:
         keys = [self.inplace.spare_key(local, "ready") for local in range(self.launch.nproc)]
         return all(self.inplace.read(self.store, key) is not None for key in keys)
 
-    def take(self, node: int, beat: bytes) -> bool:
+    def take(self, node: int, beat: bytes, *, handover: bool = False) -> bool:
         """Take lost node `node`, whose beat counter stopped at `beat`, with one compare-and-set against
-        every other standby that saw it stop there (a node taken and lost again stops at another count)."""
+        every other standby that saw it stop there (a node taken and lost again stops at another count).
+        `handover`: the node is an SDC suspect's, handed over by the replicas (`beat` is then `sdc<generation>`):
+        it is alive, its processes leave on their own and its spares end with its hosts."""
         key = self.inplace.taker_key(node, beat.decode(errors="replace")[:32])
         mine = self.inplace.sign(key, f"standby{self.slot}/{os.getpid()}")
         if self.store.compare_set(key, "", mine).decode(errors="replace") != mine:
             return False  # another standby took it (or a forged taker blocks it: the group restarts instead)
         nproc, nodes = self.launch.nproc, self.found.nodes
         lost = replace(self.inplace, node_rank=node)
-        for index in range(lost.spares_started(self.store)):  # its spares died with it
+        for index in range(0 if handover else lost.spares_started(self.store)):  # its spares died with it
             claim_key = lost.spare_key(index, "claim")
             self.store.compare_set(claim_key, "", lost.sign(claim_key, "lost with its node"))
         next_spare = lost.spares_started(self.store)
@@ -340,20 +343,39 @@ class Standby:
             self.inplace.write(self.store, self.inplace.promote_key(local), orders.to_json())
         self.store.add(lost.beat_key(node), 1)  # it beats again from here on (the promoted host keeps it)
         self.taken = node
+        self.handed_over = handover
+        why = "is an SDC suspect's, handed over by the replicas" if handover else "stopped beating"
         print(
-            f"torchrig: standby: node {node} stopped beating; this standby takes its ranks "
+            f"torchrig: standby: node {node} {why}; this standby takes its ranks "
             f"{node * nproc}-{(node + 1) * nproc - 1} in place",
             file=sys.stderr,
             flush=True,
         )
         return True
 
-    def take_quietly(self, node: int, beat: bytes) -> bool:
+    def handover(self) -> tuple[int, bytes] | None:
+        """The node the replicas handed to a standby after an SDC (`InPlace.handover_key`, signed) and the
+        taker key's tail (`sdc<generation>`), unless a standby took it already (or it names no node of the
+        round)."""
+        raw = self.inplace.read(self.store, self.inplace.handover_key())
+        if raw is None:
+            return None
+        try:
+            record = json.loads(raw)
+            node, generation = int(record["node"]), int(record["generation"])
+        except (ValueError, KeyError, TypeError, RecursionError):
+            return None
+        if not 0 <= node < self.found.nodes:
+            return None
+        tail = f"sdc{generation}"
+        return None if self.store.check([self.inplace.taker_key(node, tail)]) else (node, tail.encode())
+
+    def take_quietly(self, node: int, beat: bytes, *, handover: bool = False) -> bool:
         """`take`, False when the store fails midway (logged): the next look takes the node again, and the
         compare-and-set this standby already won answers it with its own value (a failure escaping here
         ended the standby's pod with exit 1, which Kubeflow takes as permanent)."""
         try:
-            return self.take(node, beat)
+            return self.take(node, beat, handover=handover)
         except Exception as exc:
             log.warning("standby: taking node %d failed: %s", node, exc)
             return False
@@ -509,8 +531,9 @@ def _stand_by(
                 nodes=found.nodes,
                 gone_after_s=STORE_GONE_S,
             )
+            handover: list[tuple[int, bytes]] = []
             if state is not StandbyState.HOLDING and look.stopping is None:
-                look = _watch(standby, watch, state, look)
+                look = _watch(standby, watch, state, look, handover)
                 if look.store_failed is None:
                     last_reached = time.monotonic()
                 look = replace(look, unreached_s=time.monotonic() - last_reached)
@@ -535,15 +558,22 @@ def _stand_by(
             elif isinstance(decision, Take):
                 # One compare-and-set per node against every other standby; losing each one is a wait, and
                 # so is a store that fails midway: the next look takes the node again (`Standby.take`).
-                if any(standby.take_quietly(node, watch.seen[node][0]) for node in decision.nodes):
+                if decision.handover:
+                    handed = handover[0] if handover else None
+                    took = handed is not None and standby.take_quietly(*handed, handover=True)
+                else:
+                    took = any(standby.take_quietly(node, watch.seen[node][0]) for node in decision.nodes)
+                if took:
                     clear_standby()  # a node now: its exporter answers the liveness probe
                     store.add(inplace.standbys_key(), -1)
                 else:
                     decision = Wait()
                 time.sleep(POLL_S)
             else:
-                if isinstance(decision, PassThrough) and decision.code == 0:
-                    standby.exit_barrier()  # torchrun's agent of the lost node would pass it now
+                if isinstance(decision, PassThrough) and decision.code == 0 and not standby.handed_over:
+                    # torchrun's agent of the lost node would pass it now (a handed-over node's agent, alive,
+                    # passed it itself when its hosts left)
+                    standby.exit_barrier()
                 if isinstance(decision, StandDown | RoundOver | Join) and decision.reason:
                     print(f"torchrig: standby: {decision.reason}", file=sys.stderr, flush=True)
                 return decision
@@ -564,15 +594,26 @@ def _stand_by(
             standby.stop_hosts(signal.SIGKILL)
 
 
-def _watch(standby: Standby, watch: NodeWatch, state: StandbyState, look: StandbyObservation) -> StandbyObservation:
+def _watch(
+    standby: Standby,
+    watch: NodeWatch,
+    state: StandbyState,
+    look: StandbyObservation,
+    handover: list[tuple[int, bytes]],
+) -> StandbyObservation:
     """What the store says at one look of a standby that holds no node yet: the job's end, its spares
-    warm, the round's lost and ended nodes (or that the store failed)."""
+    warm, a node handed over after an SDC (also appended to `handover`, with its taker key's tail), the
+    round's lost and ended nodes (or that the store failed)."""
     try:
         if any(code is not None for code in look.host_codes):
             return replace(look, job_over=standby.barrier_passed())  # all this look needs to know
         if standby.barrier_passed():
             return replace(look, job_over=True)
         ready = state is StandbyState.WARMING and standby.spares_ready()
+        handed = standby.handover() if state is StandbyState.READY else None
+        if handed is not None:
+            handover.append(handed)
+            return replace(look, handed_over=handed[0])  # taken at once: no need to look at the beats
         gone = watch.lost()
         ended = [n for n in gone if standby.inplace.read(standby.store, standby.inplace.ended_key(n)) is not None]
     except Exception as exc:
