@@ -246,7 +246,13 @@ def build_summary(
 def sdc_of(events: Iterable[Event]) -> list[dict[str, Any]] | None:
     """Rank 0's `sdc` events, as summary.json lists them (None: there was none)."""
     found = [
-        {key: e.get(key) for key in ("suspects", "suspect_hosts", "decided")} | {"step": e.step}
+        {key: e.get(key) for key in ("suspects", "suspect_hosts", "decided")}
+        | {
+            key: e.get(key)
+            for key in ("replaced_by", "excluded_hosts", "excluded_node")
+            if e.get(key) not in (None, "", [])
+        }
+        | {"step": e.step}
         for e in events
         if e.kind is EventKind.SDC and e.rank == 0
     ]

@@ -424,6 +424,7 @@ def report_disagreement(
                 recomputed=[f"{f:016x}" for f in recomputed],
                 replaced_by=replaced_by,
                 excluded_hosts=excluded,
+                excluded_node=handed_over,
             )
         )
     print(f"torchrig: rank {identity.rank}: {message}", file=sys.stderr, flush=True)

@@ -86,7 +86,7 @@ def test_a_suspect_node_handed_to_a_standby_is_named_excluded_and_every_rank_of_
     makes both of node 1's ranks leave (`decide_sdc`)."""
     fields, exc, asked = _disagree_in_place([11, 11, 12, 11], ["n0", "n0", "n1", "n1"], nproc=2, handed_over=1)
     assert asked == [((2,), True)]
-    assert fields["replaced_by"] == "standby" and fields["excluded_hosts"] == ["n1"]
+    assert fields["replaced_by"] == "standby" and fields["excluded_hosts"] == ["n1"] and fields["excluded_node"] == 1
     assert exc.handed_over == 1 and "a standby node takes node 1's ranks (n1 excluded)" in str(exc)
     for rank in range(4):
         seen = SdcObservation(rank, 4, exc.suspects, exc.decided, True, node=rank // 2, handed_over=exc.handed_over)

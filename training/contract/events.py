@@ -227,10 +227,12 @@ class Sdc:
     evidence: str = "replica"
     recomputed: list[str] = field(default_factory=list)
     # Who takes the suspects' ranks in place: "standby" (a standby node, `restarts.spareNodes`, takes the
-    # suspects' whole node: `excluded_hosts` names it, it holds no rank of the job any more), "spare" (warm
-    # spares of the suspects' own nodes: the suspect hardware still runs the ranks) or "" (a group restart).
+    # suspects' whole node: `excluded_node` is its index, `excluded_hosts` its host name; it holds no rank of
+    # the job any more), "spare" (warm spares of the suspects' own nodes: the suspect hardware still runs the
+    # ranks) or "" (a group restart).
     replaced_by: str = ""
     excluded_hosts: list[str] = field(default_factory=list)
+    excluded_node: int | None = None
     kind: EventKind = field(default=EventKind.SDC, init=False, repr=False)
 
 

@@ -154,7 +154,9 @@ class Summary:
         worker_exit: A worker's permanent exit code (2: the spec or task to fix, 3: a setting, the machine
             or the checkpoints) that ended the run without a restart (`training.contract.exit_codes`).
         sdc: The replicas' disagreements (`training.sdc`), rank 0's `sdc` events: `{step, suspects,
-            suspect_hosts, decided}` each (absent when there was none).
+            suspect_hosts, decided}` each, with `replaced_by` and `excluded_hosts` where the event has them (a
+            standby node took the suspects' node: `excluded_hosts` holds no rank of the job any more) (absent
+            when there was none).
         quarantined_hosts: Hosts named among the suspects of 2+ of them (`sdc_quarantine`): keep them out
             of the next jobs (cordon, a NoSchedule taint) until tested.
     """
