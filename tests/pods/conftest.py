@@ -23,12 +23,18 @@ from tests.pods.scenario import EXAMPLE, SCENARIO_SETS, TORCHRIG_ENV
 TIME_SCALE = float(os.environ.get("TORCHRIG_PODS_TIME_SCALE", "0.5"))
 
 
+_REFERENCE: dict[str, Any] = {}  # `reference_result`, once per process
+
+
 @pytest.fixture(scope="session")
 def reference_result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """`torchrig run` of the scenario spec on 2 emulated nodes (world size 4, like the 2-pod jobs).
 
     Only the metrics port differs (127.0.0.1:9400 may be taken on a shared machine; it changes no
-    numbers)."""
+    numbers). Run once per test process: tests/containers re-exports this fixture, which pytest then
+    holds as a second session fixture with a cache of its own (the run took place twice)."""
+    if _REFERENCE:
+        return _REFERENCE
     run_dir = tmp_path_factory.mktemp("reference") / "run"
     sets = [a for s in [*SCENARIO_SETS, f"spec.metrics.port={free_port()}"] for a in ("--set", s)]
     cmd = [sys.executable, "-c", "from orchestrator.cli import main; main()", "run", str(EXAMPLE), "--nodes", "2"]
@@ -44,7 +50,8 @@ def reference_result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary: dict[str, Any] = json.loads(proc.stdout)
     assert summary["status"] == "succeeded" and summary["world_sizes"] == [4], summary
-    return summary
+    _REFERENCE.update(summary)
+    return _REFERENCE
 
 
 @pytest.fixture
