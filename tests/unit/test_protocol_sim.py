@@ -7,8 +7,9 @@ hosts, trainers and warm spares, and standby nodes, whose every choice is
 short list of faults at given ticks (kill a trainer, a spare, a whole machine; a permanent bug; a
 shutdown; a store that refuses or stalls; a machine cut off from the store, or from the store and its
 peers, that comes back; a forged order; the run's end; a replica disagreement, `sdc`, whose suspect leaves
-for a spare while the others roll back, or, with no majority, which restarts the group); after every tick
-the invariants are checked:
+for a spare while the others roll back (with a standby ready, the suspect's whole node is handed to it:
+`decide_handover`), or, with no majority, which restarts the group); after every tick the invariants are
+checked:
 
 - at most one member per rank per generation, and a generation forms only with every rank;
 - no member of an old generation commits a checkpoint after a newer one formed (a commit is a
@@ -16,7 +17,8 @@ the invariants are checked:
 - a spare is claimed (or assigned by a standby) at most once;
 - a rank whose trainer completed its run (its signed `finished` mark) is never replaced, and its host
   passes a later death on as 0;
-- a host exits 0 only for a rank that completed its run; a permanent code only after a permanent fault;
+- a host exits 0 only for a rank that completed its run, or whose node the replicas handed to a standby (its
+  trainer's signed `handed-over` mark); a permanent code only after a permanent fault;
 - every schedule ends, within a bound its timeouts give, in one of: every rank training again in a
   newer generation at full size, a group restart (a host exited and torchrun restarts the group), a
   permanent exit, a completed run (every rank's host exited 0), or a shutdown every host followed.
@@ -50,6 +52,8 @@ from training.inplace.protocol import (
     FallBack,
     Formed,
     FormObservation,
+    HandOver,
+    HandoverObservation,
     HostObservation,
     HostState,
     PassThrough,
@@ -69,6 +73,7 @@ from training.inplace.protocol import (
     Take,
     Wait,
     decide_form,
+    decide_handover,
     decide_host,
     decide_sdc,
     decide_spare,
@@ -469,15 +474,38 @@ class Sim:
             return
         suspect, decided = n % self.world, self.world >= 3
         suspects = (suspect,) if decided else tuple(range(self.world))
+        handed = self._handover(suspects, decided, newest)
         for proc in members:
             assert proc.rank is not None
-            decision = decide_sdc(SdcObservation(proc.rank, self.world, suspects, decided, in_place=True))
+            node = proc.rank // self.w.nproc
+            seen = SdcObservation(proc.rank, self.world, suspects, decided, True, node=node, handed_over=handed)
+            decision = decide_sdc(seen)
             if isinstance(decision, RollBack):
                 proc.survivor, proc.rollback = SurvivorState.LEAVE, True  # it leaves the group itself
                 self.whole.clear()
             else:
                 assert decision.exit_code is not None
+                if handed is not None and isinstance(decision, StandDown) and not self._cut(proc.machine):
+                    with contextlib.suppress(StoreDown):  # `mark_handed_over`: best effort
+                        self.store.write(f"handed-over/{proc.pid}", "1")
                 self._die(proc, decision.exit_code)
+
+    def _handover(self, suspects: tuple[int, ...], decided: bool, gen: int) -> int | None:
+        """`InPlaceGroup.sdc_handover`: the node a ready standby takes, one compare-and-set for every rank (the
+        model asks once: the first proposal stored is every rank's), then the record the standbys read."""
+        try:
+            ready = self.store.add("standbys", 0)
+            proposal = decide_handover(HandoverObservation(suspects, decided, self.world, self.w.nproc, ready))
+            key = f"gen{gen}/sdc-handover"
+            self.store.compare_set(key, str(-1 if proposal is None else proposal))
+            held = self.store.read(key)
+            node = int(held) if held is not None else -1
+            if node < 0:
+                return None
+            self.store.write("sdc/handover", f"{node},{gen}")
+        except StoreDown:
+            return None
+        return node
 
     @staticmethod
     def _partition_ticks(n: int) -> int:
@@ -577,9 +605,10 @@ class Sim:
             for standby in self.standbys:
                 standby.stopping = True
 
-    def _exited(self, index: int, host: Host) -> None:
+    def _exited(self, index: int, host: Host, *, handed_over: bool = False) -> None:
         """A host exited with `host.exit`: its children die with it (`PR_SET_PDEATHSIG`; its pool's
-        unclaimed spares with the pool), and torchrun's agent acts on the code."""
+        unclaimed spares with the pool), and torchrun's agent acts on the code. `handed_over`: its node went
+        to a standby after an SDC (`HandOver`): no `ended` mark, and its 0 is no completed run's."""
         code = host.exit
         assert code is not None
         proc = self.procs[host.pid]
@@ -591,7 +620,7 @@ class Sim:
                 self.giving_back.append((host, self.t + TIMEOUT_S))
         for child in host.children:
             self._die(child, KILLED)
-        if host.local == 0 and host.rank is not None:  # this node ended: no standby takes its place
+        if host.local == 0 and host.rank is not None and not handed_over:  # this node ended: no standby takes it
             with contextlib.suppress(StoreDown):
                 self.store.write(f"node{host.node}/ended", "1")
         if host.standby is not None:
@@ -604,7 +633,10 @@ class Sim:
         if self.ending is not None:
             return
         if code == 0:
-            if proc.code != 0 and not self.store.signed(f"finished/{proc.pid}"):
+            handed = self.store.signed(f"handed-over/{proc.pid}")
+            if handed and proc.code != ExitCode.SDC_SUSPECT:
+                raise Violation(f"rank {host.rank}'s host handed over after its trainer exited {proc.code}")
+            if proc.code != 0 and not self.store.signed(f"finished/{proc.pid}") and not handed:
                 raise Violation(f"rank {host.rank} exited 0 while training")
             return  # it completed its run: torchrun waits for the other workers
         stopped = self.shutdown_at is not None
@@ -975,7 +1007,13 @@ class Sim:
             finished = asks and code not in (None, 0) and self.store.read(f"finished/{proc.pid}") is not None
         except StoreDown:
             finished, host.blind = False, True
-        seen = HostObservation(exit_code=code, stepped=stepped, finished=finished, stopping=host.stopping)
+        try:
+            handed = asks and code not in (None, 0) and self.store.read(f"handed-over/{proc.pid}") is not None
+        except StoreDown:
+            handed = False
+        seen = HostObservation(
+            exit_code=code, stepped=stepped, finished=finished, stopping=host.stopping, handed_over=handed
+        )
         decision = decide_host(host.state, seen)
         if isinstance(decision, ClaimSpare):
             if self.store.signed(f"finished/{proc.pid}"):
@@ -989,9 +1027,9 @@ class Sim:
         host.state = next_state(HOST_TRANSITIONS, host.state, decision)
         if isinstance(decision, Recovered) and host.counted:
             self._uncount_lost(host)
-        elif isinstance(decision, (PassThrough, FallBack)):
+        elif isinstance(decision, (PassThrough, FallBack, HandOver)):
             host.exit = decision.exit_code
-            self._exited(index, host)
+            self._exited(index, host, handed_over=isinstance(decision, HandOver))
         else:
             assert isinstance(decision, (Wait, Stop)), decision
 
@@ -1127,12 +1165,18 @@ class Sim:
         codes = tuple(h.exit if h.exit is not None or h.alive else KILLED for h in hosts)
         stopping = 15 if standby.stopping else None
         ready, lost, ended, failed, unreached = False, (), (), None, None
+        handed: tuple[int, str] | None = None
         if standby.state is not StandbyState.HOLDING and stopping is None and all(c is None for c in codes):
             try:
                 ready = standby.state is StandbyState.WARMING and all(
                     self.store.read(f"node{standby.node}/spare{local}/ready") is not None
                     for local in range(self.w.nproc)
                 )
+                record = self.store.read("sdc/handover") if standby.state is StandbyState.READY else None
+                if record is not None:  # `Standby.handover`: unless a standby took it already
+                    node, gen = (int(x) for x in record.split(","))
+                    if not self.store.check(f"node{node}/taker/sdc{gen}"):
+                        handed = (node, f"sdc{gen}")
                 gone = self._watch(standby, HOST_LOST_S, None)
                 ended = tuple(n for n in gone if self.store.read(f"node{n}/ended") is not None)
                 lost = tuple(n for n in gone if n not in ended)
@@ -1155,12 +1199,14 @@ class Sim:
             store_failed=failed,
             unreached_s=unreached,
             new_round=new_round,
+            handed_over=None if handed is None else handed[0],
         )
         decision = decide_standby(standby.state, seen)
         if isinstance(decision, Take):
             try:
                 for node in decision.nodes:
-                    if self._take(standby, node):
+                    tail = handed[1] if decision.handover and handed is not None else None
+                    if self._take(standby, node, tail):
                         standby.state = next_state(STANDBY_TRANSITIONS, standby.state, decision)
                         self.store.add("standbys", -1)
                         break
@@ -1205,15 +1251,17 @@ class Sim:
         if code is not None and code != 0 and not is_retryable(code) and not self.permanent_fault:
             raise Violation(f"standby node {standby.slot} exited {code} (permanent) after infrastructure faults only")
 
-    def _take(self, standby: StandbyNode, node: int) -> bool:
-        """`Standby.take`: node `node`'s ranks, with one compare-and-set against every other standby."""
-        beat, mine = standby.seen[node][0], f"standby{standby.slot}"
-        key = f"node{node}/taker/{beat}"
+    def _take(self, standby: StandbyNode, node: int, handover: str | None = None) -> bool:
+        """`Standby.take`: node `node`'s ranks, with one compare-and-set against every other standby.
+        `handover`: the taker key's tail of an SDC hand-over (`sdc<generation>`): the node is alive, its spares
+        end with its hosts."""
+        mine = f"standby{standby.slot}"
+        key = f"node{node}/taker/{standby.seen[node][0] if handover is None else handover}"
         # (The real compare-and-set answers with the value it found: a retry after a store error wins again.)
         if not self.store.compare_set(key, mine) and self.store.read_free(key) != mine:
             return False
         spawned = max(0, self.store.add(f"node{node}/spawned", 0))
-        for spare in range(spawned):  # its spares died with it
+        for spare in range(0 if handover is not None else spawned):  # its spares died with it
             self.store.compare_set(f"node{node}/spare{spare}/claim", "lost with its node")
         for local in range(self.w.nproc):
             rank = node * self.w.nproc + local
@@ -1513,6 +1561,33 @@ def test_a_suspect_with_no_spare_to_take_its_rank_falls_back_to_a_group_restart(
     """Its node has no warm spare (a rank's replacement runs on the rank's node: no other node's spare can
     be claimed): the host finds none within the in-place timeout and the group restarts."""
     assert simulate(World(1, 3, 0, 2), [Fault(10, "sdc", 2)]) == "group restart (203)"
+
+
+def test_a_suspects_node_is_handed_to_a_ready_standby_and_holds_no_rank_after() -> None:
+    """2 nodes x 2 ranks and a ready standby node: rank 2 (node 1) is the suspect. Node 1 is handed over (one
+    compare-and-set, the signed record): both its trainers leave with SDC_SUSPECT, their hosts exit 0 without
+    claiming a spare of node 1, the standby's spares hold ranks 2 and 3 in generation 1, node 0's survivors
+    rolled back beside them."""
+    sim = Sim(World(2, 2, 1, 2, standbys=1), [Fault(10, "sdc", 2)])
+    assert sim.run() == "resumed in generation 1"
+    assert sim.store.read_free("gen0/sdc-handover") == "1" and sim.store.read_free("sdc/handover") == "1,0"
+    for rank in (2, 3):
+        first = sim.procs[sim.hosts[rank].first_pid]
+        assert first.code == ExitCode.SDC_SUSPECT and sim.hosts[rank].exit == 0  # handed over, no restart
+        holder = sim.hosts[sim.holding(rank)]
+        assert holder.standby == 0 and holder.machine == 2 and sim.current(rank).gen == 1
+    assert not any(c for c in sim.claims if c[0] == 1), "no spare of the suspect node took a rank"
+    assert all(sim.current(r).pid == sim.hosts[r].first_pid for r in (0, 1))  # node 0 rolled back in place
+
+
+def test_a_suspect_with_no_ready_standby_keeps_the_same_node_spare() -> None:
+    """The standby is still warming when the replicas disagree (at tick 2; its spares take 3): nothing is handed
+    over (`-1` stored), the suspect's rank goes to a spare of its own node as without standby nodes."""
+    sim = Sim(World(2, 2, 1, 3, standbys=1), [Fault(2, "sdc", 2)])
+    assert sim.run() == "resumed in generation 1"
+    assert sim.store.read_free("gen0/sdc-handover") == "-1" and sim.store.read_free("sdc/handover") is None
+    assert sim.hosts[sim.holding(2)].standby is None and sim.current(2).pid != sim.hosts[2].first_pid
+    assert sim.current(3).pid == sim.hosts[3].first_pid  # node 1's other rank rolled back where it was
 
 
 def test_seeded_schedules_hold_every_invariant() -> None:
