@@ -10,6 +10,13 @@ export RAY_USAGE_STATS_ENABLED=0 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 export PATH="$PWD/$venv/bin:$PATH"
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
+# The machine's busy CPU time (user, nice, system, irq, softirq, steal), in clock ticks: how much of the
+# cores a group kept busy says whether running it on more workers could be faster (the 25-minute budget).
+busy() { awk '/^cpu /{print $2 + $3 + $4 + $7 + $8 + $9}' /proc/stat; }
+hz=$(getconf CLK_TCK); cores=$(nproc)
+usage() {  # usage NAME START_TICKS END_TICKS WALL_S
+  echo "   $1: $(( ($3 - $2) / hz )) s of CPU in $4 s on $cores cores ($(( ($3 - $2) * 100 / hz / (cores * ($4 > 0 ? $4 : 1)) ))% busy)"
+}
 echo "== lint"
 "$venv/bin/ruff" check .
 "$venv/bin/ruff" format --check .
@@ -17,23 +24,26 @@ echo "== lint"
 # Each group's output also goes to a log, for the suite's 25 slowest tests at the end.
 echo "== unit tests (2 workers)"
 unit=0
-t0=$SECONDS
+t0=$SECONDS; b0=$(busy)
 "$venv/bin/pytest" -q -n 2 --durations=25 -m "not soak" tests/unit "$@" | tee "$logs/unit" || unit=$?
-t1=$SECONDS
+t1=$SECONDS; b1=$(busy)
 echo "== integration tests that mostly wait (2 workers)"
 light=0
 "$venv/bin/pytest" -q -n 2 --durations=25 -m "not soak and not serial" --ignore=tests/unit "$@" \
   | tee "$logs/light" || light=$?
-t2=$SECONDS
+t2=$SECONDS; b2=$(busy)
 echo "== integration tests that need the cores to themselves (one at a time)"
 serial=0
 "$venv/bin/pytest" -q --durations=25 -m "not soak and serial" --ignore=tests/unit "$@" | tee "$logs/serial" || serial=$?
-t3=$SECONDS
+t3=$SECONDS; b3=$(busy)
 echo "== the 25 slowest tests of the suite"
 cat "$logs"/* | grep -E '^[0-9]+\.[0-9]+s (setup|call|teardown) ' | sort -rn | head -25 || true
 # Each half's wall time, for the suite's 25-minute budget (README, "Development").
 echo "== durations: unit $((t1 - t0)) s, integration $((t3 - t1)) s" \
   "($((t2 - t1)) s on 2 workers, $((t3 - t2)) s one at a time), total $((t3 - t0)) s"
+usage "unit" "$b0" "$b1" $((t1 - t0))
+usage "integration on 2 workers" "$b1" "$b2" $((t2 - t1))
+usage "integration one at a time" "$b2" "$b3" $((t3 - t2))
 # Any group collecting nothing (a bad -k, a broken conftest, a moved folder, a lost marker) fails the run:
 # a group that runs nothing proves nothing, even when the others passed.
 for part in "unit tests:$unit" "integration tests on 2 workers:$light" "integration tests one at a time:$serial"; do
