@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import importlib
 from importlib.metadata import entry_points
+from typing import TYPE_CHECKING
 
-from orchestrator.backends.base import Backend
 from orchestrator.errors import SpecError
+
+if TYPE_CHECKING:  # not at run time: the local run's agents and store import modules of this package
+    from orchestrator.backends.base import Backend
 
 __all__ = ["BACKENDS", "available_backends", "get_backend"]
 
@@ -34,6 +37,8 @@ def get_backend(name: str) -> Backend:
     found = available_backends()
     if name not in found:
         raise SpecError(f"--backend: unknown backend {name!r}; valid backends: {', '.join(sorted(found))}")
+    from orchestrator.backends.base import Backend
+
     module_name, _, attr = found[name].partition(":")
     cls = getattr(importlib.import_module(module_name), attr)
     backend = cls()

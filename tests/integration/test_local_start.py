@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -84,3 +86,14 @@ def test_a_preflight_error_of_run_is_one_line_with_its_exit_code_and_leaves_noth
     assert not files.supervisor.exists() and not files.job.exists() and not files.summary.exists()
     leftover = [p for p in map(int, filter(str.isdigit, os.listdir("/proc"))) if str(run_dir) in _cmdline(p)]
     assert leftover == [], "an agent of the failed run is still running"
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_loads_no_spec_model_before_its_torch_import() -> None:
+    """Each agent (and each node's standby or replacement) imports `_local_agent` first; its package
+    `orchestrator.backends` loads no spec model (`orchestrator.spec`, pydantic: 0.2 s of CPU, a second
+    or more on a loaded machine) before the agent's torchrun import, on the run's way to its first step."""
+    heavy = ("orchestrator.spec", "orchestrator.backends.base", "pydantic", "torch")
+    code = f"import sys, orchestrator.backends._local_agent\nprint([m for m in {heavy!r} if m in sys.modules])"
+    done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=50)
+    assert done.stdout.strip() == "[]", f"loaded by the agent's module: {done.stdout.strip()}"

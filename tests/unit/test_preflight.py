@@ -4,6 +4,7 @@ the job at once with a permanent exit code and one line naming the field, before
 from __future__ import annotations
 
 import copy
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import yaml
 
 from tests.fixtures.common import REPO
 from training.config import WorkerSpec, load_worker_spec
-from training.contract import ExitCode
+from training.contract import Env, ExitCode
 from training.launch import main as launch
 from training.preflight import PreflightError, check_gpus, preflight
 
@@ -221,3 +222,18 @@ def test_a_store_a_running_local_run_writes_is_refused(tmp_path: Path, monkeypat
     check_stores_not_in_use(load_spec(example), tmp_path / "r3")
     (live / "supervisor.json").unlink()  # the run is over (its supervisor gone)
     check_stores_not_in_use(spec, tmp_path / "r4")
+
+
+def test_without_a_checkpoint_key_the_preflight_loads_no_checkpoint_stack(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The key check imports the checkpoint stack (DCP, `torch._dynamo`: 0.6 s of CPU, on a local run's way
+    to its store: docs/performance.md "Start-up") only when `TORCHRIG_CHECKPOINT_KEY` is set."""
+    monkeypatch.delenv(Env.CHECKPOINT_KEY, raising=False)
+    for name in ("training.checkpoint.manifest", "training.checkpoint.signing", "training.checkpoint.storage"):
+        monkeypatch.setitem(sys.modules, name, None)  # importing it raises ImportError
+    preflight(worker_spec(tmp_path), run_dir=tmp_path / "run", check_gpu=False)
+    assert (tmp_path / "run" / "checkpoints").is_dir(), "the other checks ran (the store exists)"
+    monkeypatch.setenv(Env.CHECKPOINT_KEY, "k" * 32)
+    with pytest.raises(ImportError):  # with a key, the check runs (the stack is needed)
+        preflight(worker_spec(tmp_path), run_dir=tmp_path / "run", check_gpu=False)
