@@ -8,6 +8,8 @@ next is `training.inplace.protocol.decide_host`'s decision (this module only car
   host exits with the same code (torchrun sees exactly what it would have seen);
 - it dies before completing a step (a start-up crash, a spare failing at once): exit
   `RECOVERY_FAILED` (a spare would fail the same way; the group restart is bounded by `restarts.max`);
+- the trainer left as an SDC suspect's node-mate whose node a standby node takes (`SDC_SUSPECT` with its
+  signed `handed-over` mark): the host exits 0 without claiming a spare of the suspect node (`HandOver`);
 - any other death (a signal, 1, 200, 201 from the watchdog): the host claims a ready spare of the
   node (an atomic compare-and-set of its `claim` key in the store), assigns it this rank and the
   next process-group generation, and from then on watches that process (a pidfd: the spare is the

@@ -25,6 +25,11 @@ c10d rendezvous makes every healthy agent restart its workers (torchrun's member
   node's host (`InPlace.promote_key`): from then on it is one like any other (its beat, its pool of
   spares, in-place recovery of its own ranks). The survivors, forming that generation, wait
   `STANDBY_GRACE_S` longer while a standby is ready.
+- **Take an SDC suspect's node**: when the replicas decided a suspect and handed its node to a standby
+  (`protocol.decide_handover`, `InPlace.handover_key`, signed), a ready standby takes that node at its next
+  look, with the same compare-and-set (`InPlace.taker_key(node, "sdc<generation>")`), without waiting for a
+  beat to stop: the node is alive, its ranks leave on their own (their hosts exit 0: `protocol.HandOver`),
+  its spares are left to end with its hosts, and its agent passes torchrun's exit barrier itself.
 - **The end**: when its hosts exit 0 the standby stands in for the lost node's agent at torchrun's
   exit barrier (the other agents would wait out `exit_barrier_timeout` for it) and exits 0. A standby
   that was never needed exits 0 once the round's agents passed that barrier, or once the store is gone
