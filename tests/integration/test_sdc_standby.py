@@ -6,7 +6,7 @@ node 1's ranks leave and their hosts exit 0 (`HandOver`: no spare of the suspect
 take ranks 2 and 3, every member reloads the newest certified checkpoint in place, and the end is bit-identical
 to an uninterrupted run with no group restart. The same job without a standby node rolls back with a spare of
 the suspect's own node (its event says so); both recoveries' MTTR (the flip to the first step after) are
-measured in the same test."""
+measured in the same test. A store-level test checks the record itself (signed, taken once)."""
 
 from __future__ import annotations
 
@@ -71,6 +71,45 @@ def _mttr(run_dir: Path) -> float:
     first = history.first_step_after(max(e.time for e in rolled))
     assert first is not None
     return round(first.time - flip.time, 3)
+
+
+def test_a_standby_takes_a_signed_handover_once_and_ignores_a_forged_one() -> None:
+    """Against a real c10d store: a hand-over record without the job's MAC is no order; the signed one names
+    node 1, which the first standby takes (every rank of it assigned to its spares, the next generation),
+    the second never (the same compare-and-set, keyed by the generation), and the node's own spares, alive,
+    are left unclaimed (they end with its hosts); a later hand-over of the same node index is another key."""
+    import torch.distributed as dist
+
+    from training.inplace import InPlace
+    from training.inplace.standby import Launch, Round, Standby
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+    secret = b"k" * 32
+    found = Round(token="tok", round=0, nodes=2)
+    launch = Launch(f"127.0.0.1:{store.port}", "job", 2, 0, ["python", "-m", "training"], secret=secret)
+    first, second = (Standby(launch, store, found, slot, {}) for slot in (0, 1))
+    node1 = InPlace("", "job", 0, node_rank=1, spares=1, timeout_s=5, round_token="tok", secret=secret)
+    space = first.store
+    space.add(node1.spawned_key, 1)  # node 1's own warm spare, alive
+    for rank in (2, 3):
+        node1.write(space, node1.rank_gen_key(rank), "3")
+    for local in range(2):
+        first.inplace.write(space, first.inplace.spare_key(local, "ready"), str(501 + local))
+    space.set(InPlace.handover_key(), json.dumps({"node": 1, "generation": 3}))  # forged: no MAC
+    assert first.handover() is None and second.handover() is None
+    node1.write(space, InPlace.handover_key(), json.dumps({"node": 1, "generation": 3}))
+    handed = first.handover()
+    assert handed == (1, b"sdc3") and second.handover() == handed
+    assert first.take(*handed, handover=True)
+    assert first.handed_over, "its own agent passes the exit barrier: the standby does not stand in for it"
+    assert not second.take(*handed, handover=True) and second.handover() is None, "taken once"
+    assert not space.check([node1.spare_key(0, "claim")]), "the node's spare is alive: not marked lost"
+    for local, rank in ((0, 2), (1, 3)):
+        assignment = json.loads(first.inplace.read(space, first.inplace.spare_key(local, "assign")) or "")
+        assert assignment["generation"] == 4 and assignment["env"][Env.RANK] == str(rank)
+        assert node1.read(space, node1.owner_key(rank)) == str(501 + local)
+    node1.write(space, InPlace.handover_key(), json.dumps({"node": 7, "generation": 5}))
+    assert second.handover() is None, "no node of the round"
 
 
 @pytest.mark.slow
