@@ -529,10 +529,20 @@ class SilentCorruption(Scenario):
             rolled = [e for e in history.of(EventKind.RECOVERY) if e.get("path") == ROLLBACK_PATH]
             spares = [e for e in rolled if e.get("role") == "spare"]
             survivors = [e for e in rolled if e.get("role") == "survivor"]
+            # A standby node took the suspect's whole node (`restarts.spareNodes`, `decide_handover`): its
+            # spares hold every rank of that node; else a spare of the suspect's own node holds its rank.
+            node = sdc.get("excluded_node") if sdc is not None and sdc.get("replaced_by") == "standby" else None
+            nproc = max(1, ctx.world_size // max(1, ctx.nodes))
+            replaced = list(range(node * nproc, (node + 1) * nproc)) if isinstance(node, int) else [ctx.fault_rank]
+            by = (
+                f"the standby node's spares took node {node}'s ranks"
+                if isinstance(node, int)
+                else "a warm spare took the suspect's rank"
+            )
             verdict.check(
-                "a warm spare took the suspect's rank, every survivor reloaded the same certified step",
-                [e.rank for e in spares] == [ctx.fault_rank]
-                and sorted(e.rank for e in survivors) == [r for r in range(ctx.world_size) if r != ctx.fault_rank]
+                f"{by}, every survivor reloaded the same certified step",
+                sorted(e.rank for e in spares) == replaced
+                and sorted(e.rank for e in survivors) == [r for r in range(ctx.world_size) if r not in replaced]
                 and len({e.step for e in survivors}) == 1,
                 f"rollback events (rank, role, step): {[(e.rank, e.get('role'), e.step) for e in rolled]}",
             )

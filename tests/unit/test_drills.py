@@ -785,6 +785,36 @@ def test_an_sdc_rolled_back_in_place_is_its_own_recovery_path_and_the_verdict_wa
     report.add(SilentCorruption().judge(report, history, ctx))
     assert report.passed, report.checks
 
+    # A standby node took the suspect's node (2 nodes x 2, rank 2 flipped): its spares hold ranks 2 and 3.
+    swapped = tmp_path / "swapped"
+    swapped.mkdir()
+    events = [
+        {"time": 1.0, "event": "start", "rank": r, "world_size": 4, "pid": 10 + r, "generation": 0} for r in range(4)
+    ]
+    events += [
+        {"time": 6.0, "event": "fault", "kind": "bitflip", "rank": 2, "step": 13, "generation": 0},
+        {"time": 6.5, "event": "sdc", "step": 15, "rank": 0, "suspects": [2], "decided": True}
+        | {"replaced_by": "standby", "excluded_node": 1, "excluded_hosts": ["n1"]},
+        *({"time": 7.0, "event": "recovery", "path": "inplace-rollback", "step": 15, "rank": r, "role": "spare"}
+          for r in (2, 3)),
+        *({"time": 7.5, "event": "restore", "step": 10, "store": "local", "rank": r, "certified": True}
+          for r in range(4)),
+        *({"time": 7.6, "event": "recovery", "path": "inplace-rollback", "step": 10, "rank": r, "role": "survivor"}
+          for r in (0, 1)),
+        {"time": 8.0, "event": "first_step", "step": 11, "rank": 0, "generation": 0},
+    ]  # fmt: skip
+    _write_jsonl(swapped / "events.jsonl", events)
+    node_ctx = _ctx(
+        scenario="sdc", world_size=4, nodes=2, fault_step=13, fault_rank=2, sdc_every=5, sdc_replicas=4, in_place=True
+    )
+    history = RunHistory.load(swapped)
+    taken = DrillReport("sdc", "local", 0)
+    _fill_from_run(taken, Summary(status="succeeded", params_sha256="ab"), history, _outcome(13, 2))
+    taken.add(SilentCorruption().judge(taken, history, node_ctx))
+    assert taken.passed, taken.checks
+    assert any("the standby node's spares took node 1's ranks" in c.name for c in taken.checks)
+    history = RunHistory.load(_sdc_rollback_run(tmp_path))
+
     # The same detection with a job that recovers in place, ended by a group restart: the wrong path.
     restarted = DrillReport("sdc", "local", 0)
     _fill_from_run(restarted, Summary(status="succeeded", params_sha256="ab"), history, _outcome(13, 1))
