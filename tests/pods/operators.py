@@ -714,11 +714,15 @@ def rayjob_pods(objects: list[dict[str, Any]]) -> RayJobPods:
       generateRayStartCommand: num-cpus/memory/num-gpus from the container limits) and env
       (setContainerEnvVars); workers get `address=<head FQDN>:6379` and the `wait-gcs-ready` init
       container; only `replicas` workers per group are started (the autoscaler is not emulated);
-    - submitter: a Job named after the RayJob, pod restartPolicy Never, backoffLimit 2
-      (rayjob_controller.go createNewK8sJob), container `ray-job-submitter` with the head's image
-      (common/job.go GetDefaultSubmitterContainer), command `/bin/bash -ce --` and the joined
-      BuildJobSubmitCommand, env PYTHONUNBUFFERED, RAY_DASHBOARD_ADDRESS, RAY_JOB_SUBMISSION_ID
-      (configureSubmitterContainer); job id `<rayjob>-<5 random>` (GenerateRayJobId); address
+    - submitter: a Job named after the RayJob, backoffLimit 2 (rayjob_controller.go createNewK8sJob),
+      its pod the RayJob's `submitterPodTemplate` as it is (its container's securityContext and
+      resources, its labels, restartPolicy, volumes), else one container `ray-job-submitter` with the
+      head's image, 1 CPU / 1Gi limits and restartPolicy Never (common/job.go GetSubmitterTemplate,
+      GetDefaultSubmitterContainer); a container without a command gets `/bin/bash -ce --` and the
+      joined BuildJobSubmitCommand; env PYTHONUNBUFFERED, RAY_DASHBOARD_ADDRESS, RAY_JOB_SUBMISSION_ID
+      appended (configureSubmitterContainer); labels `ray.io/originated-from-cr-name`,
+      `ray.io/originated-from-crd: RayJob` and `app.kubernetes.io/created-by: kuberay-operator`
+      added to the template's (getSubmitterTemplate); job id `<rayjob>-<5 random>` (GenerateRayJobId); address
       `http://` + Status.DashboardURL = `<cluster>-head-svc.<ns>.svc.cluster.local:8265`
       (utils.FetchHeadServiceURL);
     - `rayClusterSpec.authOptions.mode: token` (KubeRay >= 1.5.1): a Secret `CheckName(<cluster>)`
@@ -753,26 +757,41 @@ def rayjob_pods(objects: list[dict[str, Any]]) -> RayJobPods:
     dashboard_url = f"{fqdn_head}:{KR_DASHBOARD_PORT}"
     job_id = f"{name}-{RANDOM_SUFFIX}"
     head_image = cspec["headGroupSpec"]["template"]["spec"]["containers"][0]["image"]
-    submitter_container: dict[str, Any] = {
+    # GetSubmitterTemplate: the RayJob's submitterPodTemplate as it is, else one default container.
+    template = copy.deepcopy(spec.get("submitterPodTemplate") or {})
+    template_spec = template.get("spec") or {}
+    submitter_container: dict[str, Any] = (template_spec.get("containers") or [None])[0] or {
         "name": KR_SUBMITTER,
         "image": head_image,
-        "command": ["/bin/bash", "-ce", "--"],
-        "args": [_submitter_args(rj, "http://" + dashboard_url, job_id)],
-        "env": [
-            _env("PYTHONUNBUFFERED", "1"),
-            _env("RAY_DASHBOARD_ADDRESS", dashboard_url),
-            _env("RAY_JOB_SUBMISSION_ID", job_id),
-        ],
-    }
+        "resources": {"limits": {"cpu": "1", "memory": "1Gi"}, "requests": {"cpu": "500m", "memory": "200Mi"}},
+    }  # GetDefaultSubmitterContainer
+    if not submitter_container.get("command"):  # configureSubmitterContainer (K8sJobMode): only without one
+        submitter_container["command"] = ["/bin/bash", "-ce", "--"]
+        submitter_container["args"] = [_submitter_args(rj, "http://" + dashboard_url, job_id)]
+    submitter_container["env"] = [
+        *submitter_container.get("env", []),
+        _env("PYTHONUNBUFFERED", "1"),
+        _env("RAY_DASHBOARD_ADDRESS", dashboard_url),
+        _env("RAY_JOB_SUBMISSION_ID", job_id),
+    ]
     if auth_secret is not None:
         _set_token_auth_env(submitter_container["env"], auth_secret)  # configureSubmitterContainer
+    # getSubmitterTemplate: the template's labels plus KubeRay's three.
+    labels = {
+        **((template.get("metadata") or {}).get("labels") or {}),
+        "ray.io/originated-from-cr-name": name,
+        "ray.io/originated-from-crd": "RayJob",
+        "app.kubernetes.io/created-by": "kuberay-operator",
+    }
     submitter = Pod(
         name=f"{name}-{RANDOM_SUFFIX}",
         namespace=ns,
         hostname=f"{name}-{RANDOM_SUFFIX}",
         container=submitter_container,
-        labels={"ray.io/originated-from-cr-name": name, "ray.io/originated-from-crd": "RayJob"},
-        restart_policy="Never",
+        volumes=template_spec.get("volumes") or [],
+        labels=labels,
+        annotations=dict((template.get("metadata") or {}).get("annotations") or {}),
+        restart_policy=template_spec.get("restartPolicy") or "Never",
         role="submitter",
     )
     token = made[0]["stringData"][KR_AUTH_TOKEN_KEY] if made else None
