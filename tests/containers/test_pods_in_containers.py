@@ -1,10 +1,12 @@
 """The rendered pods of multi-pod jobs as real containers (tests/pods/podman_runtime.py), trained to the end.
 
-The pods harness's scenarios run here with its second runtime: each pod of the rendered PyTorchJob or
-TrainJob (operators.py derives them) is a `podman run` of images/cpu with the template's
+The pods harness's scenarios run here with its second runtime: each pod of the rendered PyTorchJob,
+TrainJob or RayJob (operators.py derives them) is a container of images/cpu with the template's
 securityContext, volumes, limits and grace period, on one podman network whose aardvark-dns answers the
 operators' Service and hostname names. jobs.py `run_job` plays the kubelet and the operator, as for the
-process runtime. Every scenario ends bit-identical (`params_sha256`) to `torchrig run --nodes 2`.
+process runtime (the RayJob's head, workers and submitter are started as KubeRay would, and the kubelet
+ticks until the submitter exits). Every scenario ends bit-identical (`params_sha256`) to `torchrig run
+--nodes 2`.
 
 Needs podman with netavark/aardvark-dns (scripts/install-tools.sh); skipped with the reason otherwise.
 """
@@ -20,15 +22,16 @@ from typing import Any
 
 import pytest
 
+from tests.pods.admission import check_admitted
 from tests.pods.conftest import TIME_SCALE
 from tests.pods.conftest import reference_result as reference_result  # noqa: PLC0414 (a fixture, re-exported)
 from tests.pods.jobs import JobOutcome, pytorchjob_succeeded, run_job, trainjob_succeeded
 from tests.pods.kubelet import Pod
-from tests.pods.operators import pytorchjob_pods, trainjob_pods
+from tests.pods.operators import pytorchjob_pods, rayjob_pods, trainjob_pods
 from tests.pods.podman_runtime import PodmanCluster
-from tests.pods.runtime import PodCluster
+from tests.pods.runtime import PodCluster, wait_until
 from tests.pods.scenario import one, render
-from tests.pods.test_pods import _events, _result, _why
+from tests.pods.test_pods import _events, _ray_job_status, _result, _run_dirs_of, _why
 from training.contract import EventKind
 
 pytestmark = [pytest.mark.containers, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -238,3 +241,56 @@ def test_a_standby_pod_takes_the_ranks_of_a_killed_pod_in_place(
     assert result["params_sha256"] == reference_result["params_sha256"]
     logs = cluster.pods[victim].logs()
     assert "this node stands by" in logs or "the job is over" in logs, _why(outcome, cluster)
+
+
+@pytest.mark.timeout(600)  # JOB_TIMEOUT_S, the reference run when it comes first, the teardown
+def test_rayjob_head_and_two_workers_train_in_containers_to_the_end(
+    podman_cluster: MakeCluster, reference_result: dict[str, Any]
+) -> None:
+    """A RayJob of 2 worker pods (`nodes.min=2`: 2 Ray worker nodes x 2 ranks) as KubeRay runs it: the
+    head's `ulimit -n ...; ray start --head ...` (KubeRay's command, token auth from its Secret), each
+    worker's `wait-gcs-ready` init container looping on `ray health-check` until the head's GCS answers
+    at the head Service's name (aardvark-dns), then `ray start --address=<head FQDN>:6379`, and the
+    submitter Job's pod (its `submitterPodTemplate`: restricted securityContext, no command, so
+    KubeRay's `ray job submit ... ; ray job logs --follow`). Ray finds each node's address on its own
+    (KubeRay passes no `--node-ip-address`): the containers' default route. The driver on the head
+    runs Ray Train over the two worker containers (gloo across them); the submitter exits 0, the Ray
+    job is SUCCEEDED, the head's summary says so, and rank 0's parameters are bit-identical to
+    `torchrig run --nodes 2`."""
+    t0 = time.monotonic()
+    objects = render("rayjob", "spec.nodes.min=2")
+    check_admitted(objects)  # KubeRay's webhook and validation (admission.py)
+    ray = rayjob_pods(objects)
+    assert len(ray.workers) == 2 and ray.auth_token, "2 worker pods, token auth"
+    assert ray.submitter.container["securityContext"]["capabilities"]["drop"] == ["ALL"], "its template's"
+    cluster = podman_cluster([*objects, *ray.secrets], [ray.head, *ray.workers, ray.submitter])
+    for pod in [ray.head, *ray.workers, ray.submitter]:
+        cluster.start(pod.name, wait=False)  # the workers' init containers wait for the head's GCS
+
+    def submitter_exited() -> bool:
+        cluster.tick()
+        for name in [ray.head.name, *(w.name for w in ray.workers)]:
+            assert cluster.poll(name) is None, f"{name} exited\n" + _logs(cluster)
+        return cluster.poll(ray.submitter.name) is not None or bool(cluster.pods[ray.submitter.name].exit_codes)
+
+    wait_until(submitter_exited, JOB_TIMEOUT_S, "the submitter to exit")
+    wall_s = time.monotonic() - t0
+    head_ip = cluster.pods[ray.head.name].ip
+    status = _ray_job_status(cluster, ray.head.name, head_ip, ray.submission_id, ray.auth_token)
+    assert cluster.pods[ray.submitter.name].exit_codes == [0] and status == "SUCCEEDED", f"{status}\n{_logs(cluster)}"
+    workers = [w.name for w in ray.workers]
+    result = _result(cluster, workers)  # rank 0's, in its worker pod's run directory
+    assert (result["steps"], result["world_size"]) == (40, 4)
+    assert result["params_sha256"] == reference_result["params_sha256"]
+    summary = json.loads((_run_dirs_of(cluster, ray.head.name)[0] / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["ray_auth"] == "token"
+    assert summary["world_sizes"] == [4] and summary["params_sha256"] == result["params_sha256"]
+    # Each Ray node advertised its own pod address (what a route towards 8.8.8.8 found), not loopback.
+    nodes = cluster.exec(ray.head.name, ["ray", "list", "nodes", "--format", "json"], timeout_s=120)
+    ips = sorted(n["node_ip"] for n in json.loads(nodes.stdout)) if nodes.returncode == 0 else nodes.stderr
+    assert ips == sorted(s.ip for n, s in cluster.pods.items() if n != ray.submitter.name), ips
+    print(f"rayjob in containers: submitter exited after {wall_s:.1f} s; Ray nodes at {ips}")
+
+
+def _logs(cluster: PodCluster) -> str:
+    return "\n".join(f"--- {n}\n{s.logs()[-4000:]}" for n, s in cluster.pods.items())
