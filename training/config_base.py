@@ -70,9 +70,9 @@ class Model(BaseModel):
 def _drop_default_nulls(model: BaseModel, data: dict[str, Any], every_default: bool = False) -> dict[str, Any]:
     """`data` (`model` dumped by alias) without the nulls of fields whose default is null, recursively, and
     (unless `every_default`) without the unset fields of `written_only_where_set`."""
-    unset = (
-        frozenset() if every_default else getattr(model, "written_only_where_set", frozenset()) - model.model_fields_set
-    )
+    unset: frozenset[str] = frozenset()
+    if not every_default:
+        unset = getattr(model, "written_only_where_set", frozenset()) - model.model_fields_set
     for name, info in type(model).model_fields.items():
         key = info.alias or name
         value = getattr(model, name)
