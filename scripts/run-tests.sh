@@ -25,19 +25,25 @@ echo "== lint"
 echo "== unit tests (2 workers)"
 unit=0
 t0=$SECONDS; b0=$(busy)
-"$venv/bin/pytest" -q -n 2 --durations=25 -m "not soak" tests/unit "$@" | tee "$logs/unit" || unit=$?
+"$venv/bin/pytest" -q -n 2 --durations=25 -m "not soak" --junitxml="$logs/unit.xml" tests/unit "$@" \
+  | tee "$logs/unit" || unit=$?
 t1=$SECONDS; b1=$(busy)
 echo "== integration tests that mostly wait (2 workers)"
 light=0
-"$venv/bin/pytest" -q -n 2 --durations=25 -m "not soak and not serial" --ignore=tests/unit "$@" \
+"$venv/bin/pytest" -q -n 2 --durations=25 -m "not soak and not serial" --junitxml="$logs/light.xml" \
+  --ignore=tests/unit "$@" \
   | tee "$logs/light" || light=$?
 t2=$SECONDS; b2=$(busy)
 echo "== integration tests that need the cores to themselves (one at a time)"
 serial=0
-"$venv/bin/pytest" -q --durations=25 -m "not soak and serial" --ignore=tests/unit "$@" | tee "$logs/serial" || serial=$?
+"$venv/bin/pytest" -q --durations=25 -m "not soak and serial" --junitxml="$logs/serial.xml" --ignore=tests/unit "$@" \
+  | tee "$logs/serial" || serial=$?
 t3=$SECONDS; b3=$(busy)
 echo "== the 25 slowest tests of the suite"
 cat "$logs"/* | grep -E '^[0-9]+\.[0-9]+s (setup|call|teardown) ' | sort -rn | head -25 || true
+# The tests' own time by folder (what the containers, the pods harness, ... add to the suite).
+echo "== test time by folder (setup, call and teardown; the 2-worker groups' tests overlap)"
+python3 scripts/suite_times.py "$logs"/*.xml || true
 # Each half's wall time, for the suite's 25-minute budget (README, "Development").
 echo "== durations: unit $((t1 - t0)) s, integration $((t3 - t1)) s" \
   "($((t2 - t1)) s on 2 workers, $((t3 - t2)) s one at a time), total $((t3 - t0)) s"

@@ -79,3 +79,23 @@ def test_every_module_listed_for_two_workers_exists() -> None:
     from tests.conftest import PARALLEL_MODULES
 
     assert sorted(m for m in PARALLEL_MODULES if not (REPO / m).is_file()) == []
+
+
+def test_suite_times_sums_each_folders_tests_and_skips_unreadable_files(tmp_path: Path) -> None:
+    xml = tmp_path / "serial.xml"
+    xml.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.containers.test_image" name="a" time="100.5"/>'
+        '<testcase classname="tests.containers.test_pods_in_containers" name="b" time="20"/>'
+        '<testcase classname="tests.integration.test_drills" name="c" time="7"/>'
+        "</testsuite></testsuites>"
+    )
+    (tmp_path / "broken.xml").write_text("<testsuites>")
+    out = subprocess.run(
+        ["python3", str(REPO / "scripts" / "suite_times.py"), str(xml), str(tmp_path / "broken.xml"), "/nonexistent"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout
+    assert out.splitlines() == ["   tests/containers: 2 tests, 120 s", "   tests/integration: 1 tests, 7 s"]

@@ -1,0 +1,40 @@
+"""The suite's test time by folder, from pytest's JUnit XML files (scripts/run-tests.sh).
+
+`python3 scripts/suite_times.py A.xml B.xml ...` prints one line per folder (tests/containers,
+tests/pods, tests/integration, tests/unit): how many tests and their seconds (setup, call and teardown
+together, as pytest's JUnit writer sums them). A missing or unreadable file is skipped: the summary must
+never fail the suite. Standard library only (it runs with the machine's python3).
+"""
+
+from __future__ import annotations
+
+import sys
+import xml.etree.ElementTree as ET
+from collections import Counter
+
+
+def folder_of(classname: str) -> str:
+    """`tests.containers.test_image.TestX` -> `tests/containers`."""
+    parts = classname.split(".")
+    return "/".join(parts[:2]) if len(parts) >= 2 else classname or "?"
+
+
+def main(paths: list[str]) -> int:
+    seconds: Counter[str] = Counter()
+    tests: Counter[str] = Counter()
+    for path in paths:
+        try:
+            root = ET.parse(path).getroot()
+        except (OSError, ET.ParseError):
+            continue
+        for case in root.iter("testcase"):
+            folder = folder_of(case.get("classname", ""))
+            seconds[folder] += float(case.get("time") or 0.0)
+            tests[folder] += 1
+    for folder, total in seconds.most_common():
+        print(f"   {folder}: {tests[folder]} tests, {total:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
