@@ -20,7 +20,7 @@ def folder_of(classname: str) -> str:
 
 
 def main(paths: list[str]) -> int:
-    seconds: Counter[str] = Counter()
+    seconds: dict[str, float] = {}
     tests: Counter[str] = Counter()
     for path in paths:
         try:
@@ -29,9 +29,9 @@ def main(paths: list[str]) -> int:
             continue
         for case in root.iter("testcase"):
             folder = folder_of(case.get("classname", ""))
-            seconds[folder] += float(case.get("time") or 0.0)
+            seconds[folder] = seconds.get(folder, 0.0) + float(case.get("time") or 0.0)
             tests[folder] += 1
-    for folder, total in seconds.most_common():
+    for folder, total in sorted(seconds.items(), key=lambda item: -item[1]):
         print(f"   {folder}: {tests[folder]} tests, {total:.0f} s")
     return 0
 
