@@ -21,6 +21,9 @@ leaves out the faults of the steps its predecessor had passed):
   `step`, after the gradient all-reduce and before the optimizer step) or `local_grad` (this rank's own
   gradient in step `step`, BEFORE the all-reduce: the average carries it into every replica alike, so
   only the recompute spot checks, `sdc.recomputeEvery`, can see it). `training.sdc` must find it.
+  With `"gated": true` it waits, from step `step` on, for the run directory's fault gate
+  (`RunFiles.fault_gate`, which a drill creates from outside: once a standby node is ready, say) and
+  flips at the first step that begins after the gate was seen (the job goes on training meanwhile).
 
 Every fault writes a `fault` event before it fires.
 """
@@ -35,9 +38,10 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal, cast
 
-from training.contract import Env
+from training.contract import Env, RunFiles
 from training.contract.events import Fault as FaultEvent
 from training.metrics.base import MetricsSink
 
@@ -65,7 +69,7 @@ BITFLIP_TARGETS: tuple[BitflipTarget, ...] = ("param", "moment", "grad")
 BITFLIP_LOCAL_GRAD: BitflipTarget = "local_grad"
 _ALL_TARGETS = (*BITFLIP_TARGETS, BITFLIP_LOCAL_GRAD)
 BITFLIP_MOMENT = "exp_avg"  # the optimizer state a `moment` flip hits (Adam/AdamW's first moment)
-_BITFLIP_KEYS = {"target", "tensor", "element", "bit"}
+_BITFLIP_KEYS = {"target", "tensor", "element", "bit", "gated"}
 FAULT_EXIT_CODE = 1
 
 
@@ -82,6 +86,7 @@ class Fault:
     tensor: int = 0  # bitflip: the parameter's index in `model.parameters()`
     element: int = 0  # bitflip: the element of that tensor (flattened)
     bit: int = 20  # bitflip: the bit of that element (0: least significant)
+    gated: bool = False  # bitflip: from `step` on, wait for the run directory's fault gate (`RunFiles.fault_gate`)
 
 
 def parse_faults(text: str | None) -> list[Fault]:
@@ -126,6 +131,7 @@ def parse_faults(text: str | None) -> list[Fault]:
                 tensor=int(item.get("tensor", 0)),
                 element=int(item.get("element", 0)),
                 bit=int(item.get("bit", 20)),
+                gated=_flag(item.get("gated", False), f"{Env.FAULTS}[{i}].gated"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{Env.FAULTS}[{i}]: bad or missing field: {exc}") from None
@@ -138,11 +144,34 @@ def parse_faults(text: str | None) -> list[Fault]:
     return faults
 
 
+def _flag(value: object, field: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{field}: must be true or false, got {value!r}")
+    return value
+
+
+def gated_step(fault: Fault, completed: int, gate_open: bool) -> int | None:
+    """The step a gated fault strikes in, decided once step `completed` is done and the gate was seen open
+    (`gate_open`) or not; None while it waits. A fault that is not gated keeps its own step."""
+    if not fault.gated:
+        return fault.step
+    if not gate_open or completed + 1 < fault.step:
+        return None
+    return completed + 1
+
+
 class FaultInjector:
     """Fires this rank's faults of this generation at the right moments of the loop."""
 
     def __init__(
-        self, faults: list[Fault], *, rank: int, generation: int, events: MetricsSink, replacement: bool = False
+        self,
+        faults: list[Fault],
+        *,
+        rank: int,
+        generation: int,
+        events: MetricsSink,
+        replacement: bool = False,
+        gate: Path | None = None,
     ) -> None:
         # rank -1 / generation -1 match every rank / generation (drills pace a whole job this way).
         self.faults = [f for f in faults if f.rank in (rank, -1) and f.generation in (generation, -1)]
@@ -170,6 +199,10 @@ class FaultInjector:
         self._model: nn.Module | None = None  # `arm`: what a bitflip strikes
         self._optimizer: torch.optim.Optimizer | None = None
         self._step = 0  # the step in progress (`before_backward`), for a gradient flip
+        # Gated faults (`Fault.gated`): the file whose existence releases them, and the step each released
+        # one strikes in (`gated_step`); one stat a step while one waits.
+        self.gate = gate
+        self._due: dict[Fault, int] = {}
 
     @classmethod
     def from_env(
@@ -183,7 +216,23 @@ class FaultInjector:
     ) -> FaultInjector:
         env = os.environ if env is None else env
         faults = parse_faults(env.get(Env.FAULTS))
-        return cls(faults, rank=rank, generation=generation, events=events, replacement=replacement)
+        run_dir = env.get(Env.RUN_DIR)
+        gate = RunFiles(run_dir).fault_gate if run_dir else None
+        return cls(faults, rank=rank, generation=generation, events=events, replacement=replacement, gate=gate)
+
+    def _step_of(self, fault: Fault) -> int | None:
+        """The step `fault` strikes in: its own, or for a gated one the step it was released for (None: not yet)."""
+        return self._due.get(fault) if fault.gated else fault.step
+
+    def _release(self, completed: int) -> None:
+        """Release the gated faults that wait, once step `completed` is done, if the gate is open."""
+        waiting = [f for f in self.faults if f.gated and f not in self._due]
+        if not waiting:
+            return
+        gate_open = self.gate is not None and self.gate.exists()
+        for fault in waiting:
+            if (due := gated_step(fault, completed, gate_open)) is not None:
+                self._due[fault] = due
 
     def arm(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Give `bitflip` faults their model and optimizer (a gradient flip hooks the optimizer's step)."""
@@ -200,7 +249,7 @@ class FaultInjector:
                 )
 
     def _flip_local_grad(self, fault: Fault, grad: torch.Tensor) -> torch.Tensor | None:
-        if fault.step != self._step or fault in self._fired:
+        if self._step_of(fault) != self._step or fault in self._fired:
             return None
         flipped = grad.detach().clone()
         self._bitflip(fault, self._step, flipped)
@@ -208,7 +257,7 @@ class FaultInjector:
 
     def _flip_grads(self) -> None:
         for fault in self.faults:
-            if fault.kind == "bitflip" and fault.target == "grad" and fault.step == self._step:
+            if fault.kind == "bitflip" and fault.target == "grad" and self._step_of(fault) == self._step:
                 self._bitflip(fault, self._step)
 
     def _bitflip(self, fault: Fault, step: int, local_grad: torch.Tensor | None = None) -> None:
@@ -275,8 +324,9 @@ class FaultInjector:
         for fault in self.faults:
             if fault.step == step and fault.kind in ("kill", "exit", "hang"):
                 self._fire(fault, step)
-            elif fault.step == step and fault.kind == "bitflip" and fault.target in ("param", "moment"):
+            elif self._step_of(fault) == step and fault.kind == "bitflip" and fault.target in ("param", "moment"):
                 self._bitflip(fault, step)
+        self._release(step)
 
     def after_save_staged(self, step: int) -> None:
         """Called right after the save of `step` returned (staged; the upload may still run)."""

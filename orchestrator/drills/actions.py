@@ -36,13 +36,14 @@ from orchestrator.drills.plan import (
     Outcome,
     Preempt,
     RankKill,
+    ReleaseFaults,
     StoreBack,
     StoreCorrupt,
     StoreLoss,
 )
 from orchestrator.errors import UnsupportedFeature
 from orchestrator.spec import JobSpec
-from training.contract import DrillEventKind, EventKind, Summary
+from training.contract import DrillEventKind, EventKind, RunFiles, Summary
 
 if TYPE_CHECKING:
     from orchestrator.drills.netns import NetnsPair
@@ -69,6 +70,7 @@ class StandbyWait:
     ready: bool
     waited_s: float
     detail: str  # one line for the report's check
+    fault: str = "node fault"  # what waited for the standby (`AwaitStandby.fault`)
 
 
 @dataclass(frozen=True)
@@ -213,17 +215,22 @@ class ActionRunner:
             case NodeAdd():
                 self.outcome.record(DrillEventKind.NODE_ADDED)
                 self.run.add_node()
-            case AwaitStandby():
-                return self._await_standby()
+            case AwaitStandby(fault=fault, withheld=withheld):
+                return self._await_standby(fault, withheld)
+            case ReleaseFaults():
+                RunFiles(self.run.run_dir).fault_gate.touch()
         return True
 
-    def _await_standby(self) -> bool:
+    def _await_standby(self, fault: str = "node fault", withheld: str = "no node was killed") -> bool:
         """Wait (at most `timeout_s`) until a standby node of the run has its spares warm, and say how it ended
-        (`standby_wait`). Only then may the node fault strike: a fault before it measures the standby's start-up,
-        or, if the job ends first (a loaded machine warms the standby slowly), nothing at all."""
+        (`standby_wait`). Only then may the fault strike (`fault`: a node fault, the sdc drill's bit flip): one
+        before it measures the standby's start-up (or a flip, the same-node spare), or, if the job ends first (a
+        loaded machine warms the standby slowly), nothing at all (`withheld` says what did not happen)."""
         ready = getattr(self.run, "standby_ready", None)
         if ready is None:
-            raise UnsupportedFeature("kill-node with a standby node: this backend cannot tell when a standby is ready")
+            raise UnsupportedFeature(
+                f"a {fault} that waits for a standby node: this backend cannot tell when a standby is ready"
+            )
         start = time.monotonic()
         warm = self._wait(ready)
         waited_s = time.monotonic() - start
@@ -235,14 +242,14 @@ class ActionRunner:
             detail = f"the job finished (step {step} of {self.total_steps}) {waited_s:.0f} s into the wait"
             self.outcome.too_late = self.outcome.too_late or (
                 f"the job finished before a standby node was ready (step {step} of {self.total_steps}, after "
-                f"{waited_s:.0f} s of waiting): no node was killed; run it with more steps "
+                f"{waited_s:.0f} s of waiting): {withheld}; run it with more steps "
                 "(--set spec.training.steps=...) or on a less loaded machine"
             )
         elif state.terminal:
-            detail = f"the run ended ({state}) after {waited_s:.0f} s with no standby node ready; no node was killed"
+            detail = f"the run ended ({state}) after {waited_s:.0f} s with no standby node ready; {withheld}"
         else:
-            detail = f"no standby node was ready within {waited_s:.0f} s (the drill's timeout); no node was killed"
-        self.standby_wait = StandbyWait(ready=warm, waited_s=waited_s, detail=detail)
+            detail = f"no standby node was ready within {waited_s:.0f} s (the drill's timeout); {withheld}"
+        self.standby_wait = StandbyWait(ready=warm, waited_s=waited_s, detail=detail, fault=fault)
         return warm
 
     def _preempt(self, node: int | None, grace_s: float) -> None:

@@ -41,6 +41,7 @@ __all__ = [
     "Outcome",
     "Preempt",
     "RankKill",
+    "ReleaseFaults",
     "StoreBack",
     "StoreCorrupt",
     "StoreLoss",
@@ -66,7 +67,7 @@ class DrillOptions:
     corruption: CorruptionKind | None = None  # corrupt-checkpoint: which damage (default: drawn from the seed)
     hang_timeout_s: float = 10.0  # hang, partition: spec.restarts.stepTimeoutSeconds is at most this
     slow_s: float = 0.05  # straggler: seconds added to every step of the slow rank
-    pace_s: float = 0.05  # kill-node, partition: seconds every rank sleeps per step (0: no pacing)
+    pace_s: float = 0.05  # kill-node, partition, sdc with a standby: seconds each rank sleeps a step (0: none)
     repeat: int = 1  # kill-worker: kills in a row, one after each checkpoint
     lose_store_hook: Callable[[str], None] | None = None  # lose-store: makes a non-file store unreachable
     store_back_hook: Callable[[str], None] | None = None  # lose-store-at-restart: brings a non-file store back
@@ -91,6 +92,7 @@ class DrillContext:
     sdc_replicas: int = 0  # ranks that hold each replica's bits: the world (DDP), the nodes (HSDP)
     in_place: bool = False  # spec.restarts recovers in place (a spare per node, not mode restart)
     sharded: bool = False  # FSDP/HSDP: its in-place state is in-memory snapshots, not every rank's
+    standby: bool = False  # the job runs standby nodes (`restarts.spareNodes`, in place)
     rng: random.Random = field(default_factory=random.Random, compare=False, repr=False)
 
     @property
@@ -212,6 +214,14 @@ class NodeAdd:
 class AwaitStandby:
     """Wait until a standby node of the run has its spares warm (`restarts.spareNodes`)."""
 
+    fault: str = "node fault"  # what waits for it (the report's check names it)
+    withheld: str = "no node was killed"  # what did not happen when no standby got ready
+
+
+@dataclass(frozen=True)
+class ReleaseFaults:
+    """Create the run's fault gate (`RunFiles.fault_gate`): the workers' gated faults strike from their next step."""
+
 
 Action = (
     AwaitStep
@@ -229,6 +239,7 @@ Action = (
     | LinkHeal
     | NodeAdd
     | AwaitStandby
+    | ReleaseFaults
 )
 
 
@@ -254,6 +265,8 @@ def fault_dicts(faults: Sequence[Fault]) -> list[dict[str, Any]]:
         if fault.kind != "bitflip":  # where a bitflip strikes; no other kind takes these keys
             for key in ("target", "tensor", "element", "bit"):
                 del entry[key]
+        if not fault.gated:
+            del entry["gated"]
         entries.append(entry)
     return entries
 

@@ -76,6 +76,8 @@ def _drill_nodes(scenario: Scenario, spec: JobSpec, options: DrillOptions) -> in
 
 def run_drill(scenario_name: str, spec: JobSpec, options: DrillOptions) -> DrillReport:
     """Run one drill end to end and return its report (the caller writes, prints and plots it)."""
+    from orchestrator.backends.local_plan import standby_nodes  # lazily, as `scenarios._standby`
+
     scenario = get_scenario(scenario_name)
     rng = random.Random(options.seed)
     options = dataclasses.replace(options, nodes=_drill_nodes(scenario, spec, options))
@@ -97,6 +99,7 @@ def run_drill(scenario_name: str, spec: JobSpec, options: DrillOptions) -> Drill
         sdc_replicas=nodes if spec.spec.training.strategy is Strategy.hsdp else nodes * spec.spec.procs_per_node,
         in_place=spec.spec.restarts.in_place,
         sharded=spec.spec.training.strategy is not Strategy.ddp,
+        standby=standby_nodes(spec) > 0,
     )
     tag = time.strftime("%Y%m%d-%H%M%S")
     plan = scenario.plan(isolate_stores(spec, tag, "run"), ctx)
@@ -156,7 +159,7 @@ def run_drill(scenario_name: str, spec: JobSpec, options: DrillOptions) -> Drill
         report.notes.append(f"drill action failed: {exc!r}")
         report.check("drill actions ran", False, repr(exc))
     if (standby := runner.standby_wait) is not None:
-        report.check("a standby node was ready before the node fault", standby.ready, standby.detail)
+        report.check(f"a standby node was ready before the {standby.fault}", standby.ready, standby.detail)
 
     history = RunHistory.load(run.run_dir)
     _fill_from_run(report, summary, history, outcome)

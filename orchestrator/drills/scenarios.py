@@ -33,6 +33,7 @@ from orchestrator.drills.plan import (
     NodeKill,
     Preempt,
     RankKill,
+    ReleaseFaults,
     StoreBack,
     StoreCorrupt,
     StoreLoss,
@@ -423,12 +424,14 @@ class SilentCorruption(Scenario):
     summary = (
         "Flip one bit of a parameter, an optimizer moment or a gradient on one rank (silent data corruption); "
         "the replicas' fingerprints disagree: with a majority and in-place recovery the suspect leaves for a "
-        "spare and the others reload the newest certified checkpoint in place, else the group restarts from it."
+        "spare and the others reload the newest certified checkpoint in place, else the group restarts from it. "
+        "With restarts.spareNodes the flip waits for a ready standby node, which takes the suspect's node."
     )
     proves = (
         "a flipped bit is found within sdc.every steps and its rank named (majority; with two ranks: "
         "deterministic replay), no checkpoint of a disagreeing step is restored, the recovery takes the "
-        "path the decision names (inplace-rollback or restart), and the result is unchanged."
+        "path the decision names (inplace-rollback or restart; with a standby node ready, the suspect's node swapped "
+        "for it, no restart), and the result is unchanged."
     )
     latest_fault = 0.8  # a check (every sdc.every steps, or the final save) must follow the flip
 
@@ -451,10 +454,32 @@ class SilentCorruption(Scenario):
             return "hsdp compares its replicas across nodes: run it on 2+ nodes (--nodes 2)"
         return super().unmet(spec, nodes)
 
+    @staticmethod
+    def _swaps(ctx: DrillContext) -> bool:
+        """A standby node may take the suspect's node (`restarts.spareNodes`, standby agents: not on Ray):
+        the flip then waits for one to be ready, or the suspect's own node's spare would take its rank."""
+        return ctx.standby and ctx.nodes >= 2 and ctx.options.backend != "ray"
+
     def faults(self, ctx: DrillContext) -> list[Fault]:
         # The seed picks where the bit flips: seeds 0, 1, 2 cover the parameter, the moment and the gradient.
         target = BITFLIP_TARGETS[ctx.seed % len(BITFLIP_TARGETS)]
+        if self._swaps(ctx):
+            # From the drawn step on, the flip waits for the drill's gate (opened once a standby is ready: the
+            # `actions`) while the paced job goes on training; it strikes at the first step after the gate.
+            flip = Fault(kind="bitflip", rank=ctx.fault_rank, step=ctx.fault_step, target=target, gated=True)
+            return [*_pace(ctx), flip]
         return [Fault(kind="bitflip", rank=ctx.fault_rank, step=ctx.fault_step, target=target)]
+
+    def actions(self, spec: JobSpec, ctx: DrillContext) -> list[Action]:
+        if not self._swaps(ctx):
+            return []  # the flip is the workers' own, at its step
+        # As kill-node's: the fault lands once a standby is warm (else a same-node spare takes the rank and the
+        # swap goes untested); a job that ends first makes the drill inconclusive (`ActionRunner._await_standby`).
+        return [
+            AwaitStep(ctx.fault_step),
+            AwaitStandby(fault="bit flip", withheld="no bit was flipped"),
+            ReleaseFaults(),
+        ]
 
     def judge(self, report: DrillReport, history: RunHistory, ctx: DrillContext) -> Verdict:
         verdict = Verdict()
@@ -539,6 +564,14 @@ class SilentCorruption(Scenario):
                 if isinstance(node, int)
                 else "a warm spare took the suspect's rank"
             )
+            if SilentCorruption._swaps(ctx):
+                # A standby was ready before the flip (`actions`): the decision must have handed the node to it.
+                want_node = ctx.fault_rank // max(1, ctx.world_size // max(1, ctx.nodes))
+                verdict.check(
+                    f"a standby node took the suspect's node {want_node} (replaced_by standby)",
+                    sdc is not None and sdc.get("replaced_by") == "standby" and node == want_node,
+                    f"replaced_by {sdc.get('replaced_by') if sdc else None}, excluded node {node}",
+                )
             verdict.check(
                 f"{by}, every survivor reloaded the same certified step",
                 sorted(e.rank for e in spares) == replaced

@@ -87,6 +87,11 @@ class RunFiles:
         return self.root / "launch.json"
 
     @property
+    def fault_gate(self) -> Path:
+        """Created by a drill to release the faults that wait for it (`training.faults`, `"gated": true`)."""
+        return self.root / "fault-gate"
+
+    @property
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
 
