@@ -513,6 +513,36 @@ def test_a_process_whose_rank_was_given_to_another_stands_down_instead_of_joinin
     assert int(client.add(settings.join_key(2), 0)) == 0, "it never counted itself in"
 
 
+def test_a_member_told_to_stop_before_it_joins_gives_up_without_a_store_request(store: Any) -> None:
+    """A shutdown signal that arrived before (or while) a member's first requests of `form`: on a machine cut
+    off from the store each request waits out the store's timeout, holding torchrun's SIGTERM that long (the
+    simulator's "stop-while-forming"). `cancelled` is asked before each request: none is sent."""
+    from training.contract import WorkerIdentity
+    from training.inplace.group import InPlaceGroup
+
+    settings = InPlace(
+        store_addr=f"127.0.0.1:{store.port}", run_id="r", restart_count=0, node_rank=0, spares=1, timeout_s=60.0
+    )
+    identity = WorkerIdentity(rank=1, world_size=4, local_rank=1, local_world_size=2, node_rank=0, num_nodes=2)
+    group = InPlaceGroup(settings, identity, "gloo")
+    counting = _CountingStore(group.store)
+    group.store = counting
+    with pytest.raises(RecoveryFailed, match=r"^generation 2: a shutdown signal arrived while forming$"):
+        group.form(2, cancelled=lambda: True)
+    assert counting.calls == 0
+    # Told to stop after its owner's look: it stops before the join (it never counted itself in).
+    asked: list[int] = []
+
+    def stop_at_second_look() -> bool:
+        asked.append(counting.calls)
+        return len(asked) > 1
+
+    with pytest.raises(RecoveryFailed, match="a shutdown signal arrived while forming"):
+        group.form(2, cancelled=stop_at_second_look)
+    assert asked == [0, 1] and counting.calls == 1, "only the owner's look was sent"
+    assert int(settings.connect().add(settings.join_key(2), 0)) == 0
+
+
 def test_a_used_spare_is_replaced_once_the_recovery_has_stepped_unless_a_host_waits(
     store: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

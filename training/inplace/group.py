@@ -223,11 +223,23 @@ class InPlaceGroup:
             RecoveryFailed: not every member joined within the timeout, or `cancelled`.
         """
         rank, world = self.identity.rank, self.identity.world_size
-        owner = self.inplace.read(self.store, self.inplace.owner_key(rank)) if generation > 0 else None
         limit = timeout_s if timeout_s is not None else self.inplace.timeout_s
-        look = FormObservation(generation, world, rank, owner=owner, pid=os.getpid(), limit_s=limit)
+        base = FormObservation(generation, world, rank, pid=os.getpid(), limit_s=limit)
+
+        def give_up_if_cancelled() -> None:
+            # Asked before each of the requests below, not only in the wait: on a machine cut off from the
+            # store each one waits out the store's timeout, and a stopped member's host holds torchrun's
+            # SIGTERM until its trainer exits (the simulator's "stop-while-forming").
+            stop = cancelled is not None and cancelled()
+            if isinstance(decision := decide_form(replace(base, cancelled=stop)), FallBack):
+                raise RecoveryFailed(decision.reason)
+
+        give_up_if_cancelled()
+        owner = self.inplace.read(self.store, self.inplace.owner_key(rank)) if generation > 0 else None
+        look = replace(base, owner=owner)
         if isinstance(decision := decide_form(look), FallBack):
             raise RecoveryFailed(decision.reason)
+        give_up_if_cancelled()
         self.inplace.write(self.store, self.inplace.rank_gen_key(rank), str(generation))
         if generation > 0:
             # The owner's look above and this join are two requests: a standby that took this node in
