@@ -253,7 +253,8 @@ def test_rayjob_head_and_two_workers_train_in_containers_to_the_end(
     at the head Service's name (aardvark-dns), then `ray start --address=<head FQDN>:6379`, and the
     submitter Job's pod (its `submitterPodTemplate`: restricted securityContext, no command, so
     KubeRay's `ray job submit ... ; ray job logs --follow`). Ray finds each node's address on its own
-    (KubeRay passes no `--node-ip-address`): the containers' default route. The driver on the head
+    (KubeRay passes no `--node-ip-address`): with no default route on the internal network, by its
+    fallback to the hostname, which the container's /etc/hosts maps to the pod address. The driver on the head
     runs Ray Train over the two worker containers (gloo across them); the submitter exits 0, the Ray
     job is SUCCEEDED, the head's summary says so, and rank 0's parameters are bit-identical to
     `torchrig run --nodes 2`."""
@@ -285,7 +286,7 @@ def test_rayjob_head_and_two_workers_train_in_containers_to_the_end(
     summary = json.loads((_run_dirs_of(cluster, ray.head.name)[0] / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["ray_auth"] == "token"
     assert summary["world_sizes"] == [4] and summary["params_sha256"] == result["params_sha256"]
-    # Each Ray node advertised its own pod address (what a route towards 8.8.8.8 found), not loopback.
+    # Each Ray node advertised its own pod address (its hostname's, in /etc/hosts), not loopback.
     nodes = cluster.exec(ray.head.name, ["ray", "list", "nodes", "--format", "json"], timeout_s=120)
     ips = sorted(n["node_ip"] for n in json.loads(nodes.stdout)) if nodes.returncode == 0 else nodes.stderr
     assert ips == sorted(s.ip for n, s in cluster.pods.items() if n != ray.submitter.name), ips

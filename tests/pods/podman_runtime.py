@@ -4,15 +4,14 @@
 of what Kubeflow, Trainer/JobSet and KubeRay inject; kubelet.py of what Kubernetes adds) with the same
 interface jobs.py and the tests drive: `start(name, wait=False)` / `tick()` / `poll` / `kill` /
 `recreate` / `exec` / `volume` / `pvc` / `close`, plus `stop(name)`, the kubelet's deletion. What differs
-is how a container runs: `podman create` of the built image (tests/containers/podrun.py turns the pod and
-its template's `spec` into arguments), then `podman start --attach`, whose process ends with the
-container's exit code:
+is how a container runs: `podman run` of the built image (tests/containers/podrun.py turns the pod and
+its template's `spec` into arguments), attached, so the `podman run` process ends with the container's
+exit code:
 
-- one podman network per cluster (netavark, `--internal`: no NAT, no gateway route; `dns_enabled`),
-  each pod with an on-link default route as a pod has one (added to the container's network namespace
-  between `podman init` and `podman start`; Ray routes towards 8.8.8.8 to find its own address; an
-  address off the /24 is never answered by ARP, so nothing leaves the bridge), at a fixed address of
-  its /24 (`--ip`, what `status.podIP` resolves to), its Services' names and
+- one podman network per cluster (netavark, `--internal`: no route off the bridge, not even the default
+  route a pod has; Ray, which finds its node address by routing towards 8.8.8.8, falls back to resolving
+  the hostname, which the container's /etc/hosts maps to the pod address; `dns_enabled`), each
+  pod at a fixed address of its /24 (`--ip`, what `status.podIP` resolves to), its Services' names and
   its own FQDN as `--network-alias`es that the network's aardvark-dns answers (the stand-in for cluster
   DNS, instead of runtime.py's /etc/hosts). A name resolves while its pod's container runs: the
   readiness gate of runtime.py (`publish_not_ready`) is not modelled here;
@@ -53,7 +52,7 @@ NSLOOKUP = Path(__file__).with_name("bin") / "nslookup"
 # This machine's rule, not the image's or an operator's (runtime.py's IMAGE_ENV sets it too): Ray reports
 # no usage stats. A pod's own env, later on the command line, would override it.
 MACHINE_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
-START_FAILED = 125  # `podman start`'s own error (the container could not be started)
+START_FAILED = 125  # `podman run`'s own error (no image, a bad argument, an address in use)
 PT_REPLICA_LABEL = "training.kubeflow.org/replica-type"
 JS_RJOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
 RAY_GROUP_LABEL = "ray.io/group"  # head ("headgroup") and worker pods
@@ -181,54 +180,19 @@ class PodmanCluster(PodCluster):
             aliases=aliases,
         )
         cmd = run.command(self.image, detach=False, remove=True)
-        cmd[1] = "create"  # `podman create`, `init`, the default route, then `start --attach`
         if not main:
             # The init images' nslookup (busybox) is the harness's shim, which asks aardvark-dns.
             cmd[2:2] = ["--volume", f"{NSLOOKUP}:/usr/local/bin/nslookup:ro"]
         cmd[2:2] = [a for k, v in MACHINE_ENV.items() for a in ("--env", f"{k}={v}")]  # the pod's own come later
         if main:
             state.env = build_images.podman_env()  # what the exec probes' `podman exec` runs with
-        self._create_with_default_route(name, cmd)
         log = (state.dir / "logs" / f"{tag}.log").open("wb")
         try:
             return subprocess.Popen(
-                ["podman", "start", "--attach", name],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=build_images.podman_env(),
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=build_images.podman_env()
             )
         finally:
             log.close()
-
-    def _create_with_default_route(self, name: str, create: list[str]) -> None:
-        """Create the container and its network namespace (`podman create` + `podman init`: runc has made
-        it, nothing runs yet) and give it a default route (`nsenter ... ip route add default dev eth0`)
-        before its command starts: a pod has one, and Ray finds its own address by routing towards
-        8.8.8.8 (KubeRay passes no `--node-ip-address`: common/pod.go setMissingRayStartParams). The
-        route is on-link: for an address off the /24 the container asks by ARP for the address itself,
-        which nothing on the bridge answers (checked: 8.8.8.8 stays an incomplete ARP entry, a TCP
-        connect fails with EHOSTUNREACH), so nothing is sent past the bridge; a UDP `connect`, which
-        sends nothing, finds the pod's address. (Without the route Ray 2.60 falls back to resolving the
-        hostname, which the container's /etc/hosts maps to the same address: either way it is found.)"""
-        made = subprocess.run(
-            create, check=False, capture_output=True, text=True, env=build_images.podman_env(), timeout=120
-        )
-        if made.returncode == 0:
-            made = podman("init", name, timeout=120)
-        if made.returncode == 0:
-            made = podman("inspect", "--format", "{{.NetworkSettings.SandboxKey}}", name, timeout=60)
-        if made.returncode == 0:
-            netns = made.stdout.strip()
-            made = subprocess.run(
-                ["nsenter", f"--net={netns}", "ip", "route", "add", "default", "dev", "eth0"],
-                check=False,
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-        if made.returncode != 0:
-            raise RuntimeError(f"podman could not start {name}: {made.args[:3]}: {made.stderr.strip()[-2000:]}")
 
     def _probe_argv(self, state: PodState, spec: dict[str, Any]) -> list[str] | None:
         if state.proc is None or state.proc.poll() is not None:
