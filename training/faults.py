@@ -8,7 +8,9 @@ leaves out the faults of the steps its predecessor had passed):
 - `kill`: SIGKILL of this process (a hard crash: no cleanup, no exception handler runs);
 - `exit`: `os._exit(1)` (a crash with a non-zero exit code);
 - `hang`: the main thread sleeps forever (the watchdog must catch it);
-- `slow`: every step from `step` on takes `seconds` longer (a straggler that sleeps between steps);
+- `slow`: every step from `step` on takes `seconds` longer (a straggler that sleeps between steps); with
+  `"until_gate": true` only until the run directory's fault gate exists (a drill paces a job until the
+  fault it waits to release, `gated` below, and not after);
 - `slow_backward`: from `step` on, the backward pass of every step takes `seconds` longer: the delay
   is a hook on the loss inside autograd, so it comes before any of this rank's gradients (and DDP's
   first bucket) is ready; the other ranks wait for it inside the gradient all-reduce;
@@ -87,6 +89,7 @@ class Fault:
     element: int = 0  # bitflip: the element of that tensor (flattened)
     bit: int = 20  # bitflip: the bit of that element (0: least significant)
     gated: bool = False  # bitflip: from `step` on, wait for the run directory's fault gate (`RunFiles.fault_gate`)
+    until_gate: bool = False  # slow: only until the run directory's fault gate exists
 
 
 def parse_faults(text: str | None) -> list[Fault]:
@@ -114,6 +117,7 @@ def parse_faults(text: str | None) -> list[Fault]:
             set(item)
             - {"kind", "rank", "step", "generation", "seconds"}
             - (_BITFLIP_KEYS if kind == "bitflip" else set())
+            - ({"until_gate"} if kind == "slow" else set())
         )
         if unknown:
             raise ValueError(f"{Env.FAULTS}[{i}]: unknown keys {sorted(unknown)}")
@@ -132,6 +136,7 @@ def parse_faults(text: str | None) -> list[Fault]:
                 element=int(item.get("element", 0)),
                 bit=int(item.get("bit", 20)),
                 gated=_flag(item.get("gated", False), f"{Env.FAULTS}[{i}].gated"),
+                until_gate=_flag(item.get("until_gate", False), f"{Env.FAULTS}[{i}].until_gate"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{Env.FAULTS}[{i}]: bad or missing field: {exc}") from None
@@ -203,6 +208,7 @@ class FaultInjector:
         # one strikes in (`gated_step`); one stat a step while one waits.
         self.gate = gate
         self._due: dict[Fault, int] = {}
+        self._gate_seen = False  # `until_gate` slow faults end for good once it was
 
     @classmethod
     def from_env(
@@ -224,12 +230,18 @@ class FaultInjector:
         """The step `fault` strikes in: its own, or for a gated one the step it was released for (None: not yet)."""
         return self._due.get(fault) if fault.gated else fault.step
 
+    def _gate_open(self) -> bool:
+        """Whether the fault gate exists (once seen, it stays open: the drill never removes it)."""
+        if not self._gate_seen and self.gate is not None:
+            self._gate_seen = self.gate.exists()
+        return self._gate_seen
+
     def _release(self, completed: int) -> None:
         """Release the gated faults that wait, once step `completed` is done, if the gate is open."""
         waiting = [f for f in self.faults if f.gated and f not in self._due]
         if not waiting:
             return
-        gate_open = self.gate is not None and self.gate.exists()
+        gate_open = self._gate_open()
         for fault in waiting:
             if (due := gated_step(fault, completed, gate_open)) is not None:
                 self._due[fault] = due
@@ -283,6 +295,8 @@ class FaultInjector:
         """Extra seconds a `slow` fault adds to `step` (events are written once, when it starts)."""
         delay = 0.0
         for fault in self.faults:
+            if fault.kind == "slow" and fault.until_gate and self._gate_open():
+                continue
             if fault.kind == "slow" and step >= fault.step:
                 if fault not in self._fired:
                     self._fired.add(fault)

@@ -265,8 +265,9 @@ def fault_dicts(faults: Sequence[Fault]) -> list[dict[str, Any]]:
         if fault.kind != "bitflip":  # where a bitflip strikes; no other kind takes these keys
             for key in ("target", "tensor", "element", "bit"):
                 del entry[key]
-        if not fault.gated:
-            del entry["gated"]
+        for key in ("gated", "until_gate"):  # only where set
+            if not entry[key]:
+                del entry[key]
         entries.append(entry)
     return entries
 

@@ -9,6 +9,7 @@ and the outside actions to carry out on the running job (kill a node, damage a s
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 from typing import Any, ClassVar
@@ -466,8 +467,9 @@ class SilentCorruption(Scenario):
         if self._swaps(ctx):
             # From the drawn step on, the flip waits for the drill's gate (opened once a standby is ready: the
             # `actions`) while the paced job goes on training; it strikes at the first step after the gate.
+            # The pace ends there too: what follows the flip need not outlast anything.
             flip = Fault(kind="bitflip", rank=ctx.fault_rank, step=ctx.fault_step, target=target, gated=True)
-            return [*_pace(ctx), flip]
+            return [*(dataclasses.replace(f, until_gate=True) for f in _pace(ctx)), flip]
         return [Fault(kind="bitflip", rank=ctx.fault_rank, step=ctx.fault_step, target=target)]
 
     def actions(self, spec: JobSpec, ctx: DrillContext) -> list[Action]:

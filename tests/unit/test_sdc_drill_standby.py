@@ -68,6 +68,18 @@ def test_gated_parses_on_a_bitflip_only_and_a_bad_value_names_the_field() -> Non
         parse_faults('[{"kind": "bitflip", "step": 7, "gated": "yes"}]')
     with pytest.raises(ValueError, match="unknown keys"):
         parse_faults('[{"kind": "kill", "step": 7, "gated": true}]')
+    (pace,) = parse_faults('[{"kind": "slow", "rank": -1, "step": 1, "seconds": 0.1, "until_gate": true}]')
+    assert pace.until_gate
+    with pytest.raises(ValueError, match="unknown keys"):
+        parse_faults('[{"kind": "bitflip", "step": 7, "until_gate": true}]')
+
+
+def test_a_pace_until_the_gate_ends_once_the_gate_exists(tmp_path: Path) -> None:
+    faults = parse_faults('[{"kind": "slow", "rank": -1, "step": 2, "seconds": 0.1, "until_gate": true}]')
+    injector = FaultInjector(faults, rank=3, generation=0, events=Recorder(), gate=RunFiles(tmp_path).fault_gate)
+    assert [injector.step_delay(s) for s in (1, 2, 3)] == [0.0, 0.1, 0.1]
+    RunFiles(tmp_path).fault_gate.touch()
+    assert [injector.step_delay(s) for s in (4, 5)] == [0.0, 0.0]
 
 
 @pytest.mark.parametrize("target", ["param", "grad"])
@@ -121,7 +133,7 @@ def test_with_a_standby_node_the_paced_flip_waits_for_the_gate_opened_once_a_sta
     spec = load_spec(REPO / "examples" / "digits-ddp.yaml", STANDBY)
     plan = SilentCorruption().plan(spec, _ctx())
     pace, flip = plan.faults
-    assert pace.kind == "slow" and pace.rank == -1 and pace.seconds == DrillOptions().pace_s
+    assert pace.kind == "slow" and pace.rank == -1 and pace.seconds == DrillOptions().pace_s and pace.until_gate
     assert (flip.kind, flip.rank, flip.step, flip.gated) == ("bitflip", 2, 13, True)
     assert plan.actions == (AwaitStep(13), AwaitStandby("bit flip", "no bit was flipped"), ReleaseFaults())
     assert (plan.fault_step, plan.fault_rank) == (13, 2)
