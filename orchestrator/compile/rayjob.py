@@ -204,7 +204,9 @@ def compile_rayjob(spec: JobSpec, *, fixed_size: bool = False) -> list[dict[str,
     ]
     head = {
         # num-cpus 0: no training worker lands on the head, so losing a worker never takes the driver.
-        "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0"},
+        # disable-usage-stats: the head decides for the cluster; off, as `--target raycluster` has it (KubeRay
+        # turns "true" into the bare flag, common/pod.go convertParamMap).
+        "rayStartParams": {"dashboard-host": "0.0.0.0", "disable-usage-stats": "true", "num-cpus": "0"},
         "template": _pod(spec, "head", _container(spec, "ray-head", image, head_res, head_ports), needs_api=elastic),
     }
     min_nodes = s.nodes.min if elastic else s.nodes.max

@@ -240,6 +240,17 @@ def test_rayjob_shape() -> None:
         assert "/etc/torchrig" in mounts
 
 
+def test_rayjob_head_starts_ray_with_usage_stats_off() -> None:
+    """As `--target raycluster` does: the head decides for the cluster, and KubeRay turns a "true" into the
+    bare flag (common/pod.go convertParamMap), which tests/pods' KubeRay model renders the same way."""
+    from tests.pods.operators import _ray_start
+
+    job = by_kind(compile(spec("digits-ddp"), "rayjob"), "RayJob")
+    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]
+    assert head["rayStartParams"]["disable-usage-stats"] == "true"
+    assert " --disable-usage-stats " in _ray_start("head", head["rayStartParams"], container(head["template"]), None)
+
+
 def test_rayjob_turns_on_ray_token_authentication() -> None:
     """Issue 13 point 11: the Jobs API and Ray Client of the RayJob's head need KubeRay's token."""
     for fixed_size in (False, True):
