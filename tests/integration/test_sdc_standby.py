@@ -112,6 +112,11 @@ def test_a_standby_takes_a_signed_handover_once_and_ignores_a_forged_one() -> No
     assert second.handover() is None, "no node of the round"
 
 
+# In `make soak`, not `make test`: three paced 400-step jobs (3-4 minutes on 2 cores) for what the sdc drill
+# with a standby node already proves in `make test` (tests/integration/test_sdc_drill_standby.py: the swap,
+# the standby's spares in the suspect node's ranks, certified rollback, 0 restarts, bit-identical); this one
+# adds the same-node spare beside it and both MTTRs, for docs/drills.md's comparison.
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(int(3 * RUN_TIMEOUT_S + 120))
 def test_a_suspect_node_is_swapped_for_a_standby_and_the_job_ends_bit_identical(tmp_path: Path) -> None:
