@@ -78,6 +78,7 @@ from training.inplace.protocol import (
     decide_sdc,
     decide_spare,
     decide_standby,
+    gives_back_lost,
     next_state,
 )
 
@@ -156,14 +157,7 @@ class KnownDefect(Violation):
         self.name = name
 
 
-KNOWN_DEFECTS = {
-    "lost-killed": (
-        "a host killed (SIGKILL, its machine lost) while it counts its rank lost cannot give the count back; "
-        "the mark (`InPlace.rank_lost_key`) is taken back only when another host of that rank recovers it. A "
-        "standby that took a node only cut off from the store, then lost its own machine, leaves the count "
-        "above 0 while the node's own trainers train on: every pool then starts a spare only once a host waits"
-    ),
-}
+KNOWN_DEFECTS: dict[str, str] = {}
 
 
 @dataclass
@@ -310,6 +304,8 @@ class Host:
     replaced: int | None = None  # a promoted standby host: the host that held its rank before
     counted: bool = False  # it counted its rank lost (`lost` + 1) and has not taken it back
     blind: bool = False  # at its last look the store could not tell it whether its trainer stepped or finished
+    lost_look_at: float = TIMEOUT_S  # when it next looks at its rank's lost mark (`gives_back_lost`)
+    stepped_pid: int = 0  # the trainer it saw stepped at such a look
 
 
 @dataclass
@@ -365,6 +361,7 @@ class Sim:
         self.standbys: list[StandbyNode] = []
         self.new_round = False  # torchrun's agents met in a new rendezvous round (after `ending`)
         self.giving_back: list[tuple[Host, float]] = []  # exited standby hosts still giving a count back
+        self.lost_since: float | None = None  # every rank trains since then, with a lost count above 0
         nproc = world.nproc
         for rank in range(self.world):
             node = rank // nproc
@@ -643,6 +640,22 @@ class Sim:
             self.ending = f"group restart ({code})"
 
     def _settled(self) -> bool:
+        if not self._training():
+            self.lost_since = None
+            return False
+        if self.store.counters.get("lost", 0) != 0:
+            # Every rank trains: a count its holder did not give back is given back at a look of the host
+            # whose trainer trains (`gives_back_lost`, `TIMEOUT_S` apart; one may hang on a cut that long).
+            self.lost_since = self.t if self.lost_since is None else self.lost_since
+            if self.t - self.lost_since > TIMEOUT_S + OP_TIMEOUT_S + DT:
+                marks = [self.store.read_free(f"rank{r}/lost") for r in range(self.world)]
+                count = self.store.counters.get("lost")
+                raise Violation(f"every rank trains again, but the lost count is {count}: {marks}")
+            return False
+        return True
+
+    def _training(self) -> bool:
+        """Whether every rank trains at full size in the newest generation, its holder alone holding it."""
         if self.finishing is not None or self.giving_back:
             return False
         newest = self.newest()
@@ -657,12 +670,6 @@ class Sim:
                 return False
             if proc.survivor is not None or proc.gen != newest or not proc.stepped:
                 return False
-        if self.store.counters.get("lost", 0) != 0:
-            marks = [self.store.read_free(f"rank{r}/lost") for r in range(self.world)]
-            dead = {f"host{i}" for i, h in enumerate(self.hosts) if not h.alive}
-            if any(mark in dead for mark in marks):
-                raise KnownDefect("lost-killed", f"the lost count is {self.store.counters.get('lost')}: {marks}")
-            raise Violation(f"every rank trains again, but the lost count is {self.store.counters.get('lost')}")
         return True
 
     def _finish_run(self) -> None:
@@ -968,6 +975,8 @@ class Sim:
     # -- hosts ----------------------------------------------------------------------------------
     def _step_host(self, index: int, host: Host) -> None:
         if host.state is HostState.TRAINING and not host.pool and not host.stopping and self.procs[host.pid].alive:
+            if self.t >= host.lost_look_at:  # now and then, its rank's lost mark
+                self._look(host, lambda: self._lost_look(host))
             return  # it sees nothing but a running trainer: `decide_host` says Wait
         talks = host.pool or host.state not in (HostState.TRAINING, HostState.STOPPING)
         # Once stopping, only the trainer's own exit code is awaited: no request (`run_host`'s `asks`).
@@ -987,6 +996,8 @@ class Sim:
                 except StoreDown:  # `run_host`: tried again later (the claim loop's own ticks go on)
                     host.pool_after = self.t + (0.0 if host.state is HostState.CLAIMING else POOL_RETRY_S)
         proc = self.procs[host.pid]
+        if host.state is HostState.TRAINING and proc.alive and not host.stopping and self.t >= host.lost_look_at:
+            self._lost_look(host)
         if host.state is HostState.CLAIMING:
             self._claim(index, host)
             return
@@ -1040,6 +1051,18 @@ class Sim:
             self._exited(index, host, handed_over=isinstance(decision, HandOver))
         else:
             assert isinstance(decision, (Wait, Stop)), decision
+
+    def _lost_look(self, host: Host) -> None:
+        """`run_host`'s look at its rank's lost count, `TIMEOUT_S` apart while its trainer trains: the trainer's
+        step (until seen), then the mark given back as `gives_back_lost` says."""
+        host.lost_look_at = self.t + TIMEOUT_S
+        proc = self.procs[host.pid]
+        with contextlib.suppress(StoreDown):
+            if host.stepped_pid != proc.pid and self.store.read(f"stepped/{proc.pid}") is not None:
+                host.stepped_pid = proc.pid
+            seen = HostObservation(stepped=host.stepped_pid == proc.pid, stopping=host.stopping)
+            if gives_back_lost(host.state, seen):
+                self._uncount_lost(host)
 
     def _count_lost(self, index: int, host: Host) -> None:
         """`host._count_lost`: the rank's mark (compare-and-set), and the count only by the host that set it;
@@ -1543,13 +1566,26 @@ def test_a_member_cut_off_while_forming_ends_within_the_stop_grace() -> None:
     assert simulate(World(1, 2, 1, 4), faults, strict=True) == "permanent (2)"
 
 
-@pytest.mark.xfail(raises=Violation, strict=True, reason="a known defect (KNOWN_DEFECTS) of the real code")
 def test_a_standby_host_killed_while_it_counts_a_rank_lost_leaves_no_count_behind() -> None:
-    """Known defect "lost-killed": standby 1 takes node 0, only cut off from the store (store only), and counts
-    rank 0 lost; then standby 1's own machine is lost. Its host cannot give the count back, node 0's own
-    trainer trains on, and no other host of rank 0 recovers it: the count stays 1."""
+    """Once the known defect "lost-killed": standby 1 takes node 0, only cut off from the store (store only), and
+    counts rank 0 lost; then standby 1's own machine is lost. Its host could not give the count back, node 0's
+    own trainer trained on, and no other host of rank 0 recovered it: the count stayed 1. Now the host whose
+    trainer trains gives its rank's count back at its next look at it (`protocol.gives_back_lost`)."""
     faults = [Fault(8, "kill_spare", 452), Fault(13, "partition", 325), Fault(26, "kill_node", 889)]
-    simulate(World(3, 1, 0, 5, standbys=2), faults, strict=True)
+    sim = Sim(World(3, 1, 0, 5, standbys=2), faults)
+    assert sim.run() == "resumed in generation 0"
+    assert sim.store.counters.get("lost") == 0 and sim.store.read_free("rank0/lost") is None
+    assert not sim.hosts[4].alive and sim.current(0).pid == sim.hosts[0].first_pid  # node 0's own trainer
+
+
+def test_only_a_host_whose_trainer_stepped_and_trains_gives_its_ranks_lost_count_back() -> None:
+    trains = HostObservation(stepped=True)
+    assert gives_back_lost(HostState.TRAINING, trains)
+    assert not gives_back_lost(HostState.TRAINING, HostObservation())  # not stepped yet: no evidence
+    assert not gives_back_lost(HostState.TRAINING, HostObservation(exit_code=KILLED, stepped=True))
+    assert not gives_back_lost(HostState.TRAINING, HostObservation(stepped=True, stopping=True))
+    for state in (HostState.CLAIMING, HostState.WATCHING_SPARE, HostState.STANDING_BY, HostState.STOPPING):
+        assert not gives_back_lost(state, trains), state  # a recovery of its own gives it back when it ends
 
 
 def test_a_replica_disagreement_with_a_majority_rolls_back_in_place_with_a_spare_in_the_suspects_rank() -> None:

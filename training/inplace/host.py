@@ -63,6 +63,7 @@ from training.inplace.protocol import (
     Stop,
     Wait,
     decide_host,
+    gives_back_lost,
     next_state,
 )
 
@@ -578,6 +579,9 @@ def run_host(
     pool = SparePool(inplace, store, command, argv, current.pid, first_index=first_index) if local_rank == 0 else None
     beat = _Beat(inplace, store) if local_rank == 0 else None  # one beat per node (`InPlace.beat_key`)
     next_tick = 0.0
+    # Its rank's lost count is looked at now and then (`gives_back_lost`): one a host killed while it counted
+    # the rank is given back by the host whose trainer trains. `stepped_pid`: the trainer seen stepped.
+    next_lost_look, stepped_pid = time.monotonic() + inplace.timeout_s, 0
     try:
         while True:
             if beat is not None:
@@ -603,6 +607,12 @@ def run_host(
             seen = HostObservation(
                 exit_code=code, stepped=stepped, finished=finished, stopping=stopping, handed_over=handed
             )
+            if state is HostState.TRAINING and code is None and not stopping and time.monotonic() >= next_lost_look:
+                next_lost_look = time.monotonic() + inplace.timeout_s
+                if stepped_pid != current.pid and _stepped(store, inplace, current.pid):
+                    stepped_pid = current.pid
+                if gives_back_lost(state, replace(seen, stepped=stepped_pid == current.pid)):
+                    counted = counted and not _uncount_lost(store, inplace, rank)
             decision = decide_host(state, seen)
             if isinstance(decision, ClaimSpare):
                 if not counted:  # a replacement not yet stepped is counted lost already

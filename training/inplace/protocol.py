@@ -72,6 +72,7 @@ __all__ = [
     "decide_sdc",
     "decide_spare",
     "decide_standby",
+    "gives_back_lost",
     "mermaid",
     "next_state",
 ]
@@ -583,6 +584,17 @@ def decide_host(state: HostState, seen: HostObservation) -> Decision:
         # so the group restarts (bounded by restarts.max).
         return FallBack(f"the trainer exited {seen.exit_code} before completing a step")
     return ClaimSpare()
+
+
+def gives_back_lost(state: HostState, seen: HostObservation) -> bool:
+    """Whether a host takes its rank out of the lost count (`InPlace.lost_key`, once per rank: the mark
+    `InPlace.rank_lost_key`), whoever counted it: its own trainer completed a step and runs, so the rank
+    has a trainer (what the count says it lacks). The host that counted a rank gives it back when it ends
+    or recovers it; one killed first (a standby's, its machine lost after it took a node that was only cut
+    off from the store) cannot, and the node's own trainer trains on: its host, looking at the mark now and
+    then (`restarts.inPlaceTimeoutSeconds` apart), gives the count back. A recovery of the rank still under
+    way then counts one rank fewer until it ends (its own give-back finds no mark and takes nothing)."""
+    return state is HostState.TRAINING and seen.exit_code is None and seen.stepped and not seen.stopping
 
 
 def decide_sdc(seen: SdcObservation) -> Decision:
