@@ -543,6 +543,31 @@ def test_a_member_told_to_stop_before_it_joins_gives_up_without_a_store_request(
     assert int(settings.connect().add(settings.join_key(2), 0)) == 0
 
 
+def test_a_training_host_gives_back_its_ranks_lost_count_that_a_killed_host_took(store: Any) -> None:
+    """A standby's host counted rank 1 lost (its mark, the count) and was killed with its machine; rank 1's own
+    trainer trains on. Its host's look (`_look_at_lost`) gives the count back once the trainer has stepped,
+    once only; a host whose trainer has not stepped, or that is recovering its rank, leaves it."""
+    from training.inplace.host import _count_lost, _look_at_lost
+    from training.inplace.protocol import HostObservation, HostState
+
+    settings = InPlace(
+        store_addr=f"127.0.0.1:{store.port}", run_id="r", restart_count=0, node_rank=0, spares=1, timeout_s=60.0
+    )
+    client, trainer = settings.connect(), 4242
+    assert _count_lost(client, settings, 1)  # the standby host's count (its pid signs the mark)
+    training = HostObservation()
+    assert _look_at_lost(client, settings, 1, HostState.TRAINING, training, trainer, 0) == (0, False)
+    assert int(client.add(settings.lost_key, 0)) == 1, "its trainer has not stepped: no evidence yet"
+    settings.write(client, settings.stepped_key(trainer), "1")
+    watching = HostState.WATCHING_SPARE
+    assert _look_at_lost(client, settings, 1, watching, training, trainer, 0) == (trainer, False)
+    assert int(client.add(settings.lost_key, 0)) == 1, "a recovery of its own gives it back when it ends"
+    assert _look_at_lost(client, settings, 1, HostState.TRAINING, training, trainer, trainer) == (trainer, True)
+    assert int(client.add(settings.lost_key, 0)) == 0 and not client.check([settings.rank_lost_key(1)])
+    assert _look_at_lost(client, settings, 1, HostState.TRAINING, training, trainer, trainer) == (trainer, True)
+    assert int(client.add(settings.lost_key, 0)) == 0, "given back once"
+
+
 def test_a_used_spare_is_replaced_once_the_recovery_has_stepped_unless_a_host_waits(
     store: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

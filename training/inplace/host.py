@@ -481,6 +481,19 @@ def _uncount_lost(store: Any, inplace: InPlace, rank: int) -> bool:
     return True
 
 
+def _look_at_lost(
+    store: Any, inplace: InPlace, rank: int, state: HostState, seen: HostObservation, pid: int, stepped_pid: int
+) -> tuple[int, bool]:
+    """A training host's look at its rank's lost count (`gives_back_lost`): whether trainer `pid` stepped (read
+    until seen once: `stepped_pid`), then the count given back if the policy says so. Returns the trainer seen
+    stepped and whether the count is out now (given back by this look)."""
+    if stepped_pid != pid and _stepped(store, inplace, pid):
+        stepped_pid = pid
+    if gives_back_lost(state, replace(seen, stepped=stepped_pid == pid)):
+        return stepped_pid, _uncount_lost(store, inplace, rank)
+    return stepped_pid, False
+
+
 def _stepped(store: Any, inplace: InPlace, pid: int) -> bool:
     return _marked(store, inplace, inplace.stepped_key(pid))
 
@@ -609,10 +622,8 @@ def run_host(
             )
             if state is HostState.TRAINING and code is None and not stopping and time.monotonic() >= next_lost_look:
                 next_lost_look = time.monotonic() + inplace.timeout_s
-                if stepped_pid != current.pid and _stepped(store, inplace, current.pid):
-                    stepped_pid = current.pid
-                if gives_back_lost(state, replace(seen, stepped=stepped_pid == current.pid)):
-                    counted = counted and not _uncount_lost(store, inplace, rank)
+                stepped_pid, given_back = _look_at_lost(store, inplace, rank, state, seen, current.pid, stepped_pid)
+                counted = counted and not given_back
             decision = decide_host(state, seen)
             if isinstance(decision, ClaimSpare):
                 if not counted:  # a replacement not yet stepped is counted lost already
