@@ -220,7 +220,7 @@ def _required_paths(model: type[BaseModel]) -> set[str]:
 def values_document() -> dict[str, Any]:
     """The default job of values.yaml, resolved (every default of the model)."""
     spec = JobSpec.model_validate(DEFAULT_JOB)
-    return spec.to_yaml_dict(every_default=True)
+    return spec.to_yaml_dict()
 
 
 def values_yaml() -> str:

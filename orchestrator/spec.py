@@ -301,9 +301,6 @@ class ResourcesConfig(Model):
 class KubernetesConfig(Model):
     """Kubernetes placement and policy; ignored by the local and Ray backends."""
 
-    # A RayJob's cluster TTL is the spec's only where it sets one (`compile.rayjob.cluster_ttl_seconds`).
-    written_only_where_set = frozenset({"ttl_seconds_after_finished"})
-
     target: SubmitTarget = Field(
         default=DEFAULT_TARGET,
         description="What `torchrig submit` creates: a Kubeflow PyTorchJob (v1, elastic) or a Trainer v2 TrainJob.",

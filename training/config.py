@@ -190,9 +190,6 @@ class TrainingConfig(Model):
 class RestartsConfig(Model):
     """Failure handling: how often the group restarts and when a silent rank counts as hung."""
 
-    # The spec warns when these are set with hangDetection fixed (`orchestrator.spec`): set-ness matters.
-    written_only_where_set = frozenset({"hang_multiplier", "hang_floor_seconds", "hang_warmup_steps"})
-
     max: int = Field(default=3, ge=0, description="Restarts of the worker group before the job fails.")
     step_timeout_seconds: float = Field(
         default=600.0,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import types
 import typing
-from typing import Any, ClassVar
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 from pydantic.alias_generators import to_camel
@@ -50,45 +50,32 @@ class Model(BaseModel):
                 raise ValueError(f"expected a number, got the boolean {str(value).lower()}")
         return value
 
-    # Fields whose meaning depends on whether the spec set them (`model_fields_set`), not only on their value:
-    # the resolved job file writes them only where set, so that reading it back keeps the difference (a
-    # RayJob's cluster TTL is 600 s unless the spec sets one; the default, 86,400 s, written out, would set it).
-    written_only_where_set: ClassVar[frozenset[str]] = frozenset()
-
-    def to_yaml_dict(self, *, every_default: bool = False) -> dict[str, Any]:
+    def to_yaml_dict(self) -> dict[str, Any]:
         """The model as the YAML a user would write: camelCase keys, and a null only where it means something.
 
         A null is left out where the field defaults to null anyway, and written where the default is not
         (`gradClip: null`, no clipping, against a default of 1.0): the resolved job file is read back by the
-        workers and by torchrig itself, and a dropped null would come back as the default. A field of
-        `written_only_where_set` is left out unless the spec set it, or `every_default` asks for it (the
-        chart's values.yaml documents every default).
+        workers and by torchrig itself, and a dropped null would come back as the default.
         """
-        return _drop_default_nulls(self, self.model_dump(mode="json", by_alias=True), every_default)
+        return _drop_default_nulls(self, self.model_dump(mode="json", by_alias=True))
 
 
-def _drop_default_nulls(model: BaseModel, data: dict[str, Any], every_default: bool = False) -> dict[str, Any]:
-    """`data` (`model` dumped by alias) without the nulls of fields whose default is null, recursively, and
-    (unless `every_default`) without the unset fields of `written_only_where_set`."""
-    unset: frozenset[str] = frozenset()
-    if not every_default:
-        unset = getattr(model, "written_only_where_set", frozenset()) - model.model_fields_set
+def _drop_default_nulls(model: BaseModel, data: dict[str, Any]) -> dict[str, Any]:
+    """`data` (`model` dumped by alias) without the nulls of fields whose default is null, recursively."""
     for name, info in type(model).model_fields.items():
         key = info.alias or name
         value = getattr(model, name)
-        if name in unset:
-            del data[key]
-        elif value is None:
+        if value is None:
             if not info.is_required() and info.get_default(call_default_factory=True) is None:
                 del data[key]
         elif isinstance(value, BaseModel):
-            _drop_default_nulls(value, data[key], every_default)
+            _drop_default_nulls(value, data[key])
         elif isinstance(value, (list, tuple)):
             for item, dumped in zip(value, data[key], strict=True):
                 if isinstance(item, BaseModel):
-                    _drop_default_nulls(item, dumped, every_default)
+                    _drop_default_nulls(item, dumped)
         elif isinstance(value, dict):
             for item_key, item in value.items():
                 if isinstance(item, BaseModel):
-                    _drop_default_nulls(item, data[key][item_key], every_default)
+                    _drop_default_nulls(item, data[key][item_key])
     return data

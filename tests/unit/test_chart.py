@@ -62,9 +62,7 @@ def job_part(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def resolved(doc: dict[str, Any]) -> dict[str, Any]:
-    # Every value (values.yaml sets the fields whose set-ness matters, e.g. a RayJob's TTL, which the chart
-    # does not render; a job file that omits them leaves them unset: equal values, a different set).
-    return JobSpec.model_validate(doc).to_yaml_dict(every_default=True)
+    return JobSpec.model_validate(doc).to_yaml_dict()
 
 
 # -- values.yaml --------------------------------------------------------------------------------------
