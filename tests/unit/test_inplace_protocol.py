@@ -548,3 +548,29 @@ def test_a_promoted_spares_exit_code_unreadable_from_a_failed_store_counts_as_a_
     store.refuse = True
     gone = host._Promoted(2**22 + 1, store, inplace)  # above Linux's largest pid: no such process
     assert gone.poll() == 128 + 9
+
+
+class _CountingStore:
+    """`add` as c10d's store has it (a missing key counts from 0)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, int] = {}
+
+    def add(self, key: str, amount: int) -> int:
+        self.values[key] = self.values.get(key, 0) + amount
+        return self.values[key]
+
+
+def test_every_rank_lost_stays_seen_after_the_host_that_saw_it_gives_its_count_back() -> None:
+    """All 4 trainers died at once and rank 1's host had claimed the node's one spare: rank 0's host saw
+    the count at 4, fell back and, ending, gave its count back (3). Ranks 2 and 3, looking after that, must
+    still fall back at once instead of waiting `inPlaceTimeoutSeconds` for a spare (a CI run hung there)."""
+    from training.inplace.host import every_rank_lost_in
+
+    store = _CountingStore()
+    store.add("lost", 3)
+    assert not every_rank_lost_in(store, "lost", "all-lost", 4)  # rank 3 still trains
+    store.add("lost", 1)
+    assert every_rank_lost_in(store, "lost", "all-lost", 4)
+    store.add("lost", -1)  # the host that saw it ends and gives its rank back
+    assert every_rank_lost_in(store, "lost", "all-lost", 4)

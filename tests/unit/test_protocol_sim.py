@@ -43,6 +43,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from training.contract import ExitCode, is_retryable
+from training.inplace.host import every_rank_lost_in
 from training.inplace.protocol import (
     HOST_TRANSITIONS,
     SPARE_TRANSITIONS,
@@ -1129,7 +1130,7 @@ class Sim:
                         taken = (spare, int(pid))
                         break
             if taken is None:
-                every_rank_lost = self.store.add("lost", 0) >= self.world
+                every_rank_lost = every_rank_lost_in(self.store, "lost", "all-lost", self.world)
         except StoreDown as exc:
             store_failed = str(exc)
         seen = HostObservation(

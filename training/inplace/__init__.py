@@ -237,6 +237,13 @@ class InPlace:
         the world size nobody holds the state any more: waiting for spares is pointless."""
         return "lost"
 
+    @property
+    def all_lost_key(self) -> str:
+        """Set once a host saw `lost_key` at the world size (`host.every_rank_lost`): a latch, because the
+        host that saw it falls back and gives its count back as it ends, and a host that looks after that
+        must still see every rank lost (it waited out `restarts.inPlaceTimeoutSeconds` for a spare instead)."""
+        return "all-lost"
+
     @staticmethod
     def rank_lost_key(rank: int) -> str:
         """Set (compare-and-set, signed with the pid of the host that set it) while `rank` is counted in

@@ -346,9 +346,18 @@ def _take_ready_spare(inplace: InPlace, store: Any, rank: int) -> tuple[int, int
 
 
 def every_rank_lost(inplace: InPlace, store: Any) -> bool:
-    """Whether every rank has lost its trainer (`InPlace.lost_key`): no survivor holds the state."""
+    """Whether every rank has lost its trainer (`InPlace.lost_key`): no survivor holds the state. Once seen
+    it stays seen (`InPlace.all_lost_key`): the host that saw it gives its count back as it falls back."""
     world_size = int(os.environ.get(Env.WORLD_SIZE, "0") or 0)
-    return world_size > 0 and int(store.add(inplace.lost_key, 0)) >= world_size
+    return world_size > 0 and every_rank_lost_in(store, inplace.lost_key, inplace.all_lost_key, world_size)
+
+
+def every_rank_lost_in(store: Any, lost_key: str, all_lost_key: str, world_size: int) -> bool:
+    """The lost count at `world_size` now, or seen there before (the latch `all_lost_key`, set here)."""
+    if int(store.add(lost_key, 0)) >= world_size:
+        store.add(all_lost_key, 1)
+        return True
+    return int(store.add(all_lost_key, 0)) > 0
 
 
 def claim_spare(
