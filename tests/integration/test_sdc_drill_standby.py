@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.drills import DrillOptions, run_drill
-from orchestrator.loader import load_spec
-from tests.fixtures.common import REPO, free_port
+from tests.fixtures.common import free_port
+from tests.integration.test_sdc_standby import sdc_standby_spec
 from training.contract import EventKind, RunFiles, Summary, read_events
 
 RUN_TIMEOUT_S = 300.0
@@ -23,22 +23,7 @@ PACE_S = 0.2  # until the flip: up to 60 s of paced steps (a standby was warm af
 @pytest.mark.slow
 @pytest.mark.timeout(int(2 * RUN_TIMEOUT_S + 120))
 def test_the_sdc_drill_with_a_standby_node_swaps_the_suspects_node(tmp_path: Path) -> None:
-    spec = load_spec(
-        REPO / "examples" / "digits-ddp.yaml",
-        [
-            f"spec.training.steps={STEPS}",
-            "spec.checkpoint.every.steps=10",
-            "spec.training.evalAtEnd=false",
-            "spec.training.lrSchedule.warmupSteps=2",
-            "spec.metrics.logEvery=10",
-            "spec.nodes.min=2",
-            "spec.nodes.max=2",
-            "spec.procsPerNode=2",
-            "spec.sdc.every=5",
-            "spec.restarts.spareNodes=1",
-            f"spec.metrics.port={free_port()}",
-        ],
-    )
+    spec = sdc_standby_spec(1, free_port(), STEPS)
     options = DrillOptions(
         seed=0, nodes=2, at_step=13, rank=2, pace_s=PACE_S, drill_dir=str(tmp_path / "sdc"), timeout_s=RUN_TIMEOUT_S
     )

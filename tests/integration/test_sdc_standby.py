@@ -34,11 +34,12 @@ FLIP = {"kind": "bitflip", "rank": 2, "step": FLIP_STEP, "target": "param", "ten
 PACE = {"kind": "slow", "rank": -1, "generation": -1, "step": 1, "seconds": PACE_S}
 
 
-def _spec(spare_nodes: int, port: int) -> JobSpec:
+def sdc_standby_spec(spare_nodes: int, port: int, steps: int = STEPS) -> JobSpec:
+    """Digits on 2 nodes x 2 ranks, a replica check every 5 steps, `spare_nodes` standby nodes."""
     return load_spec(
         REPO / "examples" / "digits-ddp.yaml",
         [
-            f"spec.training.steps={STEPS}",
+            f"spec.training.steps={steps}",
             "spec.checkpoint.every.steps=10",
             "spec.training.evalAtEnd=false",
             "spec.training.lrSchedule.warmupSteps=2",
@@ -121,10 +122,10 @@ def test_a_standby_takes_a_signed_handover_once_and_ignores_a_forged_one() -> No
 @pytest.mark.timeout(int(3 * RUN_TIMEOUT_S + 120))
 def test_a_suspect_node_is_swapped_for_a_standby_and_the_job_ends_bit_identical(tmp_path: Path) -> None:
     port = free_port()
-    reference = _run(_spec(0, port), tmp_path / "reference", [])
+    reference = _run(sdc_standby_spec(0, port), tmp_path / "reference", [])
     assert reference.status == "succeeded", reference.reason
 
-    swapped = _run(_spec(1, port), tmp_path / "swapped", [PACE, FLIP])
+    swapped = _run(sdc_standby_spec(1, port), tmp_path / "swapped", [PACE, FLIP])
     assert swapped.status == "succeeded", swapped.reason
     assert swapped.params_sha256 == reference.params_sha256, "the end is bit-identical to the uninterrupted run"
     assert swapped.restarts == 0, "no group restart: the swap and the rollback ran in place"
@@ -150,7 +151,7 @@ def test_a_suspect_node_is_swapped_for_a_standby_and_the_job_ends_bit_identical(
     assert "a standby node takes this node's ranks (an SDC suspect's node); this host leaves" in node1_log
     assert "takes its place" not in node1_log, "no spare of the suspect node took a rank"
 
-    same_node = _run(_spec(0, port), tmp_path / "same-node", [PACE, FLIP])
+    same_node = _run(sdc_standby_spec(0, port), tmp_path / "same-node", [PACE, FLIP])
     assert same_node.status == "succeeded", same_node.reason
     assert same_node.params_sha256 == reference.params_sha256 and same_node.restarts == 0
     (alone,) = [e for e in read_events(RunFiles(str(tmp_path / "same-node")).events) if e.kind == EventKind.SDC]
