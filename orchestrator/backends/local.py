@@ -52,6 +52,11 @@ class LocalBackend(Backend):
             raise SpecError("--nodes: must be at least 1")
         if nodes > spec.spec.nodes.max:
             raise SpecError(f"--nodes: {nodes} exceeds spec.nodes.max ({spec.spec.nodes.max})")
+        if nodes < spec.spec.nodes.min:
+            raise SpecError(
+                f"--nodes: {nodes} is below spec.nodes.min ({spec.spec.nodes.min}): the rendezvous would wait for "
+                "nodes that never start"
+            )
         if spec.spec.resources.gpus > 0:
             import torch
 

@@ -78,8 +78,8 @@ def _unavailable(name: str, help_: str) -> click.Command:
         "  torchrig run examples/digits-ddp.yaml --set spec.training.steps=50\n\n"
         "  torchrig drill kill-worker examples/digits-ddp.yaml --report drill.json\n\n"
         "Exit codes: 0 ok, 1 job or verdict failed, 2 bad input, 3 backend error, 4 recovery failed, "
-        "5 final checkpoint committed to no store, 6 drill inconclusive, 130 cancelled, 141 stdout's reader exited "
-        "(docs/operations.md)."
+        "5 final checkpoint committed to no store, 6 drill inconclusive, 130 cancelled, 141 stdout's reader exited, "
+        "143 a drill stopped by SIGTERM (docs/operations.md)."
     ),
 )
 @click.version_option(__version__, prog_name="torchrig")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -47,6 +48,26 @@ def check_plot_path(path: str) -> None:
         raise SpecError(f"--plot: {path}: give a .png, .svg or .pdf file")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (or SIGHUP) as an exception: what a command cleans up on Ctrl-C (`finally`, context managers)
+    it cleans up on it too, and it exits 128 + the signal's number."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def raise_on_terminate() -> None:
+    """Make SIGTERM and SIGHUP raise `Terminated` in the main thread (a command whose work must not outlive it:
+    `torchrig drill` stops the run it started)."""
+
+    def _raise(signum: int, frame: object) -> None:
+        raise Terminated(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise)
+
+
 def handle_errors(func: F) -> F:
     """Turn TorchrigError into `error: ...` lines on stderr and its exit code; never a traceback."""
 
@@ -58,6 +79,9 @@ def handle_errors(func: F) -> F:
             for line in exc.lines():
                 click.echo(f"error: {line}", err=True)
             sys.exit(exc.exit_code)
+        except Terminated as exc:
+            click.echo(f"stopped by {signal.Signals(exc.signum).name}", err=True)
+            sys.exit(128 + exc.signum)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)

@@ -8,7 +8,14 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from orchestrator.cli._common import emit_json, handle_errors, output_option, seconds_option, set_option
+from orchestrator.cli._common import (
+    emit_json,
+    handle_errors,
+    output_option,
+    raise_on_terminate,
+    seconds_option,
+    set_option,
+)
 from orchestrator.drills.campaign import CampaignProgress
 
 if TYPE_CHECKING:
@@ -91,6 +98,7 @@ def campaign(
         job_file=job,
     )
     drill = _kubernetes_drill if backend == "kubernetes" else None
+    raise_on_terminate()  # SIGTERM stops the running case's run instead of orphaning its agents
     if output == "json":
         result = run_campaign(spec, options, drill=drill)
         emit_json(result.to_dict())

@@ -12,6 +12,7 @@ from orchestrator.cli._common import (
     emit_json,
     handle_errors,
     output_option,
+    raise_on_terminate,
     seconds_option,
     set_option,
 )
@@ -146,6 +147,7 @@ def drill(
     if output == "text":
         then = "" if no_reference else ", then an uninterrupted reference"
         click.echo(f"drill {scenario}: running {spec.name} on {backend} with the fault{then} ...", err=True)
+    raise_on_terminate()  # SIGTERM stops the drill's run (kept on disk) instead of orphaning its agents
     report = run_drill(scenario, spec, options)
     if plot_path:
         plot_report(report, RunHistory.load(report.run_dir), plot_path)

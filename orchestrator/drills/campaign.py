@@ -139,7 +139,7 @@ def parse_seeds(num_seeds: int | None, seed_list: str | None) -> tuple[int, ...]
 def skip_reason(scenario_name: str, spec: JobSpec, drill: DrillOptions) -> str | None:
     """Why this job cannot take this scenario on this backend and machine, or None."""
     scenario = get_scenario(scenario_name)
-    nodes = drill.nodes or scenario.needs_nodes
+    nodes = drill.nodes or scenario.default_nodes(spec)
     if drill.backend == "kubernetes" and scenario_name != "kill-worker":
         return "only kill-worker runs on a cluster (--backend kubernetes); run the others on the local backend"
     if drill.backend != "local" and (scenario.needs_nodes > 1 or scenario.needs_network):
@@ -263,7 +263,7 @@ def run_campaign(
         rel = f"{CASES_DIR}/{case.name}"
         case_dir = out / rel
         scenario = get_scenario(case.scenario)
-        nodes = options.drill.nodes or scenario.needs_nodes
+        nodes = options.drill.nodes or scenario.default_nodes(spec)
         if skips[case] is not None:
             res = CaseResult(case.scenario, case.seed, CaseState.SKIPPED, reason=skips[case])
         elif options.max_failures is not None and failures >= options.max_failures:

@@ -3,9 +3,11 @@ reference, the verdict."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from orchestrator.backends.base import Backend, LocalOptions, NodePlacement, RunState, SubmitOptions, SupervisedRun
@@ -66,7 +68,7 @@ def _pick_fault(spec: JobSpec, options: DrillOptions, rng: random.Random, latest
 
 
 def _drill_nodes(scenario: Scenario, spec: JobSpec, options: DrillOptions) -> int:
-    nodes = options.nodes or scenario.needs_nodes
+    nodes = options.nodes or scenario.default_nodes(spec)
     if (reason := scenario.nodes_unmet(spec, nodes, options.backend)) is not None:
         raise UnsupportedFeature(f"spec.nodes: {scenario.name} {reason}")
     if nodes > spec.spec.nodes.max:
@@ -131,7 +133,8 @@ def run_drill(scenario_name: str, spec: JobSpec, options: DrillOptions) -> Drill
             lose_store_hook=options.lose_store_hook,
             store_back_hook=options.store_back_hook,
         )
-        summary = supervise(run, runner, plan.actions, options.timeout_s)
+        with _stopped_if_left(run):
+            summary = supervise(run, runner, plan.actions, options.timeout_s)
         if scenario.resumes_after_preemption and options.backend == "ray" and summary.status == RunState.SUCCEEDED:
             # Nothing to resubmit: each preempted rank ended its Ray Train worker after the emergency
             # checkpoint, and Ray Train's `FailureConfig` restarted the worker group, which restored it.
@@ -154,7 +157,8 @@ def run_drill(scenario_name: str, spec: JobSpec, options: DrillOptions) -> Drill
                 # written, so the events alone understate what a restart may rightly restore.
                 outcome.record(DrillEventKind.RESUBMITTED, status=summary.status, committed=runner.committed_by_store())
                 run = _launch(faulted_spec, drill_dir / "run", options, faults_env(plan.faults), placements(network))
-                summary = run.wait(options.timeout_s)
+                with _stopped_if_left(run):
+                    summary = run.wait(options.timeout_s)
     for exc in outcome.errors:
         report.notes.append(f"drill action failed: {exc!r}")
         report.check("drill actions ran", False, repr(exc))
@@ -209,7 +213,8 @@ def _compare_with_reference(
         report.notes.append(f"reference reused from {ref_dir} (same job, backend and world size)")
     else:
         ref = _launch(spec, run_dir, options, {}, [])
-        ref_summary = ref.wait(options.timeout_s)
+        with _stopped_if_left(ref):
+            ref_summary = ref.wait(options.timeout_s)
         ref_dir = str(ref.run_dir)
         if ref_summary.status == RunState.SUCCEEDED:
             _REFERENCES[key] = (ref_dir, ref_summary)
@@ -296,6 +301,18 @@ def _backend(options: DrillOptions) -> Backend:
     if not backend.capabilities.supervised:
         raise UnsupportedFeature(f"--backend: {options.backend!r} cannot run drills (it has no supervised launch)")
     return backend
+
+
+@contextlib.contextmanager
+def _stopped_if_left(run: SupervisedRun) -> Iterator[None]:
+    """Stop a run the drill started when the drill leaves it early (an action's error, Ctrl-C, `torchrig
+    drill` sent SIGTERM): its agents and workers would otherwise train on with nobody to supervise them.
+    Its run directory and checkpoints are kept."""
+    try:
+        yield
+    except BaseException:
+        run.stop(grace_s=5.0)
+        raise
 
 
 def _launch(

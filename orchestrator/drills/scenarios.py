@@ -103,12 +103,17 @@ class Scenario:
     latest_fault: ClassVar[float] = 1.0
 
     # -- decisions ---------------------------------------------------------------------------------
+    def default_nodes(self, spec: JobSpec) -> int:
+        """How many emulated nodes the drill starts without `--nodes`: what it needs, at least spec.nodes.min
+        (fewer would leave the rendezvous waiting for nodes that never start)."""
+        return max(self.needs_nodes, spec.spec.nodes.min)
+
     def unmet(self, spec: JobSpec, nodes: int | None = None) -> str | None:
         """Why this drill cannot run `spec` on `nodes` emulated nodes (default: `needs_nodes`) here, or None.
 
         A single drill fails with it; a campaign reports the case as skipped with it.
         """
-        if (reason := self.nodes_unmet(spec, nodes or self.needs_nodes)) is not None:
+        if (reason := self.nodes_unmet(spec, nodes or self.default_nodes(spec))) is not None:
             return reason
         if self.needs_network:
             from orchestrator.drills.netns import netns_supported

@@ -821,3 +821,59 @@ def test_an_sdc_rolled_back_in_place_is_its_own_recovery_path_and_the_verdict_wa
     restarted.recovery_path = "restart"
     restarted.add(SilentCorruption().judge(restarted, history, ctx))
     assert [c.name for c in restarted.checks if not c.passed] == ["recovered by inplace-rollback"]
+
+
+def test_a_drill_starts_at_least_spec_nodes_min_and_refuses_fewer(examples_dir: Path, tmp_path: Path) -> None:
+    """`--nodes 1` on a job of 2..2 nodes ran 2 nodes without a word (the drill) or left a rendezvous
+    waiting for a node that never starts (`torchrig run`): one line naming `--nodes`, exit 2, nothing written.
+    Without `--nodes` a drill starts spec.nodes.min when its scenario needs fewer."""
+    from click.testing import CliRunner
+
+    from orchestrator.cli import cli
+    from orchestrator.drills.scenarios import get_scenario
+    from orchestrator.loader import load_spec
+
+    job = str(examples_dir / "digits-ddp.yaml")
+    two = ["--set", "spec.nodes.min=2", "--set", "spec.nodes.max=2"]
+    assert get_scenario("kill-worker").default_nodes(load_spec(job, two[1::2])) == 2
+    assert get_scenario("kill-worker").default_nodes(load_spec(job, [])) == 1
+    assert get_scenario("kill-node").default_nodes(load_spec(job, ["spec.nodes.max=3"])) == 2
+    drill_dir = tmp_path / "d"
+    done = CliRunner().invoke(cli, ["drill", "kill-worker", job, "--nodes", "1", *two, "--drill-dir", str(drill_dir)])
+    assert done.exit_code == 2, done.output
+    assert "--nodes: 1 is below spec.nodes.min (2)" in done.output and "Traceback" not in done.output
+    assert not drill_dir.exists()
+
+
+def test_a_drill_left_early_stops_the_run_it_started() -> None:
+    """An error, Ctrl-C or SIGTERM (`Terminated`) inside a drill's wait stops its run before it propagates;
+    the CLI turns SIGTERM into one line and exit 143."""
+    import click
+
+    from orchestrator.cli._common import Terminated, handle_errors
+    from orchestrator.drills.runner import _stopped_if_left
+
+    class Run:
+        def __init__(self) -> None:
+            self.stopped: list[float] = []
+
+        def stop(self, grace_s: float = 10.0) -> None:
+            self.stopped.append(grace_s)
+
+    run = Run()
+    with pytest.raises(Terminated), _stopped_if_left(run):  # type: ignore[arg-type]
+        raise Terminated(15)
+    assert run.stopped == [5.0]
+    with _stopped_if_left(run):  # type: ignore[arg-type]
+        pass
+    assert run.stopped == [5.0], "a drill that ends normally leaves its run to end on its own"
+
+    @click.command()
+    @handle_errors
+    def stopped() -> None:
+        raise Terminated(15)
+
+    from click.testing import CliRunner
+
+    done = CliRunner().invoke(stopped, [])
+    assert done.exit_code == 143 and done.output.strip() == "stopped by SIGTERM"

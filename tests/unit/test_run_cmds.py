@@ -73,6 +73,10 @@ def test_dry_run_text_is_yaml_and_applies_set(tmp_path: Path) -> None:
     [
         (["--nodes", "3"], "--nodes: 3 exceeds spec.nodes.max (2)"),
         (["--nodes", "0"], "--nodes: must be at least 1"),
+        (
+            ["--nodes", "1", "--set", "spec.nodes.min=2"],
+            "--nodes: 1 is below spec.nodes.min (2): the rendezvous would wait for nodes that never start",
+        ),
         (["--backend", "nope"], "unknown backend 'nope'; valid backends:"),
         (["--set", "spec.training.steps=-1"], "spec.training.steps"),
     ],
