@@ -344,9 +344,8 @@ class KubernetesConfig(Model):
         ge=0,
         le=MAX_INT32,
         description=(
-            f"Delete the finished job after this many seconds (null: keep); at most {MAX_INT32} (int32). A RayJob "
-            "deletes its Ray cluster (whose pods hold their GPUs until then) after this delay, 600 s when the "
-            "spec does not set it."
+            f"PyTorchJob and TrainJob: delete the finished job after this many seconds (null: keep); at most "
+            f"{MAX_INT32} (int32). A RayJob's is `spec.ray.clusterTtlSeconds`."
         ),
     )
     active_deadline_seconds: int | None = Field(
@@ -502,6 +501,17 @@ class RayConfig(Model):
             "`authOptions: {mode: token}`, KubeRay >= 1.5.1), which needs Ray >= 2.52: the rayjob target "
             "refuses an older version (or one that does not parse) rather than rendering a cluster whose "
             "Jobs API runs anyone's code."
+        ),
+    )
+    cluster_ttl_seconds: int | None = Field(
+        default=600,
+        ge=0,
+        le=MAX_INT32,
+        description=(
+            "RayJob: delete the RayJob and its Ray cluster this many seconds after the job finished (KubeRay "
+            "`ttlSecondsAfterFinished` with `shutdownAfterJobFinishes`); until then the cluster's pods hold "
+            "their nodes and GPUs. The default leaves time to read the workers' logs without billing a day of "
+            f"GPUs; null keeps the cluster (`shutdownAfterJobFinishes: false`). At most {MAX_INT32} (int32)."
         ),
     )
     head_cpu: Quantity = Field(default="2", description="RayJob head CPU.")

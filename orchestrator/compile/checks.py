@@ -182,10 +182,21 @@ def ray_version_problem(spec: JobSpec) -> str | None:
 
 
 def check_rayjob(spec: JobSpec, *, fixed_size: bool = False) -> list[str]:
-    """The RayJob's own refusal (`Target.check`): a Ray too old for the token authentication it turns on."""
+    """The RayJob's own refusal (`Target.check`): a Ray too old for the token authentication it turns on.
+    Warns when the spec sets the other targets' TTL to something else than their default: a RayJob's cluster
+    goes after `spec.ray.clusterTtlSeconds` (a spec written for a PyTorchJob and rendered as a RayJob)."""
     old_ray = ray_version_problem(spec)
     if old_ray:
         raise UnsupportedFeature(old_ray)
+    k = spec.spec.kubernetes
+    default = type(k).model_fields["ttl_seconds_after_finished"].default
+    if k.ttl_seconds_after_finished != default:
+        ray_ttl = spec.spec.ray.cluster_ttl_seconds
+        after = "kept" if ray_ttl is None else f"deleted {ray_ttl} s after the job"
+        return [
+            f"spec.kubernetes.ttlSecondsAfterFinished: a RayJob does not use it; its Ray cluster is {after} "
+            "(spec.ray.clusterTtlSeconds)"
+        ]
     return []
 
 

@@ -37,8 +37,10 @@ ranks reserve (`compile_raytrain`), leaving the spares' share to them.
 
 After the job ends KubeRay deletes the Ray cluster (`shutdownAfterJobFinishes`) once
 `ttlSecondsAfterFinished` has passed (`rayjob_controller.go` handleShutdownAfterJobFinishes); until then
-its pods hold their nodes and GPUs. Unless the spec sets `kubernetes.ttlSecondsAfterFinished`, a RayJob
-waits `CLUSTER_TTL_S` (the RayJob and its submitter Job, with the driver's log, stay).
+its pods hold their nodes and GPUs: `spec.ray.clusterTtlSeconds` (600 s unless set; null keeps the cluster).
+It is the RayJob's own field, not `kubernetes.ttlSecondsAfterFinished` (a day, for the operators' jobs,
+whose finished pods hold nothing): a resolved job file writes every default, so a TTL shared with the other
+targets could not tell "unset" from "set to the default" once written (the job file a run keeps).
 """
 
 from __future__ import annotations
@@ -55,7 +57,6 @@ from orchestrator.spec import JobSpec, parse_quantity
 
 __all__ = [
     "API_VERSION",
-    "CLUSTER_TTL_S",
     "DASHBOARD_PORT",
     "ENTRY_MODULE",
     "SUBMITTER_CONTAINER",
@@ -67,9 +68,6 @@ __all__ = [
 
 API_VERSION = "ray.io/v1"
 ENTRY_MODULE = "orchestrator.backends.ray_entry"
-# The Ray cluster's life after its job ended, unless the spec says otherwise: long enough to read the
-# workers' logs, short enough not to bill a day of GPUs.
-CLUSTER_TTL_S = 600
 DASHBOARD_PORT = 8265  # the Jobs API, which the submitter and the operator call (KubeRay DefaultDashboardPort)
 SUBMITTER_CONTAINER = "ray-job-submitter"  # KubeRay's name for it (utils.SubmitterContainerName)
 # KubeRay's default submitter asks for 500m/200Mi up to 1 CPU/1Gi; requests = limits keep it Guaranteed.
@@ -77,12 +75,8 @@ SUBMITTER_RESOURCES = {"cpu": "1", "memory": "1Gi"}
 
 
 def cluster_ttl_seconds(spec: JobSpec) -> int | None:
-    """`ttlSecondsAfterFinished` of the RayJob: the spec's when it sets one (null keeps the cluster),
-    else `CLUSTER_TTL_S` (the model's default suits the other targets, whose finished jobs hold no pods)."""
-    k = spec.spec.kubernetes
-    if "ttl_seconds_after_finished" in k.model_fields_set:
-        return k.ttl_seconds_after_finished
-    return CLUSTER_TTL_S
+    """`ttlSecondsAfterFinished` of the RayJob: `spec.ray.clusterTtlSeconds` (None: keep the cluster)."""
+    return spec.spec.ray.cluster_ttl_seconds
 
 
 def entrypoint(spec_path: str = c.SPEC_FILE) -> str:

@@ -119,13 +119,24 @@ def test_trainjob_volcano_queue_is_the_annotation_trainer_reads_and_pods_name_th
 
 def test_rayjob_deletes_its_cluster_minutes_after_the_job_unless_the_spec_says() -> None:
     """KR rayjob_controller.go handleShutdownAfterJobFinishes: the RayCluster goes `ttlSecondsAfterFinished`
-    after the job's end (with shutdownAfterJobFinishes); until then its pods hold their GPUs."""
+    after the job's end (with shutdownAfterJobFinishes); until then its pods hold their GPUs. The RayJob's
+    own field (`spec.ray.clusterTtlSeconds`), not the other targets' day-long one."""
     job = by_kind(compile(spec(), "rayjob"), "RayJob")["spec"]
     assert job["shutdownAfterJobFinishes"] is True and job["ttlSecondsAfterFinished"] == 600
-    kept = by_kind(compile(spec("digits-ddp", "spec.kubernetes.ttlSecondsAfterFinished=86400"), "rayjob"), "RayJob")
+    kept = by_kind(compile(spec("digits-ddp", "spec.ray.clusterTtlSeconds=86400"), "rayjob"), "RayJob")
     assert kept["spec"]["ttlSecondsAfterFinished"] == 86400
-    never = by_kind(compile(spec("digits-ddp", "spec.kubernetes.ttlSecondsAfterFinished=null"), "rayjob"), "RayJob")
+    never = by_kind(compile(spec("digits-ddp", "spec.ray.clusterTtlSeconds=null"), "rayjob"), "RayJob")
     assert never["spec"]["shutdownAfterJobFinishes"] is False and "ttlSecondsAfterFinished" not in never["spec"]
+    other = by_kind(compile(spec("digits-ddp", "spec.kubernetes.ttlSecondsAfterFinished=null"), "rayjob"), "RayJob")
+    assert other["spec"]["ttlSecondsAfterFinished"] == 600
+    # ... and says so: a spec written for a PyTorchJob that keeps its jobs, rendered as a RayJob.
+    from orchestrator.compile import check_target
+
+    assert check_target(spec("digits-ddp", "spec.kubernetes.ttlSecondsAfterFinished=null"), "rayjob") == [
+        "spec.kubernetes.ttlSecondsAfterFinished: a RayJob does not use it; its Ray cluster is deleted 600 s after "
+        "the job (spec.ray.clusterTtlSeconds)"
+    ]
+    assert check_target(spec(), "rayjob") == []
     # The other targets keep the model's default: a finished PyTorchJob holds no running pod.
     assert by_kind(compile(spec(), "pytorchjob"), "PyTorchJob")["spec"]["runPolicy"]["ttlSecondsAfterFinished"] == 86400
 

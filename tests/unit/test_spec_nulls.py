@@ -160,17 +160,17 @@ def test_the_chart_shape_reads_a_missing_key_as_null_where_values_yaml_sets_it()
             assert key in level["defaults"] and key not in level["nulls"], path
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect: the resolved job file writes the model's default TTL (86,400 s), which reads back as "
-    "set; writing it only where set breaks `helm template` == `torchrig render` (the chart reads a missing key "
-    "as the user's null), so the fix needs a target-neutral default in the model",
-)
-def test_a_rayjob_compiled_from_a_resolved_job_file_keeps_its_short_cluster_ttl() -> None:
-    from orchestrator.compile.rayjob import CLUSTER_TTL_S, cluster_ttl_seconds
+@pytest.mark.parametrize("ttl", [None, 600, 30, "unset"])
+def test_a_rayjob_compiled_from_a_resolved_job_file_keeps_its_cluster_ttl(ttl: int | str | None) -> None:
+    """The resolved job file (what a run keeps and a pod reads) writes every default; the RayJob's cluster
+    TTL is its own field (`spec.ray.clusterTtlSeconds`), so unset, null and a value all read back the same
+    (the TTL shared with the other targets read back as a day once written)."""
+    from orchestrator.compile.rayjob import cluster_ttl_seconds
 
-    doc = _set(BASE, ("spec", "kubernetes", "ttlSecondsAfterFinished"), 1)
-    del doc["spec"]["kubernetes"]["ttlSecondsAfterFinished"]
+    doc = _set(BASE, ("spec", "ray", "clusterTtlSeconds"), ttl)
+    if ttl == "unset":
+        del doc["spec"]["ray"]["clusterTtlSeconds"]
     spec = validate_document(doc)
-    assert cluster_ttl_seconds(spec) == CLUSTER_TTL_S  # unset: the RayJob's own default
-    assert cluster_ttl_seconds(validate_document(yaml.safe_load(dump_spec(spec)))) == CLUSTER_TTL_S
+    want = 600 if ttl == "unset" else ttl
+    assert cluster_ttl_seconds(spec) == want
+    assert cluster_ttl_seconds(validate_document(yaml.safe_load(dump_spec(spec)))) == want
