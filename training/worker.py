@@ -247,12 +247,18 @@ def run_worker(
             watchdog.waiting_grace_s = spec.spec.restarts.in_place_timeout_seconds
         if prewarmed is not None and synced is not None:
             trainer.progress.load_state_dict(synced.progress)
-            # After an SDC the survivors reload the newest certified checkpoint: so does the spare (`run`).
-            trainer.skip_restore = not synced.rollback
+            resumed_after = synced.step
+            if synced.rollback:
+                # After an SDC the survivors reload the newest certified checkpoint (their ROLLBACK phase): so
+                # does the spare, in the same order of collectives as `run`'s restore, before its event says
+                # which step it resumes after (the survivors' events name the rolled-back step too).
+                trainer.restore()
+                resumed_after = trainer.progress.step
+            trainer.skip_restore = True
             sink.emit(
                 Recovery(
                     path=ROLLBACK_PATH if synced.rollback else "inplace",
-                    step=synced.step,
+                    step=resumed_after,
                     seconds=round(time.perf_counter() - prewarmed.assigned_at, 3),
                     inplace_generation=prewarmed.generation,
                     replaced_ranks=synced.replaced,

@@ -139,21 +139,25 @@ class PodmanCluster(PodCluster):
         raise RuntimeError(f"podman network create {self.network}: {made.stderr.strip()}")
 
     def close(self) -> None:
-        names = list(self._names.values())
-        if names:
-            # --ignore: podman 4.3 removes none of the names, silently and with exit 0, when one of them is
-            # gone already (a container that ended and was removed by `--rm`, as the RayJob's submitter's).
-            podman("rm", "--force", "--ignore", "--time", "0", *names, timeout=180)
-        for state in self.pods.values():
-            for proc in (state.proc, state.init_proc):
-                if proc is not None:
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        proc.wait(timeout=60)
-            self._stop_probes(state)
-        for stop in self._stops:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                stop.wait(timeout=60)
-        podman("network", "rm", "--force", self.network, timeout=120)
+        # The network goes whatever happens before (pytest-timeout's exception landing in a wait below left
+        # `trpod*-net` networks behind, each holding a /24 of the subnet the next clusters draw from).
+        try:
+            names = list(self._names.values())
+            if names:
+                # --ignore: podman 4.3 removes none of the names, silently and with exit 0, when one of them is
+                # gone already (a container that ended and was removed by `--rm`, as the RayJob's submitter's).
+                podman("rm", "--force", "--ignore", "--time", "0", *names, timeout=180)
+            for state in self.pods.values():
+                for proc in (state.proc, state.init_proc):
+                    if proc is not None:
+                        with contextlib.suppress(subprocess.TimeoutExpired):
+                            proc.wait(timeout=60)
+                self._stop_probes(state)
+            for stop in self._stops:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    stop.wait(timeout=60)
+        finally:
+            podman("network", "rm", "--force", self.network, timeout=120)
 
     def _pod_dirs(self, state: PodState) -> None:
         """Nothing ahead of a start: `container_args` writes a pod incarnation's volumes when it launches."""

@@ -760,11 +760,11 @@ def _sdc_rollback_run(tmp_path: Path) -> Path:
         {"time": 5.0, "event": "checkpoint_committed", "step": 10, "rank": 0, "certified": True},
         {"time": 6.0, "event": "fault", "kind": "bitflip", "rank": 1, "step": 13, "generation": 0},
         {"time": 6.5, "event": "sdc", "step": 15, "rank": 0, "suspects": [1], "decided": True},
-        {"time": 7.0, "event": "recovery", "path": "inplace-rollback", "step": 15, "rank": 1, "role": "spare"},
         *(
             {"time": 7.5, "event": "restore", "step": 10, "store": "local", "rank": r, "certified": True}
             for r in range(3)
         ),
+        {"time": 7.55, "event": "recovery", "path": "inplace-rollback", "step": 10, "rank": 1, "role": "spare"},
         *(
             {"time": 7.6, "event": "recovery", "path": "inplace-rollback", "step": 10, "rank": r, "role": "survivor"}
             for r in (0, 2)
@@ -795,10 +795,10 @@ def test_an_sdc_rolled_back_in_place_is_its_own_recovery_path_and_the_verdict_wa
         {"time": 6.0, "event": "fault", "kind": "bitflip", "rank": 2, "step": 13, "generation": 0},
         {"time": 6.5, "event": "sdc", "step": 15, "rank": 0, "suspects": [2], "decided": True}
         | {"replaced_by": "standby", "excluded_node": 1, "excluded_hosts": ["n1"]},
-        *({"time": 7.0, "event": "recovery", "path": "inplace-rollback", "step": 15, "rank": r, "role": "spare"}
-          for r in (2, 3)),
         *({"time": 7.5, "event": "restore", "step": 10, "store": "local", "rank": r, "certified": True}
           for r in range(4)),
+        *({"time": 7.55, "event": "recovery", "path": "inplace-rollback", "step": 10, "rank": r, "role": "spare"}
+          for r in (2, 3)),
         *({"time": 7.6, "event": "recovery", "path": "inplace-rollback", "step": 10, "rank": r, "role": "survivor"}
           for r in (0, 1)),
         {"time": 8.0, "event": "first_step", "step": 11, "rank": 0, "generation": 0},
@@ -821,6 +821,22 @@ def test_an_sdc_rolled_back_in_place_is_its_own_recovery_path_and_the_verdict_wa
     restarted.recovery_path = "restart"
     restarted.add(SilentCorruption().judge(restarted, history, ctx))
     assert [c.name for c in restarted.checks if not c.passed] == ["recovered by inplace-rollback"]
+
+    # A spare that resumed after the suspect step (15) rather than the certified one (10) fails the check.
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    lines = (
+        (tmp_path / "events.jsonl")
+        .read_text()
+        .replace('"step": 10, "rank": 1, "role": "spare"', '"step": 15, "rank": 1, "role": "spare"')
+    )
+    (stale / "events.jsonl").write_text(lines)
+    late = DrillReport("sdc", "local", 0)
+    history = RunHistory.load(stale)
+    _fill_from_run(late, Summary(status="succeeded", params_sha256="ab"), history, _outcome(13, 1))
+    late.add(SilentCorruption().judge(late, history, ctx))
+    failed = [c.name for c in late.checks if not c.passed]
+    assert failed == ["a warm spare took the suspect's rank, every survivor and spare reloaded the same certified step"]
 
 
 def test_a_drill_starts_at_least_spec_nodes_min_and_refuses_fewer(examples_dir: Path, tmp_path: Path) -> None:
