@@ -82,6 +82,7 @@ class DrillReport(_Checks):
     reference_params_sha256: str | None = None
     world_sizes: list[int] = field(default_factory=list)
     status: str = "unknown"
+    group_restarts: int | None = None  # the run's worker group restarts (`summary.json` `restarts`)
     run_dir: str = ""
     reference_run_dir: str | None = None
     damage: dict[str, Any] | None = None

@@ -234,6 +234,7 @@ def _restart_path(backend: str) -> str:
 
 def _fill_from_run(report: DrillReport, summary: Summary, history: RunHistory, outcome: Outcome) -> None:
     report.status = summary.status
+    report.group_restarts = summary.restarts
     report.run_dir = str(history.run_dir)
     report.final_loss = summary.final_loss
     report.params_sha256 = summary.params_sha256

@@ -558,6 +558,11 @@ class SilentCorruption(Scenario):
             f"path {report.recovery_path} (decided {decided}, in place {ctx.in_place}), MTTR {report.mttr_seconds} s",
         )
         if want == ROLLBACK_PATH:
+            verdict.check(
+                "no worker group restart (the rollback stayed in place)",
+                report.group_restarts == 0,
+                f"{report.group_restarts} worker group restart(s)",
+            )
             rolled = [e for e in history.of(EventKind.RECOVERY) if e.get("path") == ROLLBACK_PATH]
             spares = [e for e in rolled if e.get("role") == "spare"]
             survivors = [e for e in rolled if e.get("role") == "survivor"]

@@ -893,3 +893,16 @@ def test_a_drill_left_early_stops_the_run_it_started() -> None:
 
     done = CliRunner().invoke(stopped, [])
     assert done.exit_code == 143 and done.output.strip() == "stopped by SIGTERM"
+
+
+def test_an_sdc_rollback_that_also_restarted_the_group_fails_the_verdict(tmp_path: Path) -> None:
+    """The rollback's events alone do not prove it stayed in place: a worker group restart on top (the
+    summary's `restarts`) fails the check that says so, and the report carries the count."""
+    history = RunHistory.load(_sdc_rollback_run(tmp_path))
+    ctx = _ctx(scenario="sdc", world_size=3, fault_step=13, sdc_every=5, sdc_replicas=3, in_place=True)
+    report = DrillReport("sdc", "local", 0)
+    _fill_from_run(report, Summary(status="succeeded", params_sha256="ab", restarts=1), history, _outcome(13, 1))
+    report.add(SilentCorruption().judge(report, history, ctx))
+    assert report.group_restarts == 1 and report.to_dict()["group_restarts"] == 1
+    failed = [(c.name, c.detail) for c in report.checks if not c.passed]
+    assert failed == [("no worker group restart (the rollback stayed in place)", "1 worker group restart(s)")]

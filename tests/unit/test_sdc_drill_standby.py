@@ -180,10 +180,10 @@ def _run(tmp_path: Path, swapped: bool) -> RunHistory:
     events += [
         {"time": 6.0, "event": "fault", "kind": "bitflip", "rank": 2, "step": 32, "generation": 0},
         sdc,
-        *({"time": 7.0, "event": "recovery", "path": "inplace-rollback", "step": 35, "rank": r, "role": "spare"}
-          for r in replaced),
         *({"time": 7.5, "event": "restore", "step": 30, "store": "local", "rank": r, "certified": True}
           for r in range(4)),
+        *({"time": 7.55, "event": "recovery", "path": "inplace-rollback", "step": 30, "rank": r, "role": "spare"}
+          for r in replaced),
         *({"time": 7.6, "event": "recovery", "path": "inplace-rollback", "step": 30, "rank": r, "role": "survivor"}
           for r in range(4) if r not in replaced),
         {"time": 8.0, "event": "first_step", "step": 31, "rank": 0, "generation": 0},
