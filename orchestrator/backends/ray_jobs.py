@@ -51,6 +51,8 @@ from orchestrator.errors import BackendError, SpecError
 from orchestrator.spec import JobSpec
 from training.contract import Env
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "ENTRYPOINT",
     "JOB_METADATA_KEY",
@@ -291,6 +293,28 @@ def probe_problem(spec: JobSpec, probe: ClusterProbe) -> str | None:
     return None
 
 
+# The Jobs API's answer while the head node's job agent has not registered yet (a cluster just started, or
+# one whose head is busy): Ray's `job_head.py` waits WAIT_AVAILABLE_AGENT_TIMEOUT for one, then answers 500
+# with this text and asks to try again. Nothing was submitted: the same submission id is retried.
+NO_AGENT_YET = "No available agent to submit job"
+AGENT_RETRY_S = 1.0
+
+
+def submit_when_an_agent_is_up(client: Any, deadline: float, **job: Any) -> None:
+    """`client.submit_job(**job)`, again every `AGENT_RETRY_S` while the cluster answers that no job agent is
+    available yet, until `deadline` (`time.monotonic()`); any other error, or that one past the deadline,
+    is raised as it came."""
+    while True:
+        try:
+            client.submit_job(**job)
+            return
+        except Exception as exc:
+            if NO_AGENT_YET not in str(exc) or time.monotonic() + AGENT_RETRY_S > deadline:
+                raise
+            log.info("ray jobs: %s; trying again in %g s", _first_line(exc), AGENT_RETRY_S)
+            time.sleep(AGENT_RETRY_S)
+
+
 def probe_cluster(client: Any, address: str, spec: JobSpec, env: dict[str, Any], timeout_s: float) -> None:
     """Run the probe on the cluster with the job's runtime env; raise when the cluster cannot run the job.
 
@@ -302,8 +326,11 @@ def probe_cluster(client: Any, address: str, spec: JobSpec, env: dict[str, Any],
     """
     probe_id = f"torchrig-probe-{spec.name}-{uuid.uuid4().hex[:8]}"
     where = f"the Ray cluster at {address}"
+    deadline = time.monotonic() + timeout_s
     try:
-        client.submit_job(
+        submit_when_an_agent_is_up(
+            client,
+            deadline,
             entrypoint="python -c " + shlex.quote(_PROBE_CODE),
             submission_id=probe_id,
             runtime_env=env,
@@ -311,7 +338,6 @@ def probe_cluster(client: Any, address: str, spec: JobSpec, env: dict[str, Any],
         )
     except Exception as exc:
         raise BackendError(f"{where} refused the probe job: {_first_line(exc)}") from None
-    deadline = time.monotonic() + timeout_s
     try:
         status = ""
         while time.monotonic() < deadline:
@@ -532,7 +558,9 @@ def submit_job(
         if probe:  # same runtime env: Ray uploads the working directory once (content-addressed)
             probe_cluster(client, address, spec, env, probe_timeout_s)
         try:
-            client.submit_job(
+            submit_when_an_agent_is_up(
+                client,
+                time.monotonic() + probe_timeout_s,
                 entrypoint=f"{Env.RUN_DIR}={run_dir} {ENTRYPOINT}",
                 submission_id=submission_id,
                 runtime_env=env,

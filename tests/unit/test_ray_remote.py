@@ -171,3 +171,39 @@ def test_rays_info_lines_stay_out_unless_verbose() -> None:
         handler.setStream(previous)
     err = stream.getvalue()
     assert "_ray_pkg_quiet" not in err and "a warning stays" in err and "_ray_pkg_loud" in err
+
+
+def test_a_submission_waits_for_the_clusters_job_agent_and_gives_up_at_its_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cluster just started (or busy) answers 500 "No available agent to submit job, please try again
+    later" until its head's job agent registers (Ray's job_head.py): the submission is tried again until the
+    deadline; any other refusal, and that one past the deadline, is raised at once."""
+    import time
+
+    sleeps: list[float] = []
+    monkeypatch.setattr(time, "sleep", sleeps.append)
+
+    class Client:
+        def __init__(self, refusals: list[str]) -> None:
+            self.refusals = refusals
+            self.calls: list[dict[str, object]] = []
+
+        def submit_job(self, **job: object) -> str:
+            self.calls.append(job)
+            if self.refusals:
+                raise RuntimeError(self.refusals.pop(0))
+            return str(job["submission_id"])
+
+    no_agent = "Request failed with status code 500: No available agent to submit job, please try again later."
+    later = Client([no_agent, no_agent])
+    ray_jobs.submit_when_an_agent_is_up(later, time.monotonic() + 60, submission_id="s1", entrypoint="x")
+    assert [c["submission_id"] for c in later.calls] == ["s1", "s1", "s1"] and sleeps == [1.0, 1.0]
+    refused = Client(["Request failed with status code 400: bad runtime_env"])
+    with pytest.raises(RuntimeError, match="400"):
+        ray_jobs.submit_when_an_agent_is_up(refused, time.monotonic() + 60, submission_id="s2")
+    assert len(refused.calls) == 1
+    never = Client([no_agent] * 100)
+    with pytest.raises(RuntimeError, match="No available agent"):
+        ray_jobs.submit_when_an_agent_is_up(never, time.monotonic() + 0.5, submission_id="s3")
+    assert len(never.calls) == 1, "past the deadline: not tried again"
