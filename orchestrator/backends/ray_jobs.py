@@ -302,15 +302,23 @@ AGENT_RETRY_S = 1.0
 
 def submit_when_an_agent_is_up(client: Any, deadline: float, **job: Any) -> None:
     """`client.submit_job(**job)`, again every `AGENT_RETRY_S` while the cluster answers that no job agent is
-    available yet, until `deadline` (`time.monotonic()`); any other error, or that one past the deadline,
-    is raised as it came."""
+    available yet, until `deadline` (`time.monotonic()`); any other error is raised as it came, and that one
+    past the deadline as a RuntimeError that says what usually keeps a head's job agent away."""
     while True:
         try:
             client.submit_job(**job)
             return
         except Exception as exc:
-            if NO_AGENT_YET not in str(exc) or time.monotonic() + AGENT_RETRY_S > deadline:
+            if NO_AGENT_YET not in str(exc):
                 raise
+            if time.monotonic() + AGENT_RETRY_S > deadline:
+                # Measured: a second Ray on the head's host holding the agent's port (52365 by default) leaves
+                # the head's job agent unbound for good, and every submission gets this answer.
+                raise RuntimeError(
+                    f"{_first_line(exc)} (the head's job agent never registered: another Ray on the head's host "
+                    "may hold the agent's port, 52365 unless `ray start --dashboard-agent-listen-port` says "
+                    "otherwise; its dashboard_agent.log says)"
+                ) from None
             log.info("ray jobs: %s; trying again in %g s", _first_line(exc), AGENT_RETRY_S)
             time.sleep(AGENT_RETRY_S)
 

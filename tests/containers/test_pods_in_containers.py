@@ -25,11 +25,11 @@ import pytest
 from tests.pods.admission import check_admitted
 from tests.pods.conftest import TIME_SCALE
 from tests.pods.conftest import reference_result as reference_result  # noqa: PLC0414 (a fixture, re-exported)
-from tests.pods.jobs import JobOutcome, pytorchjob_succeeded, run_job, trainjob_succeeded
+from tests.pods.jobs import JobOutcome, pytorchjob_succeeded, run_job, run_rayjob, trainjob_succeeded
 from tests.pods.kubelet import Pod
 from tests.pods.operators import pytorchjob_pods, rayjob_pods, trainjob_pods
 from tests.pods.podman_runtime import PodmanCluster
-from tests.pods.runtime import PodCluster, wait_until
+from tests.pods.runtime import PodCluster
 from tests.pods.scenario import one, render
 from tests.pods.test_pods import _events, _ray_job_status, _result, _run_dirs_of, _why
 from training.contract import EventKind
@@ -251,13 +251,14 @@ def test_rayjob_head_and_two_workers_train_in_containers_to_the_end(
     head's `ulimit -n ...; ray start --head ...` (KubeRay's command, token auth from its Secret), each
     worker's `wait-gcs-ready` init container looping on `ray health-check` until the head's GCS answers
     at the head Service's name (aardvark-dns), then `ray start --address=<head FQDN>:6379`, and the
-    submitter Job's pod (its `submitterPodTemplate`: restricted securityContext, no command, so
-    KubeRay's `ray job submit ... ; ray job logs --follow`). Ray finds each node's address on its own
-    (KubeRay passes no `--node-ip-address`): with no default route on the internal network, by its
-    fallback to the hostname, which the container's /etc/hosts maps to the pod address. The driver on the head
-    runs Ray Train over the two worker containers (gloo across them); the submitter exits 0, the Ray
-    job is SUCCEEDED, the head's summary says so, and rank 0's parameters are bit-identical to
-    `torchrig run --nodes 2`."""
+    submitter Job's pod once the RayCluster is Ready (KubeRay's injected readiness probe on every pod; the
+    pod is the `submitterPodTemplate`: restricted securityContext, no command, so KubeRay's `ray job
+    submit ... ; ray job logs --follow`; a failed one replaced, backoffLimit 2: jobs.py `run_rayjob`). Ray
+    finds each node's address on its own (KubeRay passes no `--node-ip-address`): with no default route on
+    the internal network, by its fallback to the hostname, which the container's /etc/hosts maps to the pod
+    address. The driver on the head runs Ray Train over the two worker containers (gloo across them); the
+    submitter exits 0, the Ray job is SUCCEEDED, the head's summary says so, and rank 0's parameters are
+    bit-identical to `torchrig run --nodes 2`."""
     t0 = time.monotonic()
     objects = render("rayjob", "spec.nodes.min=2")
     check_admitted(objects)  # KubeRay's webhook and validation (admission.py)
@@ -265,20 +266,14 @@ def test_rayjob_head_and_two_workers_train_in_containers_to_the_end(
     assert len(ray.workers) == 2 and ray.auth_token, "2 worker pods, token auth"
     assert ray.submitter.container["securityContext"]["capabilities"]["drop"] == ["ALL"], "its template's"
     cluster = podman_cluster([*objects, *ray.secrets], [ray.head, *ray.workers, ray.submitter])
-    for pod in [ray.head, *ray.workers, ray.submitter]:
-        cluster.start(pod.name, wait=False)  # the workers' init containers wait for the head's GCS
-
-    def submitter_exited() -> bool:
-        cluster.tick()
-        for name in [ray.head.name, *(w.name for w in ray.workers)]:
-            assert cluster.poll(name) is None, f"{name} exited\n" + _logs(cluster)
-        return cluster.poll(ray.submitter.name) is not None or bool(cluster.pods[ray.submitter.name].exit_codes)
-
-    wait_until(submitter_exited, JOB_TIMEOUT_S, "the submitter to exit")
+    # The head and workers start; the submitter once the RayCluster is Ready (KubeRay's readiness probe), and
+    # again as the Job's next pod if it fails (backoffLimit 2).
+    outcome = run_rayjob(cluster, ray, timeout_s=JOB_TIMEOUT_S)
     wall_s = time.monotonic() - t0
     head_ip = cluster.pods[ray.head.name].ip
     status = _ray_job_status(cluster, ray.head.name, head_ip, ray.submission_id, ray.auth_token)
-    assert cluster.pods[ray.submitter.name].exit_codes == [0] and status == "SUCCEEDED", f"{status}\n{_logs(cluster)}"
+    assert outcome.status == "Succeeded" and status == "SUCCEEDED", f"{status}\n{outcome}\n{_logs(cluster)}"
+    assert any("the RayCluster is Ready" in e for e in outcome.events), outcome
     workers = [w.name for w in ray.workers]
     result = _result(cluster, workers)  # rank 0's, in its worker pod's run directory
     assert (result["steps"], result["world_size"]) == (40, 4)
@@ -294,4 +289,6 @@ def test_rayjob_head_and_two_workers_train_in_containers_to_the_end(
 
 
 def _logs(cluster: PodCluster) -> str:
-    return "\n".join(f"--- {n}\n{s.logs()[-4000:]}" for n, s in cluster.pods.items())
+    """Every pod's log tail, the submitter's first (what CI keeps of a failure is its beginning)."""
+    order = sorted(cluster.pods.items(), key=lambda item: item[1].pod.role != "submitter")
+    return "\n".join(f"--- {n}\n{s.logs()[-4000:]}" for n, s in order)

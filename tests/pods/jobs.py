@@ -21,10 +21,17 @@ from typing import Any
 
 from tests.pods.admission import admit
 from tests.pods.kubelet import restart_delay
-from tests.pods.operators import operator_action
+from tests.pods.operators import RayJobPods, operator_action
 from tests.pods.runtime import PodCluster, PodState
 
-__all__ = ["JobOutcome", "pytorchjob_succeeded", "run_job", "trainjob_succeeded"]
+__all__ = [
+    "KR_SUBMITTER_BACKOFF_LIMIT",
+    "JobOutcome",
+    "pytorchjob_succeeded",
+    "run_job",
+    "run_rayjob",
+    "trainjob_succeeded",
+]
 
 
 @dataclass
@@ -159,3 +166,78 @@ def run_job(
             cluster.kill(name)
             cluster.poll(name)
     return JobOutcome(outcome[0], outcome[1], time.monotonic() - start, events)
+
+
+# KubeRay rayjob_controller.go createNewK8sJob: the submitter Job's `backoffLimit` unless
+# `submitterConfig.backoffLimit` says otherwise.
+KR_SUBMITTER_BACKOFF_LIMIT = 2
+
+
+def run_rayjob(cluster: PodCluster, ray: RayJobPods, *, timeout_s: float) -> JobOutcome:
+    """Play KubeRay's RayJob controller in K8sJobMode and the Job controller of its submitter.
+
+    - The RayCluster's head and worker pods start at once (their init containers and probes run on `tick`).
+    - The submitter Job is created only once the RayCluster is Ready (rayjob_controller.go: "Wait for the
+      RayCluster.Status.State to be ready before submitting the job"; raycluster_controller.go
+      calculateStatus: every pod there, Running and Ready, utils.CheckAllPodsRunning): with the readiness
+      probe KubeRay injects (operators.py `_inject_readiness_probe`) that is about 10 s after the start.
+    - Its pod (restartPolicy Never) that fails is replaced by a new one, after the Job controller's back-off
+      (10 s, doubling), until `backoffLimit` failures (KR_SUBMITTER_BACKOFF_LIMIT); the Job then fails.
+      The submitter's `ray job status` guard keeps a retried pod from submitting twice (common/job.go).
+    - A head or worker container that exits fails the run at once (restartPolicy Always would restart it;
+      no scenario here expects one to exit), with its code.
+
+    Returns `Succeeded` when a submitter pod exits 0, else `Failed` or `Timeout`; `events` holds when the
+    cluster was Ready and every submitter exit. Pods are left running for the caller to inspect.
+    """
+    start = time.monotonic()
+    events: list[str] = []
+
+    def note(msg: str) -> None:
+        events.append(f"{time.monotonic() - start:7.1f}s {msg}")
+
+    refused = admit(cluster.objects)
+    if refused:
+        return JobOutcome("Refused", "\n".join(refused), 0.0, [])
+    nodes = [ray.head.name, *(w.name for w in ray.workers)]
+    for name in nodes:
+        cluster.start(name, wait=False)  # the workers' wait-gcs-ready init containers wait for the head's GCS
+        note(f"start {name}")
+    submitter = ray.submitter.name
+    created_at: float | None = None  # when the submitter's current pod is due to start
+    running = False  # the submitter's current pod has started
+    failures = 0
+    while True:
+        cluster.tick()
+        for state in cluster.pods.values():
+            while state.events:
+                note(state.events.pop(0))
+        now = time.monotonic()
+        if now - start > timeout_s:
+            return JobOutcome("Timeout", f"no end within {timeout_s:.0f} s", now - start, events)
+        for name in nodes:
+            code = cluster.poll(name)
+            if code is not None:
+                return JobOutcome("Failed", f"{name} exited {code}", now - start, events)
+        if created_at is None and failures == 0 and all(cluster.pods[n].ready for n in nodes):
+            note("the RayCluster is Ready: the submitter Job is created")
+            created_at = now
+        if created_at is not None and now >= created_at and not running:
+            cluster.start(submitter, wait=False)
+            running = True
+            note(f"start {submitter} (pod {failures + 1} of the Job)")
+        if running:
+            code = cluster.poll(submitter)
+            if code == 0:
+                note(f"{submitter} exited 0")
+                return JobOutcome("Succeeded", "the submitter pod succeeded", now - start, events)
+            if code is not None:
+                failures += 1
+                note(f"{submitter} exited {code} (failure {failures} of the Job)")
+                if failures > KR_SUBMITTER_BACKOFF_LIMIT:
+                    why = f"backoffLimit {KR_SUBMITTER_BACKOFF_LIMIT} reached ({failures} failed submitter pods)"
+                    return JobOutcome("Failed", why, now - start, events)
+                cluster.recreate(submitter)  # the Job's next pod: a fresh one
+                running = False
+                created_at = now + restart_delay(failures) * cluster.time_scale
+        time.sleep(0.2)

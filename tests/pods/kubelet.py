@@ -54,9 +54,11 @@ from typing import Any
 
 __all__ = [
     "CLUSTER_DOMAIN",
+    "HTTP_GET_PROBE",
     "Pod",
     "container_argv",
     "expand",
+    "http_probe_url",
     "probe_spec",
     "resolve_env",
     "secret_data",
@@ -291,10 +293,37 @@ PROBE_DEFAULTS = {"initialDelaySeconds": 0, "periodSeconds": 10, "timeoutSeconds
 def probe_spec(container: dict[str, Any], kind: str) -> dict[str, Any] | None:
     """The container's `<kind>Probe` (kind: startup, readiness, liveness) with the API defaults, or None.
 
-    Only `exec` probes are emulated (the ones torchrig and the operators render)."""
+    `exec` and `httpGet` probes are emulated (the ones torchrig and the operators render: KubeRay injects
+    an httpGet readiness probe for Ray >= 2.53); `tcpSocket` and `grpc` are not."""
     probe = container.get(f"{kind}Probe")
     if not probe:
         return None
-    if "exec" not in probe:
-        raise NotImplementedError(f"{kind}Probe: only exec probes are emulated")
+    if "exec" not in probe and "httpGet" not in probe:
+        raise NotImplementedError(f"{kind}Probe: only exec and httpGet probes are emulated")
     return {**PROBE_DEFAULTS, **probe}
+
+
+# pkg/probe/http/http.go DoHTTPProbe: a GET from the node to the pod; success when 200 <= status < 400
+# (redirects followed), anything else (a refused connection, a timeout, another status) a failure.
+HTTP_GET_PROBE = """
+import sys, urllib.error, urllib.request
+try:
+    code = urllib.request.urlopen(sys.argv[1], timeout=float(sys.argv[2])).status
+except urllib.error.HTTPError as exc:
+    code = exc.code
+sys.exit(0 if 200 <= code < 400 else 1)
+"""
+
+
+def http_probe_url(spec: dict[str, Any], container: dict[str, Any], pod_ip: str) -> str:
+    """The URL an httpGet probe GETs (pkg/kubelet/prober/prober.go runProbe: `host` else the pod IP, a named
+    `port` from the container's ports, `scheme` HTTP, `path` as written)."""
+    get = spec["httpGet"]
+    port = get["port"]
+    if isinstance(port, str) and not port.isdigit():
+        named = [p["containerPort"] for p in container.get("ports", []) if p.get("name") == port]
+        if not named:
+            raise ValueError(f"httpGet probe: the container has no port named {port!r}")
+        port = named[0]
+    path = str(get.get("path", ""))
+    return f"{str(get.get('scheme', 'HTTP')).lower()}://{get.get('host') or pod_ip}:{int(port)}/{path.lstrip('/')}"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import re
 from dataclasses import dataclass, field
 from secrets import token_bytes
 from typing import Any
@@ -624,6 +625,7 @@ def _ray_pod(
         env.append(_env("RAY_USAGE_STATS_EXTRA_TAGS", "kuberay_version=v1.7.0;kuberay_crd=RayJob"))
     if "RAY_DASHBOARD_ENABLE_K8S_DISK_USAGE" not in names:
         env.append(_env("RAY_DASHBOARD_ENABLE_K8S_DISK_USAGE", "1"))
+    _inject_readiness_probe(container, node_type, group.get("rayStartParams", {}), rj["spec"]["rayClusterSpec"])
     labels = dict(template.get("metadata", {}).get("labels", {}))
     # labelPod: ray.io/{cluster,group,node-type} are not overridable.
     labels.update({"ray.io/is-ray-node": "yes", "ray.io/cluster": cluster, "ray.io/node-type": node_type})
@@ -672,6 +674,34 @@ def _ray_pod(
         init_containers=init,
     )
     return pod
+
+
+def _inject_readiness_probe(
+    container: dict[str, Any], node_type: str, params: dict[str, str], cspec: dict[str, Any]
+) -> None:
+    """KR common/pod.go BuildPod -> initLivenessAndReadinessProbe (ENABLE_PROBES_INJECTION defaults to true):
+    a Ray container without a readinessProbe gets one. From Ray 2.53 (supportsUnifiedHealthCheck) an
+    httpGet of the dashboard agent's `/api/healthz` (utils.RayNodeHealthPath) on `dashboard-agent-listen-port`
+    (52365), initialDelaySeconds 10, periodSeconds 5, timeoutSeconds 5 on the head and 2 on workers,
+    failureThreshold 10 (utils/constant.go DefaultReadinessProbe*). Older Rays get a `wget ... | grep success`
+    exec probe instead: not emulated (torchrig's images have no wget; the RayJob needs Ray >= 2.52).
+
+    The liveness probe KubeRay injects beside it is left out on purpose: it kills a container only after
+    120 failures 5 s apart (DefaultLivenessProbeFailureThreshold), longer than any scenario here, and each
+    probe is a process (a `podman exec` in the containers)."""
+    if container.get("readinessProbe"):
+        return
+    version = tuple(int(x) for x in re.findall(r"\d+", str(cspec.get("rayVersion", "0")))[:3])
+    if version < (2, 53):
+        raise NotImplementedError(f"rayVersion {cspec.get('rayVersion')}: KubeRay's wget probes are not emulated")
+    container["readinessProbe"] = {
+        "initialDelaySeconds": 10,
+        "timeoutSeconds": 5 if node_type == "head" else 2,
+        "periodSeconds": 5,
+        "successThreshold": 1,
+        "failureThreshold": 10,
+        "httpGet": {"path": "/api/healthz", "port": int(params.get("dashboard-agent-listen-port", KR_AGENT_PORT))},
+    }
 
 
 def _submitter_args(rj: dict[str, Any], address: str, job_id: str) -> str:

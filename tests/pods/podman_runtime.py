@@ -41,7 +41,7 @@ from typing import Any
 
 from tests.containers.images import build_images, podman
 from tests.containers.podrun import container_args
-from tests.pods.kubelet import Pod
+from tests.pods.kubelet import HTTP_GET_PROBE, Pod, http_probe_url
 from tests.pods.operators import _trainjob_spec
 from tests.pods.runtime import PodCluster, PodState
 
@@ -201,6 +201,10 @@ class PodmanCluster(PodCluster):
     def _probe_argv(self, state: PodState, spec: dict[str, Any]) -> list[str] | None:
         if state.proc is None or state.proc.poll() is not None:
             return None
+        if "httpGet" in spec:  # the kubelet's GET to the pod's address, from inside the pod here
+            url = http_probe_url(spec, state.pod.container, state.ip)
+            get = ["python3", "-c", HTTP_GET_PROBE, url, str(spec["timeoutSeconds"])]
+            return ["podman", "exec", self._names[state.pod.name], *get]
         return ["podman", "exec", self._names[state.pod.name], *spec["exec"]["command"]]
 
     def poll(self, name: str) -> int | None:

@@ -55,7 +55,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.pods.kubelet import Pod, container_argv, probe_spec, resolve_env, restart_delay, secret_data
+from tests.pods.kubelet import (
+    HTTP_GET_PROBE,
+    Pod,
+    container_argv,
+    http_probe_url,
+    probe_spec,
+    resolve_env,
+    restart_delay,
+    secret_data,
+)
 
 __all__ = ["IMAGE_ENV", "INIT_FAILED", "NS_PREFIX", "PodCluster", "PodState", "netns_reason"]
 
@@ -498,10 +507,15 @@ class PodCluster:
             probe.deadline = now + probe.spec["timeoutSeconds"]
 
     def _probe_argv(self, state: PodState, spec: dict[str, Any]) -> list[str] | None:
-        """An exec probe's command, entering the container's namespaces (None: no container process)."""
+        """An exec probe's command, entering the container's namespaces; an httpGet probe's GET from the
+        pod's network namespace (None: no container process)."""
         pid = self._container_pid(state)
         if pid is None:
             return None
+        if "httpGet" in spec:
+            url = http_probe_url(spec, state.pod.container, state.ip)
+            get = [sys.executable, "-c", HTTP_GET_PROBE, url, str(spec["timeoutSeconds"])]
+            return ["nsenter", f"--net=/run/netns/{state.netns}", "--", *get]
         return ["nsenter", "-t", str(pid), "-m", "-p", "-n", "-u", "-i", "--", *spec["exec"]["command"]]
 
     def run_probe(self, name: str, kind: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:

@@ -8,11 +8,21 @@ restart decisions. The end-to-end runs are in test_pods.py (`-m pods`).
 from __future__ import annotations
 
 import base64
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
-from tests.pods.kubelet import Pod, container_argv, expand, resolve_env, secret_data, strategic_merge
+from tests.pods.kubelet import (
+    Pod,
+    container_argv,
+    expand,
+    http_probe_url,
+    probe_spec,
+    resolve_env,
+    secret_data,
+    strategic_merge,
+)
 from tests.pods.operators import go_quote, operator_action, pytorchjob_pods, rayjob_pods, trainjob_pods
 from tests.pods.scenario import one, render
 
@@ -168,6 +178,36 @@ def test_rayjob_head_worker_and_submitter_commands() -> None:
     _assert_runnable([*objects, *ray.secrets], [ray.head, worker, ray.submitter])
 
 
+def test_rayjob_pods_get_kuberays_readiness_probe_which_gates_the_submitter() -> None:
+    """KubeRay injects a readiness probe into every Ray container without one (Ray >= 2.53: an httpGet of the
+    dashboard agent's /api/healthz, 10 s initial delay, 5 s period); its RayCluster is Ready, and the submitter
+    Job created, only once every pod passes it. A user's own probe is kept; the URL is the pod's address."""
+    objects = render("rayjob", "spec.nodes.max=1")
+    ray = rayjob_pods(objects)
+    for pod in [ray.head, *ray.workers]:
+        probe = pod.container["readinessProbe"]
+        assert probe["httpGet"] == {"path": "/api/healthz", "port": 52365}, pod.name
+        assert (probe["initialDelaySeconds"], probe["periodSeconds"], probe["failureThreshold"]) == (10, 5, 10)
+        assert probe["timeoutSeconds"] == (5 if pod.role == "head" else 2)
+        spec = probe_spec(pod.container, "readiness")
+        assert (
+            spec is not None and http_probe_url(spec, pod.container, "10.1.2.3") == "http://10.1.2.3:52365/api/healthz"
+        )
+    assert "readinessProbe" not in ray.submitter.container
+    rj = one(objects, "RayJob")
+    own = {"exec": {"command": ["true"]}}
+    rj["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["readinessProbe"] = own
+    assert rayjob_pods(objects).head.container["readinessProbe"] == own
+    named = {"httpGet": {"port": "dash", "path": "x", "scheme": "HTTPS"}}
+    assert http_probe_url(named, {"ports": [{"name": "dash", "containerPort": 8265}]}, "p") == "https://p:8265/x"
+    with pytest.raises(ValueError, match="no port named 'dash'"):
+        http_probe_url(named, {}, "p")
+    rj["spec"]["rayClusterSpec"]["rayVersion"] = "2.52.1"
+    del rj["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["readinessProbe"]
+    with pytest.raises(NotImplementedError, match="wget"):
+        rayjob_pods(objects)
+
+
 def test_rayjob_token_auth_reaches_every_ray_process_and_the_submitter() -> None:
     """authOptions mode token: KubeRay's Secret (named after the cluster) feeds RAY_AUTH_TOKEN to the head,
     the workers, their wait-gcs-ready init container and the submitter; without the Secret no pod starts."""
@@ -272,3 +312,59 @@ def test_workers_of_a_job_with_a_master_wait_for_its_name_in_the_operators_init_
     assert "nslookup digits-ddp-master-0;" in init["command"][2] and "seq 100" in init["command"][2]
     assert all(not p.init_containers for p in pytorchjob_pods(render("pytorchjob")))
     assert all(p.publish_not_ready for p in trainjob_pods(render("trainjob", "spec.nodes.min=2")))
+
+
+class _FakeRayCluster:
+    """What `run_rayjob` reads of a PodCluster, scripted: pods turn Ready at a given tick, and the submitter's
+    pods exit with the given codes, one per pod the Job creates."""
+
+    def __init__(self, objects: list[dict[str, Any]], ray: Any, ready_at: int, submitter_codes: list[int]) -> None:
+        self.objects, self.time_scale, self.ticks = objects, 0.0001, 0
+        self.ready_at, self.codes = ready_at, list(submitter_codes)
+        self.submitter = ray.submitter.name
+        names = [ray.head.name, *(w.name for w in ray.workers), self.submitter]
+        self.pods = {n: SimpleNamespace(ready=False, events=[]) for n in names}
+        self.log: list[str] = []
+        self.running = False
+
+    def tick(self) -> None:
+        self.ticks += 1
+        for name, state in self.pods.items():
+            state.ready = name != self.submitter and self.ticks >= self.ready_at
+
+    def start(self, name: str, wait: bool = True) -> None:
+        self.log.append(f"start {name} at tick {self.ticks}")
+        self.running = self.running or name == self.submitter
+
+    def poll(self, name: str) -> int | None:
+        if name != self.submitter or not self.running:
+            return None
+        self.running = False
+        return self.codes.pop(0)
+
+    def recreate(self, name: str) -> None:
+        self.log.append(f"recreate {name}")
+
+
+@pytest.mark.parametrize(
+    ("codes", "status", "pods"),
+    [([0], "Succeeded", 1), ([1, 0], "Succeeded", 2), ([1, 1, 1], "Failed", 3)],
+)
+def test_kuberay_creates_the_submitter_once_the_cluster_is_ready_and_replaces_a_failed_one(
+    monkeypatch: pytest.MonkeyPatch, codes: list[int], status: str, pods: int
+) -> None:
+    """run_rayjob (the harness's KubeRay): no submitter pod before every head and worker pod is Ready; a failed
+    submitter pod is replaced by a new one until backoffLimit 2 (3 pods) is spent, then the Job fails."""
+    from tests.pods import jobs
+
+    monkeypatch.setattr(jobs.time, "sleep", lambda _s: None)
+    objects = render("rayjob", "spec.nodes.max=1")
+    ray = rayjob_pods(objects)
+    cluster = _FakeRayCluster(objects, ray, ready_at=5, submitter_codes=codes)
+    outcome = jobs.run_rayjob(cast(Any, cluster), ray, timeout_s=60)
+    assert outcome.status == status, outcome
+    starts = [line for line in cluster.log if line.rsplit(" at tick", 1)[0] == f"start {ray.submitter.name}"]
+    assert len(starts) == pods and all(int(line.rsplit(" ", 1)[1]) >= 5 for line in starts), cluster.log
+    assert cluster.log.count(f"recreate {ray.submitter.name}") == pods - 1
+    if status == "Failed":
+        assert "backoffLimit 2 reached (3 failed submitter pods)" in outcome.reason

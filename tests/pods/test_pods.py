@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 
 from tests.pods.admission import check_admitted
-from tests.pods.jobs import JobOutcome, pytorchjob_succeeded, run_job, trainjob_succeeded
+from tests.pods.jobs import JobOutcome, pytorchjob_succeeded, run_job, run_rayjob, trainjob_succeeded
 from tests.pods.kubelet import Pod
 from tests.pods.operators import KR_AUTH_HEADER, pytorchjob_pods, rayjob_pods, trainjob_pods
-from tests.pods.runtime import IMAGE_ENV, PodCluster, netns_reason, wait_until
+from tests.pods.runtime import IMAGE_ENV, PodCluster, netns_reason
 from tests.pods.scenario import one, render
 from training.contract import EventKind, ExitCode, read_events
 
@@ -458,6 +458,7 @@ class RayJobRun:
     head: str
     workers: list[str]
     submitter: str
+    outcome: JobOutcome  # the submitter Job's (jobs.py run_rayjob)
     status: str  # the Ray job's status on the dashboard after the submitter exited
     logs: str
     status_without_token: str  # the same request without KubeRay's token
@@ -474,22 +475,20 @@ def rayjob_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayJobRun]:
     pods = [ray.head, *ray.workers, ray.submitter]
     cluster = PodCluster(tmp_path_factory.mktemp("rayjob"), [*objects, *ray.secrets], pods)
     with cluster:
-        cluster.start(ray.head.name)
-        for worker in ray.workers:
-            cluster.start(worker.name)  # its wait-gcs-ready init container returns once the head's GCS answers
-        cluster.start(ray.submitter.name)
-        wait_until(lambda: cluster.poll(ray.submitter.name) is not None, JOB_TIMEOUT_S, "the submitter to exit")
+        # The submitter once the RayCluster is Ready (KubeRay's readiness probes), replaced if it fails.
+        outcome = run_rayjob(cluster, ray, timeout_s=JOB_TIMEOUT_S)
         head_ip = cluster.pods[ray.head.name].ip
         status = _ray_job_status(cluster, ray.submitter.name, head_ip, ray.submission_id, ray.auth_token)
         anonymous = _ray_job_status(cluster, ray.submitter.name, head_ip, ray.submission_id, None)
         logs = "\n".join(f"--- {n}\n{s.logs()[-3000:]}" for n, s in cluster.pods.items())
         workers = [w.name for w in ray.workers]
-        yield RayJobRun(cluster, ray.head.name, workers, ray.submitter.name, status, logs, anonymous)
+        yield RayJobRun(cluster, ray.head.name, workers, ray.submitter.name, outcome, status, logs, anonymous)
 
 
 def test_rayjob_entrypoint_runs_against_a_head_started_from_its_ray_start_params(rayjob_run: RayJobRun) -> None:
     run = rayjob_run
-    assert run.cluster.pods[run.submitter].exit_codes == [0] and run.status == "SUCCEEDED", f"{run.status}\n{run.logs}"
+    assert run.outcome.status == "Succeeded" and run.status == "SUCCEEDED", f"{run.status}\n{run.outcome}\n{run.logs}"
+    assert any("the RayCluster is Ready" in e for e in run.outcome.events), run.outcome
     for name in [run.head, *run.workers]:
         assert run.cluster.pods[name].proc is not None, f"{name} died:\n{run.logs}"
     result = _result(run.cluster, run.workers)  # rank 0's, in the worker pod's run directory
