@@ -129,6 +129,14 @@ def pytorchjob_pod(job: str, env: Mapping[str, str], hostname: str) -> str | Non
     return hostname if fixed or elastic else None
 
 
+def _maybe_pytorchjob_pod(env: Mapping[str, str], hostname: str) -> bool:
+    """Whether this process may run in a PyTorchJob pod of some job (`pytorchjob_pod` without the job's name:
+    False rules it out for every job)."""
+    if re.search(r"-(?:master|worker)-(?:0|[1-9][0-9]{0,5})$", hostname) is None:
+        return False
+    return env.get(Env.MASTER_ADDR, "").endswith("-master-0") or "-worker-0:" in env.get(PET_RDZV_ENDPOINT, "")
+
+
 def spec_scope(spec_bytes: bytes, secret: bytes | None = None) -> str:
     """The count's scope within a job name: a digest of the job file every pod of the job mounts and, where
     the job has one, of its secret (`Env.JOB_SECRET_FILE`: a new one for each submission, so a job deleted
@@ -265,8 +273,8 @@ def forget_after_success(env: Mapping[str, str], hostname: str, warn: Callable[[
     resubmitted under its name starts from 0. Best effort and bounded: the job's success stands whatever
     the store says; a count left behind is the case the module docstring names."""
     spec_path = env.get(Env.SPEC, "")
-    if not spec_path or not os.path.isfile(spec_path):
-        return
+    if not spec_path or not os.path.isfile(spec_path) or not _maybe_pytorchjob_pod(env, hostname):
+        return  # (before loading the spec: the spec model's import costs every local agent ~0.1 s at its end)
     try:
         from training.config import load_worker_spec
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -381,12 +382,31 @@ class LocalRun:
                 if self._cancel_requested or (deadline is not None and time.monotonic() > deadline):
                     state = RunState.CANCELLED
                     break
-                time.sleep(interval_s)
+                self._nap(interval_s)
         finally:
             if state is None:  # an exception in the loop: take everything down
                 self._kill_everything()
             view.stop()
         return self.finish(state)
+
+    def _nap(self, interval_s: float) -> None:
+        """Sleep `interval_s`, or until an agent that runs exits, whichever comes first: the run's end is
+        seen when its last agent exits, not up to `interval_s` later (0.125 s on average at the end of every
+        run). Waits on the agents' pidfds (Linux >= 5.3); elsewhere, or when one cannot be opened, sleeps."""
+        fds: list[int] = []
+        try:
+            for agent in self._agents:
+                if agent.proc.poll() is None:
+                    fds.append(os.pidfd_open(agent.proc.pid))
+            if fds:
+                select.select(fds, [], [], interval_s)
+                return
+        except (AttributeError, OSError):  # no pidfd_open here (not Linux, an old kernel): a plain sleep
+            pass
+        finally:
+            for fd in fds:
+                os.close(fd)
+        time.sleep(interval_s)
 
     def _note(self) -> str:
         if self._preempt_deadline is not None:

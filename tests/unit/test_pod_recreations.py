@@ -36,6 +36,7 @@ from training.pod_recreations import (
     RECREATIONS_DIR,
     PodRecreations,
     RecreationDecision,
+    _maybe_pytorchjob_pod,
     open_for_pod,
     pytorchjob_pod,
     shared_store,
@@ -281,8 +282,10 @@ _JOB = st.from_regex(r"[a-z]([a-z0-9-]{0,20}[a-z0-9])?", fullmatch=True)
 
 @given(job=_JOB, host=st.text(max_size=40), addr=st.text(max_size=40))
 def test_a_host_that_is_not_the_operators_pod_name_is_never_counted(job: str, host: str, addr: str) -> None:
-    pod = pytorchjob_pod(job, {Env.MASTER_ADDR: addr, "PET_RDZV_ENDPOINT": addr}, host)
+    env = {Env.MASTER_ADDR: addr, "PET_RDZV_ENDPOINT": addr}
+    pod = pytorchjob_pod(job, env, host)
     if pod is not None:
+        assert _maybe_pytorchjob_pod(env, host), "the quick check (without the job's name) never rules out a pod"
         assert pod == host
         kind, index = host[len(job) + 1 :].rsplit("-", 1)
         assert host.startswith(f"{job}-") and kind in ("master", "worker") and index.isdigit()
@@ -294,9 +297,10 @@ def test_the_operators_pod_name_is_counted_only_with_the_operators_rendezvous_ho
     job: str, kind: str, index: int, other: str
 ) -> None:
     host = f"{job}-{kind}-{index}"
-    assert pytorchjob_pod(job, {Env.MASTER_ADDR: f"{job}-master-0"}, host) == host
-    assert pytorchjob_pod(job, {"PET_RDZV_ENDPOINT": f"{job}-worker-0:23456"}, host) == host
+    for env in ({Env.MASTER_ADDR: f"{job}-master-0"}, {"PET_RDZV_ENDPOINT": f"{job}-worker-0:23456"}):
+        assert pytorchjob_pod(job, env, host) == host and _maybe_pytorchjob_pod(env, host)
     assert pytorchjob_pod(job, {}, host) is None  # a local run on a machine of that name
+    assert not _maybe_pytorchjob_pod({}, host)  # (a local agent's end loads no spec to find that out)
     if other != job:
         assert pytorchjob_pod(job, {Env.MASTER_ADDR: f"{other}-master-0"}, host) is None
         assert pytorchjob_pod(other, {Env.MASTER_ADDR: f"{job}-master-0"}, host) is None

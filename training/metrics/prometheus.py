@@ -15,8 +15,10 @@ updating the objects every step gave. Cost per step: `training.metrics.bench`, d
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
 import threading
 import time
 from bisect import bisect_left
@@ -488,6 +490,12 @@ class PrometheusSink(MetricsSink):
             self._closed = True
             server, self._server = self._server, None
         if server is not None:
+            # `serve_forever` looks at its stop flag between polls, 0.5 s apart in prometheus_client: a listening
+            # socket shut down is readable at once (its accept fails, which the loop ignores), so the loop comes
+            # round to the flag within a millisecond instead of 0.25 s on average (measured: 0.20 s -> 0.001 s),
+            # at the end of every trainer, before its host, agent and CLI can exit.
+            with contextlib.suppress(OSError):
+                server.socket.shutdown(socket.SHUT_RDWR)
             server.shutdown()
             server.server_close()
         if self._thread is not None:
