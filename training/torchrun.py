@@ -184,13 +184,13 @@ def _without_last_call(handler: Any, original: Any) -> Any:
 
     timeout._last_call = timedelta(0)
     if delay is not None:
-        dynamic_rendezvous._delay = _no_skew
+        setattr(dynamic_rendezvous, "_delay", _no_skew)  # noqa: B010 - a private name of torch's module
     try:
         return original(handler)
     finally:
         timeout._last_call = kept
         if delay is not None:
-            dynamic_rendezvous._delay = delay
+            setattr(dynamic_rendezvous, "_delay", delay)  # noqa: B010
 
 
 def _publish_round(handler: Any, info: Any, token: str) -> None:

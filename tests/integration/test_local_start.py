@@ -97,3 +97,25 @@ def test_an_agent_loads_no_spec_model_before_its_torch_import() -> None:
     code = f"import sys, orchestrator.backends._local_agent\nprint([m for m in {heavy!r} if m in sys.modules])"
     done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=50)
     assert done.stdout.strip() == "[]", f"loaded by the agent's module: {done.stdout.strip()}"
+
+
+def test_the_supervisor_wakes_when_an_agent_exits_not_at_its_next_look(tmp_path: Path) -> None:
+    """`LocalRun.wait` looks at the agents every interval, and sooner when one exits (its pidfd): the run's
+    end is seen at once (issue 36: up to 0.25 s at the end of every run), and an agent that already exited
+    is not waited on again."""
+    import time
+
+    from orchestrator.backends.local_run import _Agent
+
+    run = _run(tmp_path, standin_job(tmp_path))
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()
+    run._agents = [_Agent(node=0, proc=live), _Agent(node=1, proc=done)]
+    start = time.monotonic()
+    run._nap(60)
+    assert live.poll() == 0, "woke when the agent exited"
+    assert time.monotonic() - start < 30, "not after the whole interval"
+    start = time.monotonic()
+    run._nap(0.2)  # nothing left running: a plain sleep of the interval
+    assert time.monotonic() - start >= 0.2
