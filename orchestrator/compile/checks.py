@@ -52,6 +52,9 @@ __all__ = [
 # The first Ray with token authentication (KubeRay ray-operator/controllers/ray/utils/validation.go,
 # ValidateRayClusterSpec: "minimum Ray version is 2.52.0" for authOptions.mode token).
 MIN_RAY_VERSION_WITH_AUTH = (2, 52)
+# KubeRay's probes of a Ray container: an httpGet of the agent's `/api/healthz` from Ray 2.53
+# (common/pod.go supportsUnifiedHealthCheck), before that `wget ... | grep success` exec probes.
+MIN_RAY_VERSION_HTTP_PROBES = (2, 53)
 _RAY_VERSION_RE = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?(?:[-+.].*)?$")
 
 
@@ -188,16 +191,24 @@ def check_rayjob(spec: JobSpec, *, fixed_size: bool = False) -> list[str]:
     old_ray = ray_version_problem(spec)
     if old_ray:
         raise UnsupportedFeature(old_ray)
+    warnings = []
+    version = _RAY_VERSION_RE.match(spec.spec.ray.ray_version.strip())
+    if version and (int(version.group(1)), int(version.group(2))) < MIN_RAY_VERSION_HTTP_PROBES:
+        warnings.append(
+            f"spec.ray.rayVersion: {spec.spec.ray.ray_version}: KubeRay probes a Ray older than 2.53 with `wget`, "
+            "which torchrig's images do not have: the head would never be Ready and the job never submitted; "
+            "use Ray >= 2.53 (spec.ray.image and spec.ray.rayVersion) or an image with wget"
+        )
     k = spec.spec.kubernetes
     default = type(k).model_fields["ttl_seconds_after_finished"].default
     if k.ttl_seconds_after_finished != default:
         ray_ttl = spec.spec.ray.cluster_ttl_seconds
         after = "kept" if ray_ttl is None else f"deleted {ray_ttl} s after the job"
-        return [
+        warnings.append(
             f"spec.kubernetes.ttlSecondsAfterFinished: a RayJob does not use it; its Ray cluster is {after} "
             "(spec.ray.clusterTtlSeconds)"
-        ]
-    return []
+        )
+    return warnings
 
 
 def check_target(

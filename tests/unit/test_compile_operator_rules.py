@@ -300,3 +300,15 @@ def test_random_specs_give_a_valid_policy_that_admits_exactly_their_exporters(do
         want = [s.spec.metrics.port + r for r in range(s.spec.procs_per_node)] if s.spec.metrics.enabled else []
         assert [p["port"] for r in metrics for p in r["ports"]] == want
         assert len(rest) == len(metrics) + (target == "rayjob")
+
+
+def test_a_rayjob_on_ray_2_52_warns_that_kuberays_probes_need_wget() -> None:
+    """KR common/pod.go initLivenessAndReadinessProbe: Ray < 2.53 gets `wget ... | grep success` exec probes,
+    and torchrig's images carry no wget: the head would never be Ready, the submitter never created."""
+    from orchestrator.compile import check_target
+
+    (warning,) = check_target(spec("digits-ddp", "spec.ray.rayVersion='2.52.1'"), "rayjob")
+    assert warning.startswith("spec.ray.rayVersion: 2.52.1: KubeRay probes a Ray older than 2.53 with `wget`")
+    assert "\n" not in warning
+    for version in ("2.53.0", "2.60.0", "3.0.0"):
+        assert check_target(spec("digits-ddp", f"spec.ray.rayVersion='{version}'"), "rayjob") == []

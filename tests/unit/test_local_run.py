@@ -136,4 +136,3 @@ def test_agents_that_all_exit_zero_succeed_without_a_result(tmp_path: Path, exam
     """A custom `--worker` may write no result.json: the agents' own success still counts."""
     run = _run(tmp_path, examples_dir, 0, 0)
     assert run.poll() is RunState.SUCCEEDED
-
