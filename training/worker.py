@@ -145,7 +145,10 @@ def run_worker(
             if prewarmed is None:
                 freeze_heap()  # the imports' objects: out of every recovery's gc.collect (`InPlaceGroup.leave`)
             group = InPlaceGroup(inplace, identity, "nccl" if device.type == "cuda" else "gloo")
-            group.form(prewarmed.generation if prewarmed is not None else 0)
+            # A shutdown signal while forming (torchrun stopping the group: another rank fell back) ends the
+            # wait at once, as a survivor's does: the preemption handler only records it, and a spare has no
+            # state to save yet, so waiting would hold torchrun's SIGTERM up until it kills the host (30 s).
+            group.form(prewarmed.generation if prewarmed is not None else 0, cancelled=lambda: preemption.requested)
             created_group = True
             faults.ready = group.spare_ready  # a drill's kill waits for a warm spare (not its start-up)
             faults.ready_wait_s = min(inplace.timeout_s, spec.spec.restarts.step_timeout_seconds / 2)

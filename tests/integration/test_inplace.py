@@ -127,6 +127,9 @@ def test_every_rank_lost_falls_back_to_a_bit_exact_group_restart(tmp_path: Path,
     # group found no member with the state (forked spares are ready within about a second here).
     log = (tmp_path / "run" / "logs" / "node0.log").read_text()
     assert "every rank lost its trainer" in log or "no member of the new group holds the training state" in log
+    # torchrun's SIGTERM to the other hosts ended them within its grace: a spare still forming its generation
+    # gives up on that signal (it used to wait its preemption grace out, and torchrun killed its host 30 s on).
+    assert "forcefully exiting via 9" not in log, "a host outlived torchrun's SIGTERM"
     assert summary.recoveries.get("restart") == 1 and "inplace" not in summary.recoveries
     assert summary.restarts == 1
     # The save of step 10 may still have been in flight when they died: then step 5 is the newest.
