@@ -66,6 +66,22 @@ def trainjob_succeeded(states: dict[str, PodState]) -> bool:
     return all(s.exit_codes and s.exit_codes[-1] == 0 and s.proc is None for s in states.values())
 
 
+def _stamped(events: list[str], start: float) -> Callable[[str], None]:
+    """`note(msg)`: appends `msg` to `events`, stamped with the seconds since `start`."""
+
+    def note(msg: str) -> None:
+        events.append(f"{time.monotonic() - start:7.1f}s {msg}")
+
+    return note
+
+
+def _take_pod_events(cluster: PodCluster, note: Callable[[str], None]) -> None:
+    """Move what the kubelet recorded for each pod (probes, init containers) into the job's events."""
+    for state in cluster.pods.values():
+        while state.events:
+            note(state.events.pop(0))
+
+
 def run_job(
     cluster: PodCluster,
     succeeded: Callable[[dict[str, PodState]], bool],
@@ -82,10 +98,7 @@ def run_job(
     scenario that proves a deadlock stops once the wait cycle is observed, not at a fixed timeout)."""
     start = time.monotonic()
     events: list[str] = []
-
-    def note(msg: str) -> None:
-        events.append(f"{time.monotonic() - start:7.1f}s {msg}")
-
+    note = _stamped(events, start)
     refused = admit(cluster.objects)
     if refused:
         return JobOutcome("Refused", "\n".join(refused), 0.0, [])
@@ -97,9 +110,7 @@ def run_job(
     outcome: tuple[str, str] | None = None
     while outcome is None:
         cluster.tick()
-        for state in cluster.pods.values():
-            while state.events:
-                note(state.events.pop(0))
+        _take_pod_events(cluster, note)
         if time.monotonic() - start > timeout_s:
             outcome = ("Timeout", f"no end within {timeout_s:.0f} s")
             break
@@ -192,10 +203,7 @@ def run_rayjob(cluster: PodCluster, ray: RayJobPods, *, timeout_s: float) -> Job
     """
     start = time.monotonic()
     events: list[str] = []
-
-    def note(msg: str) -> None:
-        events.append(f"{time.monotonic() - start:7.1f}s {msg}")
-
+    note = _stamped(events, start)
     refused = admit(cluster.objects)
     if refused:
         return JobOutcome("Refused", "\n".join(refused), 0.0, [])
@@ -209,9 +217,7 @@ def run_rayjob(cluster: PodCluster, ray: RayJobPods, *, timeout_s: float) -> Job
     failures = 0
     while True:
         cluster.tick()
-        for state in cluster.pods.values():
-            while state.events:
-                note(state.events.pop(0))
+        _take_pod_events(cluster, note)
         now = time.monotonic()
         if now - start > timeout_s:
             return JobOutcome("Timeout", f"no end within {timeout_s:.0f} s", now - start, events)
